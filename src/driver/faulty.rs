@@ -1,0 +1,130 @@
+//! A driver wrapper that fails the k-th call of one operation, for testing that every failure
+//! leaves the owner exactly as it was.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{DeviceKind, Driver, HandleId};
+use crate::error::{Error, Op, Result};
+
+/// How the injected failure looks to the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// `Error::Driver` with code `INJECTED_FAULT`.
+    Driver,
+    /// `Error::OutOfMemory` with code `INJECTED_OOM`.
+    OutOfMemory,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub op: Op,
+    /// 1-based: the `nth` call of `op` fails, every other call passes through.
+    pub nth: u64,
+    pub kind: FaultKind,
+}
+
+pub struct FaultyDriver {
+    inner: Arc<dyn Driver>,
+    fault: Fault,
+    calls: [AtomicU64; Op::ALL.len()],
+}
+
+impl FaultyDriver {
+    pub fn new(inner: Arc<dyn Driver>, fault: Fault) -> FaultyDriver {
+        FaultyDriver { inner, fault, calls: Default::default() }
+    }
+
+    /// How many times `op` has been called so far, the failed call included.
+    pub fn calls(&self, op: Op) -> u64 {
+        self.calls[op as usize].load(Ordering::Relaxed)
+    }
+
+    fn check(&self, op: Op, num_bytes: u64) -> Result<()> {
+        let n = self.calls[op as usize].fetch_add(1, Ordering::Relaxed) + 1;
+        if op != self.fault.op || n != self.fault.nth {
+            return Ok(());
+        }
+        Err(match self.fault.kind {
+            FaultKind::Driver => Error::Driver {
+                op,
+                code: "INJECTED_FAULT".into(),
+                detail: format!("call {n} of {op}, injected"),
+            },
+            FaultKind::OutOfMemory => Error::OutOfMemory {
+                op,
+                requested_bytes: num_bytes,
+                free_bytes: None,
+                code: "INJECTED_OOM".into(),
+            },
+        })
+    }
+}
+
+impl Driver for FaultyDriver {
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
+    fn device(&self) -> DeviceKind {
+        self.inner.device()
+    }
+
+    fn granularity(&self) -> u64 {
+        self.inner.granularity()
+    }
+
+    fn fresh_memory_is_zeroed(&self) -> bool {
+        self.inner.fresh_memory_is_zeroed()
+    }
+
+    fn reserve(&self, num_bytes: u64) -> Result<u64> {
+        self.check(Op::Reserve, num_bytes)?;
+        self.inner.reserve(num_bytes)
+    }
+
+    fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
+        self.check(Op::FreeReservation, num_bytes)?;
+        self.inner.free_reservation(va, num_bytes)
+    }
+
+    fn create(&self, num_bytes: u64) -> Result<HandleId> {
+        self.check(Op::Create, num_bytes)?;
+        self.inner.create(num_bytes)
+    }
+
+    fn release(&self, handle: HandleId) -> Result<()> {
+        self.check(Op::Release, 0)?;
+        self.inner.release(handle)
+    }
+
+    fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
+        self.check(Op::Map, num_bytes)?;
+        self.inner.map(va, num_bytes, handle)
+    }
+
+    fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
+        self.check(Op::Unmap, num_bytes)?;
+        self.inner.unmap(va, num_bytes)
+    }
+
+    fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
+        self.check(Op::SetAccess, num_bytes)?;
+        self.inner.set_access(va, num_bytes)
+    }
+
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+        self.check(Op::Memset, num_bytes)?;
+        self.inner.memset_zero(va, num_bytes, stream)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.check(Op::Synchronize, 0)?;
+        self.inner.synchronize()
+    }
+
+    fn mem_info(&self) -> Result<(u64, u64)> {
+        self.check(Op::MemInfo, 0)?;
+        self.inner.mem_info()
+    }
+}

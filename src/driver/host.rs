@@ -1,0 +1,415 @@
+//! The host backend: CUDA's VMM semantics on Linux virtual memory.
+//!
+//! - reserve: an anonymous `PROT_NONE | MAP_NORESERVE` mapping, over-reserved and trimmed so
+//!   its start is granularity-aligned like a CUDA reservation;
+//! - a handle: one memfd, `fallocate`d so that running out of memory is an error at create
+//!   time rather than a SIGBUS on first touch;
+//! - map: `MAP_FIXED | MAP_SHARED` of the memfd, `PROT_NONE` until `set_access` (`mprotect`);
+//! - unmap: `MAP_FIXED` anonymous `PROT_NONE` over the range, never a bare `munmap`, so the
+//!   hole can never be taken by another allocation while the reservation lives.
+//!
+//! Soundness: every address range is checked against this driver's own books (live
+//! reservations and live mappings) before any `MAP_FIXED`, `mprotect` or write, so no call can
+//! clobber memory this driver does not own, whatever the caller passes.
+#![allow(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use super::{DeviceKind, Driver, HandleId};
+use crate::error::{Error, Op, Result};
+
+/// CUDA's granularity on Hopper, so host tests exercise the same geometry.
+pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
+
+static NEXT_DRIVER_ID: AtomicU64 = AtomicU64::new(0);
+
+#[derive(Default)]
+struct Books {
+    /// start → length of each live reservation.
+    reservations: BTreeMap<u64, u64>,
+    /// start → (length, accessible) of each live mapping.
+    mappings: BTreeMap<u64, (u64, bool)>,
+    handles: HashMap<u64, (OwnedFd, u64)>,
+    next_handle: u64,
+}
+
+impl Books {
+    fn reservation_containing(&self, va: u64, num_bytes: u64) -> Option<(u64, u64)> {
+        let (&start, &len) = self.reservations.range(..=va).next_back()?;
+        (va.checked_add(num_bytes)? <= start + len).then_some((start, len))
+    }
+
+    /// The live mappings that lie inside `[va, va + num_bytes)`, and whether they tile it exactly.
+    fn mappings_tiling(&self, va: u64, num_bytes: u64) -> (Vec<u64>, bool) {
+        let end = va + num_bytes;
+        let mut starts = Vec::new();
+        let mut cursor = va;
+        for (&start, &(len, _)) in self.mappings.range(va..end) {
+            if start != cursor {
+                return (starts, false);
+            }
+            starts.push(start);
+            cursor = start + len;
+        }
+        (starts, cursor == end)
+    }
+
+    /// Whether `[va, va + num_bytes)` is covered by accessible mappings (it may cut through them).
+    fn accessible(&self, va: u64, num_bytes: u64) -> bool {
+        let end = va + num_bytes;
+        let mut cursor = va;
+        let first = self.mappings.range(..=va).next_back().map(|(&s, _)| s).unwrap_or(va);
+        for (&start, &(len, accessible)) in self.mappings.range(first..end) {
+            if start > cursor || !accessible {
+                return false;
+            }
+            cursor = cursor.max(start + len);
+            if cursor >= end {
+                return true;
+            }
+        }
+        cursor >= end
+    }
+}
+
+/// Linux mmap + memfd backend. Each instance names its memfds `extensible-kv:<id>` so tests can
+/// find exactly this instance's files and mappings in `/proc/self`.
+pub struct HostDriver {
+    granularity: u64,
+    memfd_name: CString,
+    books: Mutex<Books>,
+}
+
+impl HostDriver {
+    /// `granularity` must be a power of two and a multiple of the page size.
+    pub fn new(granularity: u64) -> Result<HostDriver> {
+        let page = page_size();
+        if !granularity.is_power_of_two() || granularity % page != 0 {
+            return Err(Error::invalid(format!(
+                "granularity must be a power of two and a multiple of the page size ({page} \
+                 bytes); got {granularity}"
+            )));
+        }
+        let id = NEXT_DRIVER_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(HostDriver {
+            granularity,
+            memfd_name: CString::new(format!("extensible-kv:{}:{id}", std::process::id()))
+                .expect("no NUL in a formatted name"),
+            books: Mutex::new(Books::default()),
+        })
+    }
+
+    /// The name this instance's memfds carry (`/memfd:<name>` in `/proc/self/{fd,maps}`).
+    pub fn memfd_name(&self) -> &str {
+        self.memfd_name.to_str().expect("ASCII name")
+    }
+
+    /// `(live handles, live mappings, live reservations)`, for leak checks.
+    pub fn live_counts(&self) -> (usize, usize, usize) {
+        let books = self.books.lock().expect("host books poisoned");
+        (books.handles.len(), books.mappings.len(), books.reservations.len())
+    }
+
+    fn check_aligned(&self, op: Op, what: &str, value: u64) -> Result<()> {
+        if value % self.granularity != 0 {
+            return Err(Error::Driver {
+                op,
+                code: "EINVAL".into(),
+                detail: format!("{what} {value:#x} is not a multiple of {}", self.granularity),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions; _SC_PAGESIZE is always supported on Linux.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(size).unwrap_or(4096)
+}
+
+fn errno_name(errno: i32) -> String {
+    let name = match errno {
+        libc::ENOMEM => "ENOMEM",
+        libc::ENOSPC => "ENOSPC",
+        libc::EINVAL => "EINVAL",
+        libc::EBADF => "EBADF",
+        libc::EFAULT => "EFAULT",
+        libc::EMFILE => "EMFILE",
+        libc::ENFILE => "ENFILE",
+        libc::EPERM => "EPERM",
+        libc::EACCES => "EACCES",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::EFBIG => "EFBIG",
+        libc::EINTR => "EINTR",
+        _ => return format!("errno {errno}"),
+    };
+    name.to_string()
+}
+
+fn last_os_error(op: Op, detail: String) -> Error {
+    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    os_error(op, errno, detail)
+}
+
+fn os_error(op: Op, errno: i32, detail: String) -> Error {
+    Error::Driver { op, code: errno_name(errno), detail }
+}
+
+fn invalid_range(op: Op, va: u64, num_bytes: u64, why: &str) -> Error {
+    Error::Driver {
+        op,
+        code: "EINVAL".into(),
+        detail: format!("[{va:#x}, +{num_bytes:#x}) {why}"),
+    }
+}
+
+fn bytes_as_usize(num_bytes: u64) -> usize {
+    usize::try_from(num_bytes).expect("64-bit target")
+}
+
+/// Replaces `[va, va + num_bytes)` with fresh inaccessible, unbacked address space.
+///
+/// # Safety
+/// The range must lie inside a live reservation of this driver: `MAP_FIXED` discards whatever
+/// was mapped there.
+unsafe fn map_inaccessible(va: u64, num_bytes: u64) -> *mut libc::c_void {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
+    // SAFETY: the caller guarantees the range is ours; an anonymous mapping needs no fd.
+    unsafe {
+        libc::mmap(va as *mut _, bytes_as_usize(num_bytes), libc::PROT_NONE, flags, -1, 0)
+    }
+}
+
+impl Driver for HostDriver {
+    fn backend_name(&self) -> &'static str {
+        "host"
+    }
+
+    fn device(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn fresh_memory_is_zeroed(&self) -> bool {
+        true
+    }
+
+    fn reserve(&self, num_bytes: u64) -> Result<u64> {
+        self.check_aligned(Op::Reserve, "size", num_bytes)?;
+        if num_bytes == 0 {
+            return Err(invalid_range(Op::Reserve, 0, 0, "is empty"));
+        }
+        let padded = num_bytes + self.granularity;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        // SAFETY: no MAP_FIXED: the kernel picks fresh address space, which nothing else owns.
+        let raw = unsafe {
+            libc::mmap(std::ptr::null_mut(), bytes_as_usize(padded), libc::PROT_NONE, flags, -1, 0)
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(last_os_error(Op::Reserve, format!("{num_bytes} bytes")));
+        }
+        let raw = raw as u64;
+        let start = raw.next_multiple_of(self.granularity);
+        let (head, tail) = (start - raw, padded - (start - raw) - num_bytes);
+        // SAFETY: head and tail are the ends of the mapping made just above, outside the
+        // aligned range we keep; nobody else has seen these addresses yet.
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw as *mut _, bytes_as_usize(head));
+            }
+            if tail > 0 {
+                libc::munmap((start + num_bytes) as *mut _, bytes_as_usize(tail));
+            }
+        }
+        let mut books = self.books.lock().expect("host books poisoned");
+        books.reservations.insert(start, num_bytes);
+        Ok(start)
+    }
+
+    fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
+        let mut books = self.books.lock().expect("host books poisoned");
+        if books.reservations.get(&va) != Some(&num_bytes) {
+            return Err(invalid_range(Op::FreeReservation, va, num_bytes, "is not a reservation"));
+        }
+        if books.mappings.range(va..va + num_bytes).next().is_some() {
+            return Err(invalid_range(Op::FreeReservation, va, num_bytes, "is still mapped"));
+        }
+        // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
+        if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
+            return Err(last_os_error(Op::FreeReservation, format!("{num_bytes} bytes")));
+        }
+        books.reservations.remove(&va);
+        Ok(())
+    }
+
+    fn create(&self, num_bytes: u64) -> Result<HandleId> {
+        self.check_aligned(Op::Create, "size", num_bytes)?;
+        // SAFETY: memfd_name is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
+        let fd = unsafe { libc::memfd_create(self.memfd_name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(last_os_error(Op::Create, format!("memfd for {num_bytes} bytes")));
+        }
+        // SAFETY: fd was just returned by memfd_create and is owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let len = libc::off_t::try_from(num_bytes)
+            .map_err(|_| Error::invalid(format!("{num_bytes} bytes is too large")))?;
+        // SAFETY: fd is a valid memfd we own; fallocate does not touch our address space.
+        let rc = unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len) };
+        if rc != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(match errno {
+                libc::ENOSPC | libc::ENOMEM | libc::EFBIG => Error::OutOfMemory {
+                    op: Op::Create,
+                    requested_bytes: num_bytes,
+                    free_bytes: self.mem_info().ok().map(|(free, _)| free),
+                    code: errno_name(errno),
+                },
+                _ => os_error(Op::Create, errno, format!("fallocate {num_bytes} bytes")),
+            });
+        }
+        let mut books = self.books.lock().expect("host books poisoned");
+        books.next_handle += 1;
+        let id = books.next_handle;
+        books.handles.insert(id, (fd, num_bytes));
+        Ok(HandleId(id))
+    }
+
+    fn release(&self, handle: HandleId) -> Result<()> {
+        let mut books = self.books.lock().expect("host books poisoned");
+        match books.handles.remove(&handle.0) {
+            Some(_) => Ok(()), // the OwnedFd closes here; live mappings keep the file alive
+            None => Err(Error::Driver {
+                op: Op::Release,
+                code: "EBADF".into(),
+                detail: format!("no live handle {}", handle.0),
+            }),
+        }
+    }
+
+    fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
+        let mut books = self.books.lock().expect("host books poisoned");
+        let fd = match books.handles.get(&handle.0) {
+            Some((fd, len)) if *len == num_bytes => fd.as_raw_fd(),
+            Some((_, len)) => {
+                return Err(invalid_range(Op::Map, va, num_bytes, &format!("!= handle's {len}")))
+            }
+            None => return Err(invalid_range(Op::Map, va, num_bytes, "names no live handle")),
+        };
+        self.check_aligned(Op::Map, "address", va)?;
+        if books.reservation_containing(va, num_bytes).is_none() {
+            return Err(invalid_range(Op::Map, va, num_bytes, "is outside every reservation"));
+        }
+        let overlaps = books.mappings.range(..va + num_bytes).next_back();
+        if overlaps.is_some_and(|(&start, &(len, _))| start + len > va) {
+            return Err(invalid_range(Op::Map, va, num_bytes, "is already mapped"));
+        }
+        let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+        // SAFETY: the range lies inside one of our reservations and overlaps no live mapping,
+        // so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a live memfd of ours
+        // at least num_bytes long.
+        let raw = unsafe {
+            libc::mmap(va as *mut _, bytes_as_usize(num_bytes), libc::PROT_NONE, flags, fd, 0)
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(last_os_error(Op::Map, format!("{num_bytes} bytes at {va:#x}")));
+        }
+        books.mappings.insert(va, (num_bytes, false));
+        Ok(())
+    }
+
+    fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
+        let mut books = self.books.lock().expect("host books poisoned");
+        let (starts, exact) = books.mappings_tiling(va, num_bytes);
+        if !exact || starts.is_empty() {
+            return Err(invalid_range(Op::Unmap, va, num_bytes, "does not cover whole mappings"));
+        }
+        // SAFETY: the range is tiled by live mappings of ours, all inside our reservations.
+        if unsafe { map_inaccessible(va, num_bytes) } == libc::MAP_FAILED {
+            return Err(last_os_error(Op::Unmap, format!("{num_bytes} bytes at {va:#x}")));
+        }
+        for start in starts {
+            books.mappings.remove(&start);
+        }
+        Ok(())
+    }
+
+    fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
+        let mut books = self.books.lock().expect("host books poisoned");
+        let (starts, exact) = books.mappings_tiling(va, num_bytes);
+        if !exact || starts.is_empty() {
+            return Err(invalid_range(Op::SetAccess, va, num_bytes, "is not wholly mapped"));
+        }
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: the range is tiled by live shared mappings of ours; mprotect changes only
+        // their protection.
+        if unsafe { libc::mprotect(va as *mut _, bytes_as_usize(num_bytes), prot) } != 0 {
+            return Err(last_os_error(Op::SetAccess, format!("{num_bytes} bytes at {va:#x}")));
+        }
+        for start in starts {
+            if let Some(entry) = books.mappings.get_mut(&start) {
+                entry.1 = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn memset_zero(&self, va: u64, num_bytes: u64, _stream: u64) -> Result<()> {
+        if num_bytes == 0 {
+            return Ok(());
+        }
+        let books = self.books.lock().expect("host books poisoned");
+        if !books.accessible(va, num_bytes) {
+            return Err(invalid_range(Op::Memset, va, num_bytes, "is not mapped read-write"));
+        }
+        // SAFETY: the range is covered by live read-write mappings of ours (checked above under
+        // the lock that every unmap also takes); writing zeros there cannot alias Rust objects.
+        unsafe { std::ptr::write_bytes(va as *mut u8, 0, bytes_as_usize(num_bytes)) };
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn mem_info(&self) -> Result<(u64, u64)> {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(|e| Error::Driver {
+            op: Op::MemInfo,
+            code: e.raw_os_error().map(errno_name).unwrap_or_else(|| "EIO".into()),
+            detail: "reading /proc/meminfo".into(),
+        })?;
+        let field = |name: &str| -> Option<u64> {
+            let line = meminfo.lines().find(|l| l.starts_with(name))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        };
+        match (field("MemAvailable:"), field("MemTotal:")) {
+            (Some(free), Some(total)) => Ok((free, total)),
+            _ => Err(Error::Driver {
+                op: Op::MemInfo,
+                code: "EINVAL".into(),
+                detail: "no MemAvailable/MemTotal in /proc/meminfo".into(),
+            }),
+        }
+    }
+}
+
+impl Drop for HostDriver {
+    fn drop(&mut self) {
+        // Owners free everything before their driver goes; this only guards against a leak
+        // of address space if one did not.
+        let books = self.books.get_mut().expect("host books poisoned");
+        for (&start, &len) in &books.reservations {
+            // SAFETY: each entry is a live reservation of ours; nothing can use it any more,
+            // since the driver that hands out its addresses is being dropped.
+            unsafe { libc::munmap(start as *mut _, bytes_as_usize(len)) };
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! The driver boundary: the few virtual-memory operations the owner needs, behind one trait.
+//!
+//! Addresses and handles cross this boundary as plain integers so the trait is object-safe and
+//! knows nothing of CUDA or Linux. Every method is safe to call with any arguments: each backend
+//! checks that an address range lies inside a reservation it made (and, where touching memory,
+//! that it is mapped) before it reaches the OS or the driver, so a bad call is an error, never
+//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`.
+//!
+//! Semantics follow CUDA's VMM API: `reserve` takes address space only; `create` takes physical
+//! memory as a handle; `map` places a whole handle at an address (no partial maps);
+//! `set_access` makes mapped ranges readable and writable; `unmap` returns a range to reserved,
+//! inaccessible address space; `release` drops a handle (its memory lives on while mapped).
+
+pub mod faulty;
+pub mod host;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::error::Result;
+
+/// An opaque physical-memory handle: a CUDA `CUmemGenericAllocationHandle`, or a host memfd id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HandleId(pub u64);
+
+/// Where memory lives, in DLPack's terms (`kDLCPU` = 1, `kDLCUDA` = 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda(i32),
+}
+
+impl DeviceKind {
+    pub fn dlpack(self) -> (i32, i32) {
+        match self {
+            DeviceKind::Cpu => (1, 0),
+            DeviceKind::Cuda(ordinal) => (2, ordinal),
+        }
+    }
+
+    /// The name torch uses for the device: `cpu` or `cuda:N`.
+    pub fn torch_name(self) -> String {
+        match self {
+            DeviceKind::Cpu => "cpu".to_string(),
+            DeviceKind::Cuda(ordinal) => format!("cuda:{ordinal}"),
+        }
+    }
+}
+
+pub trait Driver: Send + Sync + 'static {
+    /// `host` or `cuda`.
+    fn backend_name(&self) -> &'static str;
+
+    fn device(&self) -> DeviceKind;
+
+    /// The mapping granularity in bytes: reservations, handles and maps are multiples of it.
+    fn granularity(&self) -> u64;
+
+    /// Whether a freshly created handle reads as zeros (a memfd does, `cuMemCreate` does not).
+    fn fresh_memory_is_zeroed(&self) -> bool;
+
+    /// Reserves `num_bytes` (a granularity multiple) of address space; returns its start,
+    /// aligned to the granularity.
+    fn reserve(&self, num_bytes: u64) -> Result<u64>;
+
+    /// Frees a whole reservation made by `reserve`. Everything in it must be unmapped.
+    fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()>;
+
+    /// Takes `num_bytes` (a granularity multiple) of physical memory.
+    fn create(&self, num_bytes: u64) -> Result<HandleId>;
+
+    fn release(&self, handle: HandleId) -> Result<()>;
+
+    /// Maps all of `handle` (`num_bytes` long) at `va`, inside a reservation, over unmapped space.
+    fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()>;
+
+    /// Unmaps `[va, va + num_bytes)`, which must cover whole mappings.
+    fn unmap(&self, va: u64, num_bytes: u64) -> Result<()>;
+
+    /// Grants read-write access to mapped `[va, va + num_bytes)`.
+    fn set_access(&self, va: u64, num_bytes: u64) -> Result<()>;
+
+    /// Zeroes mapped, accessible `[va, va + num_bytes)`, ordered on `stream` (0: the backend's
+    /// default stream; ignored by the host backend, which zeroes before returning).
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()>;
+
+    /// Waits for all work the device may still do on memory of this driver.
+    fn synchronize(&self) -> Result<()>;
+
+    /// `(free_bytes, total_bytes)` of the memory `create` draws from.
+    fn mem_info(&self) -> Result<(u64, u64)>;
+}

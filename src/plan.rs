@@ -1,0 +1,492 @@
+//! Planning: which granules a request needs, which of them are missing, and how the missing
+//! ones are cut into physical handles. Pure integer arithmetic — no pointers, no FFI — so all
+//! of it is property-tested without a device.
+//!
+//! The reservation is an array of granules. Segment `i` occupies bytes
+//! `[offset_i, offset_i + capacity_i)`; segments are laid back to back, so when a capacity is
+//! not a granule multiple two segments share a granule. Committing `b_i` bytes of segment `i`
+//! needs granules `[floor(offset_i / g), ceil((offset_i + b_i) / g))`; the union over segments,
+//! minus what is mapped, is what to map. Taking the union is the dedup: a shared granule is
+//! mapped once. Everything here is O(segments + handles), never O(granules).
+
+use crate::error::{Error, Result};
+
+/// A half-open range of granules `[first_granule, first_granule + num_granules)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Run {
+    pub first_granule: u64,
+    pub num_granules: u64,
+}
+
+impl Run {
+    pub fn new(first_granule: u64, num_granules: u64) -> Run {
+        Run { first_granule, num_granules }
+    }
+
+    pub fn end_granule(self) -> u64 {
+        self.first_granule + self.num_granules
+    }
+}
+
+/// A half-open byte range `[offset, offset + num_bytes)` relative to the reservation's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteRange {
+    pub offset: u64,
+    pub num_bytes: u64,
+}
+
+impl ByteRange {
+    pub fn end(self) -> u64 {
+        self.offset + self.num_bytes
+    }
+}
+
+/// The reservation's shape: granularity and the segments' capacities and offsets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    granularity: u64,
+    segment_capacities: Vec<u64>,
+    segment_offsets: Vec<u64>,
+    reserved_bytes: u64,
+}
+
+impl Geometry {
+    /// `num_segments` equal segments of `max_bytes / num_segments` bytes each.
+    pub fn equal(max_bytes: u64, num_segments: u64, granularity: u64) -> Result<Geometry> {
+        if num_segments == 0 {
+            return Err(Error::invalid("num_segments must be at least 1"));
+        }
+        if max_bytes % num_segments != 0 {
+            return Err(Error::invalid(format!(
+                "max_bytes ({max_bytes}) must be divisible by num_segments ({num_segments}); \
+                 pass segment_capacities for unequal segments"
+            )));
+        }
+        let count = usize::try_from(num_segments)
+            .map_err(|_| Error::invalid(format!("{num_segments} segments is too many")))?;
+        Geometry::new(vec![max_bytes / num_segments; count], granularity)
+    }
+
+    /// Segments of the given capacities, laid back to back.
+    pub fn new(segment_capacities: Vec<u64>, granularity: u64) -> Result<Geometry> {
+        if granularity == 0 || !granularity.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "granularity must be a power of two; got {granularity}"
+            )));
+        }
+        if segment_capacities.is_empty() {
+            return Err(Error::invalid("at least one segment is needed"));
+        }
+        if let Some(i) = segment_capacities.iter().position(|&c| c == 0) {
+            return Err(Error::invalid(format!("segment {i} has capacity 0 bytes")));
+        }
+        let mut segment_offsets = Vec::with_capacity(segment_capacities.len());
+        let mut total: u64 = 0;
+        for &capacity in &segment_capacities {
+            segment_offsets.push(total);
+            total = total
+                .checked_add(capacity)
+                .ok_or_else(|| Error::invalid("the segment capacities overflow 64 bits"))?;
+        }
+        let reserved_bytes = total
+            .checked_next_multiple_of(granularity)
+            .ok_or_else(|| Error::invalid(format!("{total} bytes cannot be reserved")))?;
+        Ok(Geometry { granularity, segment_capacities, segment_offsets, reserved_bytes })
+    }
+
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    pub fn num_segments(&self) -> usize {
+        self.segment_capacities.len()
+    }
+
+    pub fn segment_capacities(&self) -> &[u64] {
+        &self.segment_capacities
+    }
+
+    pub fn segment_offsets(&self) -> &[u64] {
+        &self.segment_offsets
+    }
+
+    /// The sum of the segment capacities.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.segment_offsets.last().copied().unwrap_or(0)
+            + self.segment_capacities.last().copied().unwrap_or(0)
+    }
+
+    /// The capacity rounded up to whole granules: the size of the address reservation.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved_bytes
+    }
+
+    pub fn num_granules(&self) -> u64 {
+        self.reserved_bytes / self.granularity
+    }
+
+    /// Checks a per-segment request: one entry per segment, none above its capacity.
+    pub fn check_request(&self, segment_bytes: &[u64]) -> Result<()> {
+        if segment_bytes.len() != self.num_segments() {
+            return Err(Error::invalid(format!(
+                "expected {} per-segment sizes, got {}",
+                self.num_segments(),
+                segment_bytes.len()
+            )));
+        }
+        let over = segment_bytes.iter().zip(&self.segment_capacities).position(|(b, c)| b > c);
+        if let Some(i) = over {
+            return Err(Error::invalid(format!(
+                "{} bytes exceeds the capacity of segment {i} ({} bytes)",
+                segment_bytes[i], self.segment_capacities[i]
+            )));
+        }
+        Ok(())
+    }
+
+    /// The granules that hold the first `segment_bytes[i]` bytes of every segment, merged into
+    /// sorted, disjoint, non-adjacent runs.
+    pub fn needed_runs(&self, segment_bytes: &[u64]) -> Vec<Run> {
+        let g = self.granularity;
+        let mut runs: Vec<Run> = Vec::new();
+        for (&offset, &num_bytes) in self.segment_offsets.iter().zip(segment_bytes) {
+            if num_bytes == 0 {
+                continue;
+            }
+            let (first, end) = (offset / g, (offset + num_bytes).div_ceil(g));
+            match runs.last_mut() {
+                Some(last) if first <= last.end_granule() => {
+                    last.num_granules = last.num_granules.max(end - last.first_granule);
+                }
+                _ => runs.push(Run::new(first, end - first)),
+            }
+        }
+        runs
+    }
+
+    /// The logical bytes a grow from `old` to `new` adds: `[old_i, new_i)` of every segment.
+    pub fn new_ranges(&self, old: &[u64], new: &[u64]) -> Vec<ByteRange> {
+        let triples = self.segment_offsets.iter().zip(old).zip(new);
+        triples
+            .filter(|((_, o), n)| n > o)
+            .map(|((&offset, &o), &n)| ByteRange { offset: offset + o, num_bytes: n - o })
+            .collect()
+    }
+
+    pub fn run_bytes(&self, run: Run) -> ByteRange {
+        ByteRange {
+            offset: run.first_granule * self.granularity,
+            num_bytes: run.num_granules * self.granularity,
+        }
+    }
+}
+
+/// `needed` minus `mapped`; both sorted and disjoint. The result is sorted and disjoint.
+pub fn subtract(needed: &[Run], mapped: &[Run]) -> Vec<Run> {
+    let mut missing = Vec::new();
+    let mut m = 0;
+    for run in needed {
+        let mut cursor = run.first_granule;
+        while m < mapped.len() && mapped[m].end_granule() <= cursor {
+            m += 1;
+        }
+        let mut k = m;
+        while k < mapped.len() && mapped[k].first_granule < run.end_granule() {
+            if mapped[k].first_granule > cursor {
+                missing.push(Run::new(cursor, mapped[k].first_granule - cursor));
+            }
+            cursor = cursor.max(mapped[k].end_granule());
+            k += 1;
+        }
+        if cursor < run.end_granule() {
+            missing.push(Run::new(cursor, run.end_granule() - cursor));
+        }
+    }
+    missing
+}
+
+/// The parts of `ranges` (sorted, disjoint) that fall inside granule `runs` (sorted, disjoint).
+pub fn intersect(ranges: &[ByteRange], runs: &[Run], granularity: u64) -> Vec<ByteRange> {
+    let mut out = Vec::new();
+    let mut r = 0;
+    for range in ranges {
+        while r < runs.len() && runs[r].end_granule() * granularity <= range.offset {
+            r += 1;
+        }
+        let mut k = r;
+        while k < runs.len() && runs[k].first_granule * granularity < range.end() {
+            let start = range.offset.max(runs[k].first_granule * granularity);
+            let end = range.end().min(runs[k].end_granule() * granularity);
+            if start < end {
+                out.push(ByteRange { offset: start, num_bytes: end - start });
+            }
+            k += 1;
+        }
+    }
+    out
+}
+
+/// How a run of missing granules is cut into physical handles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandlePolicy {
+    /// Greedy from the left: the largest power-of-two block of granules that is aligned (in
+    /// the reservation's granule index) at the current granule, fits in the run, and is at
+    /// most `max_handle_granules`. A bulk grow costs O(log n) handles; a one-granule grow one.
+    Adaptive { max_handle_granules: u64 },
+    /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
+    /// per-granule peers do, kept as a baseline.
+    Fixed { handle_granules: u64 },
+}
+
+impl HandlePolicy {
+    pub fn adaptive(max_handle_bytes: u64, granularity: u64) -> Result<HandlePolicy> {
+        if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
+            return Err(Error::invalid(format!(
+                "max_handle_bytes ({max_handle_bytes}) must be a positive multiple of the \
+                 granularity ({granularity})"
+            )));
+        }
+        Ok(HandlePolicy::Adaptive { max_handle_granules: max_handle_bytes / granularity })
+    }
+
+    /// Appends the handles for `run` to `out`.
+    pub fn cut(self, run: Run, out: &mut Vec<Run>) {
+        let mut cursor = run.first_granule;
+        let end = run.end_granule();
+        while cursor < end {
+            let size = match self {
+                HandlePolicy::Adaptive { max_handle_granules } => {
+                    let cap = prev_power_of_two(max_handle_granules.max(1));
+                    let fits = prev_power_of_two(end - cursor);
+                    let aligned = if cursor == 0 { u64::MAX } else { 1 << cursor.trailing_zeros() };
+                    cap.min(fits).min(aligned)
+                }
+                HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
+            };
+            out.push(Run::new(cursor, size));
+            cursor += size;
+        }
+    }
+}
+
+fn prev_power_of_two(n: u64) -> u64 {
+    debug_assert!(n > 0);
+    1 << (63 - n.leading_zeros())
+}
+
+/// What one grow does: the handles to create and map, and the bytes to zero.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GrowPlan {
+    /// Sorted, disjoint, none overlapping what was mapped.
+    pub new_handles: Vec<Run>,
+    /// The new logical bytes of every segment, sorted.
+    pub new_ranges: Vec<ByteRange>,
+}
+
+/// Plans growing every segment from `old` to `new` bytes (`new[i] >= old[i]`) given the
+/// `mapped` runs (sorted, disjoint).
+pub fn plan_grow(
+    geometry: &Geometry,
+    mapped: &[Run],
+    policy: HandlePolicy,
+    old: &[u64],
+    new: &[u64],
+) -> GrowPlan {
+    let missing = subtract(&geometry.needed_runs(new), mapped);
+    let mut new_handles = Vec::new();
+    for run in missing {
+        policy.cut(run, &mut new_handles);
+    }
+    GrowPlan { new_handles, new_ranges: geometry.new_ranges(old, new) }
+}
+
+/// Checks that `runs` are sorted, disjoint, non-empty and inside `num_granules`.
+pub fn check_runs(runs: &[Run], num_granules: u64) -> Result<(), String> {
+    for pair in runs.windows(2) {
+        if pair[0].end_granule() > pair[1].first_granule {
+            return Err(format!("runs out of order or overlapping: {:?} then {:?}", pair[0], pair[1]));
+        }
+    }
+    if let Some(run) = runs.iter().find(|r| r.num_granules == 0 || r.end_granule() > num_granules)
+    {
+        return Err(format!("run {run:?} is empty or past granule {num_granules}"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const G: u64 = 4096;
+
+    fn granule_set(runs: &[Run]) -> std::collections::BTreeSet<u64> {
+        runs.iter().flat_map(|r| r.first_granule..r.end_granule()).collect()
+    }
+
+    #[test]
+    fn straddling_granule_is_needed_once() {
+        // 3 granules, 2 segments of 1.5 granules: granule 1 holds the end of segment 0 and
+        // the start of segment 1.
+        let geometry = Geometry::equal(3 * G, 2, G).unwrap();
+        assert_eq!(geometry.needed_runs(&[G / 2, G / 2]), vec![Run::new(0, 2)]);
+        let full = geometry.needed_runs(&[3 * G / 2, 3 * G / 2]);
+        assert_eq!(full, vec![Run::new(0, 3)]);
+        let plan = plan_grow(
+            &geometry,
+            &[Run::new(0, 2)],
+            HandlePolicy::Adaptive { max_handle_granules: 8 },
+            &[G / 2, G / 2],
+            &[3 * G / 2, 3 * G / 2],
+        );
+        assert_eq!(plan.new_handles, vec![Run::new(2, 1)]);
+    }
+
+    #[test]
+    fn equal_segments_must_divide() {
+        let err = Geometry::equal(10, 3, G).unwrap_err();
+        assert!(err.to_string().contains("divisible"), "{err}");
+    }
+
+    #[test]
+    fn adaptive_cuts_aligned_powers_of_two() {
+        let mut out = Vec::new();
+        HandlePolicy::Adaptive { max_handle_granules: 1 << 20 }.cut(Run::new(3, 13), &mut out);
+        assert_eq!(out, vec![Run::new(3, 1), Run::new(4, 4), Run::new(8, 8)]);
+        out.clear();
+        HandlePolicy::Adaptive { max_handle_granules: 4 }.cut(Run::new(0, 11), &mut out);
+        assert_eq!(out, vec![Run::new(0, 4), Run::new(4, 4), Run::new(8, 2), Run::new(10, 1)]);
+    }
+
+    /// The issue's bound: growing 2 segments from one block to 64 GiB each.
+    #[test]
+    fn bulk_grow_handle_counts_are_logarithmic() {
+        let g = 2 << 20;
+        let per_segment = 64u64 << 30;
+        let geometry = Geometry::equal(2 * per_segment, 2, g).unwrap();
+        let block = 16 * 8 * 128 * 2; // a 16-token bf16 block of 8 heads of 128
+        let initial = geometry.needed_runs(&[block, block]);
+        let granules = per_segment / g;
+        let log2 = u64::from(63 - granules.leading_zeros());
+        for (cap, bound) in [
+            (u64::MAX / g, 2 * log2 + 2),
+            (1 << 30, (per_segment.div_ceil(1 << 30)) + 2 * u64::from((1u64 << 30) / g).ilog2() as u64 + 2),
+        ] {
+            let policy = HandlePolicy::Adaptive { max_handle_granules: cap };
+            let plan = plan_grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
+            for segment in 0..2u64 {
+                let (lo, hi) = (segment * granules, (segment + 1) * granules);
+                let count =
+                    plan.new_handles.iter().filter(|r| r.first_granule >= lo && r.end_granule() <= hi).count();
+                assert!(count as u64 <= bound, "segment {segment}: {count} handles > {bound}");
+            }
+        }
+    }
+
+    #[test]
+    fn planning_64_tib_allocates_per_handle_not_per_granule() {
+        let geometry = Geometry::equal(64 << 40, 2, 2 << 20).unwrap();
+        let policy = HandlePolicy::Adaptive { max_handle_granules: 1 << 20 };
+        let full = [32u64 << 40; 2];
+        let plan = plan_grow(&geometry, &[], policy, &[0, 0], &full);
+        // One merged run of 32 Mi granules, cut at the 2 TiB cap.
+        assert_eq!(plan.new_handles.len(), 32);
+        assert!(plan.new_handles.iter().all(|r| r.num_granules == 1 << 20));
+    }
+
+    fn geometry_strategy() -> impl Strategy<Value = Geometry> {
+        (prop::collection::vec(1u64..5 * G, 1..6), prop::bool::ANY).prop_map(|(caps, equal)| {
+            if equal {
+                Geometry::equal(caps[0] * caps.len() as u64, caps.len() as u64, G).unwrap()
+            } else {
+                Geometry::new(caps, G).unwrap()
+            }
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn needed_runs_match_a_per_granule_model(
+            geometry in geometry_strategy(),
+            fractions in prop::collection::vec(0.0f64..=1.0, 6),
+        ) {
+            let bytes: Vec<u64> = geometry.segment_capacities().iter().zip(&fractions)
+                .map(|(&c, f)| (c as f64 * f) as u64).collect();
+            let runs = geometry.needed_runs(&bytes);
+            check_runs(&runs, geometry.num_granules()).unwrap();
+            for pair in runs.windows(2) {
+                prop_assert!(pair[0].end_granule() < pair[1].first_granule, "adjacent runs not merged");
+            }
+            let mut model = std::collections::BTreeSet::new();
+            for (&offset, &b) in geometry.segment_offsets().iter().zip(&bytes) {
+                for byte in (offset..offset + b).step_by(64) {
+                    model.insert(byte / G);
+                }
+                if b > 0 { model.insert((offset + b - 1) / G); }
+            }
+            prop_assert_eq!(granule_set(&runs), model);
+        }
+
+        #[test]
+        fn subtract_and_cut_tile_exactly_the_missing_granules(
+            needed in prop::collection::vec((0u64..64, 1u64..16), 0..6),
+            mapped in prop::collection::vec((0u64..64, 1u64..16), 0..6),
+            cap in 1u64..20,
+        ) {
+            let normalise = |spans: Vec<(u64, u64)>| {
+                let set: std::collections::BTreeSet<u64> =
+                    spans.iter().flat_map(|&(s, n)| s..s + n).collect();
+                let mut runs: Vec<Run> = Vec::new();
+                for g in set {
+                    match runs.last_mut() {
+                        Some(last) if last.end_granule() == g => last.num_granules += 1,
+                        _ => runs.push(Run::new(g, 1)),
+                    }
+                }
+                runs
+            };
+            let (needed, mapped) = (normalise(needed), normalise(mapped));
+            let missing = subtract(&needed, &mapped);
+            check_runs(&missing, 1 << 20).unwrap();
+            let expect: std::collections::BTreeSet<u64> =
+                granule_set(&needed).difference(&granule_set(&mapped)).copied().collect();
+            prop_assert_eq!(granule_set(&missing), expect.clone());
+            let mut handles = Vec::new();
+            for run in &missing {
+                HandlePolicy::Adaptive { max_handle_granules: cap }.cut(*run, &mut handles);
+            }
+            check_runs(&handles, 1 << 20).unwrap();
+            prop_assert_eq!(granule_set(&handles), expect);
+            for h in &handles {
+                prop_assert!(h.num_granules.is_power_of_two() && h.num_granules <= cap);
+                prop_assert_eq!(h.first_granule % h.num_granules, 0);
+            }
+        }
+
+        #[test]
+        fn intersect_matches_a_per_byte_model(
+            ranges in prop::collection::vec((0u64..40, 1u64..10), 0..5),
+            runs in prop::collection::vec((0u64..10, 1u64..3), 0..4),
+        ) {
+            let g = 4;
+            let mut ranges: Vec<ByteRange> = ranges.into_iter().scan(0, |cursor, (gap, n)| {
+                let r = ByteRange { offset: *cursor + gap, num_bytes: n };
+                *cursor = r.end();
+                Some(r)
+            }).collect();
+            ranges.dedup();
+            let runs: Vec<Run> = runs.into_iter().scan(0, |cursor, (gap, n)| {
+                let r = Run::new(*cursor + gap, n);
+                *cursor = r.end_granule() + 1;
+                Some(r)
+            }).collect();
+            let got: Vec<u64> = intersect(&ranges, &runs, g).iter()
+                .flat_map(|r| r.offset..r.end()).collect();
+            let granules = granule_set(&runs);
+            let expect: Vec<u64> = ranges.iter().flat_map(|r| r.offset..r.end())
+                .filter(|b| granules.contains(&(b / g))).collect();
+            prop_assert_eq!(got, expect);
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! `ExtensibleTensor`: one address reservation whose physical memory is committed later, in
+//! lockstep across its segments.
+//!
+//! Approach: the reservation is made once, so every address handed out stays valid for the
+//! tensor's life (CUDA graphs may capture them). A grow plans the missing granules
+//! (`plan.rs`), creates and maps one physical handle per planned run into locals, grants
+//! access to the new mappings only, zeroes the new logical bytes, and only then moves the new
+//! mappings into the tensor. Any failure drops the locals, whose destructors unmap and release
+//! what this call made: a failed grow changes nothing.
+//!
+//! Invariants (checked by `check_invariants` after every mutation in debug builds and tests):
+//! 1. committed bytes are a prefix of every segment: `segment_bytes[i] <= capacity[i]`;
+//! 2. `mappings` are sorted, disjoint, granule-aligned, each exactly one live handle, so a
+//!    granule is mapped at most once (the dedup of shared granules);
+//! 3. every granule holding a committed byte is mapped and accessible;
+//! 4. every exported view holds an `Arc` of the inner state: memory outlives the last view;
+//! 5. nothing is unmapped before the driver is synchronised (the fence), except mappings this
+//!    very call made and nothing has touched yet.
+//!
+//! Limitations: growth only (shrinking is a later step); `release_physical` drops everything.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::driver::{DeviceKind, Driver, HandleId};
+use crate::error::{Error, Result};
+use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
+
+/// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
+/// small enough to avoid the outliers of giant handles (design.md §2).
+pub const DEFAULT_MAX_HANDLE_BYTES: u64 = 1 << 30;
+
+/// Construction options; `Default` gives the driver's granularity and the adaptive policy.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// The mapping granularity: a power-of-two multiple of the driver's. Default: the driver's.
+    pub granularity: Option<u64>,
+    /// The largest handle the adaptive policy creates. Default: `DEFAULT_MAX_HANDLE_BYTES`.
+    pub max_handle_bytes: Option<u64>,
+    /// Fixed-size handles instead of the adaptive policy: the per-granule peers' baseline.
+    pub fixed_handle_bytes: Option<u64>,
+}
+
+/// What the destructors of driver resources share: the driver, and the errors they could not
+/// return (a destructor never panics; `take_deferred_errors` reports them later).
+struct Ctx {
+    driver: Arc<dyn Driver>,
+    deferred: Mutex<Vec<Error>>,
+}
+
+impl Ctx {
+    fn defer(&self, result: Result<()>) {
+        if let Err(err) = result {
+            self.deferred.lock().expect("deferred errors poisoned").push(err);
+        }
+    }
+}
+
+/// Owns an address reservation; frees it on drop.
+struct Reservation {
+    ctx: Arc<Ctx>,
+    va: u64,
+    num_bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.ctx.defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
+    }
+}
+
+/// Owns a physical handle; releases it on drop.
+struct PhysicalHandle {
+    ctx: Arc<Ctx>,
+    id: HandleId,
+}
+
+impl Drop for PhysicalHandle {
+    fn drop(&mut self) {
+        self.ctx.defer(self.ctx.driver.release(self.id));
+    }
+}
+
+/// Owns the mapping of one whole handle over `run`; unmaps on drop, then releases the handle.
+struct Mapping {
+    run: Run,
+    va: u64,
+    num_bytes: u64,
+    handle: PhysicalHandle,
+}
+
+impl Mapping {
+    fn create(ctx: &Arc<Ctx>, run: Run, va: u64, num_bytes: u64) -> Result<Mapping> {
+        let id = ctx.driver.create(num_bytes)?;
+        let handle = PhysicalHandle { ctx: Arc::clone(ctx), id };
+        ctx.driver.map(va, num_bytes, handle.id)?;
+        Ok(Mapping { run, va, num_bytes, handle })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let ctx = &self.handle.ctx;
+        ctx.defer(ctx.driver.unmap(self.va, self.num_bytes));
+    }
+}
+
+struct State {
+    segment_bytes: Vec<u64>,
+    /// Sorted by `run` (invariant 2).
+    mappings: Vec<Mapping>,
+    /// `None` once closed.
+    reservation: Option<Reservation>,
+}
+
+struct Inner {
+    ctx: Arc<Ctx>,
+    geometry: Geometry,
+    policy: HandlePolicy,
+    base: u64,
+    state: Mutex<State>,
+    live_views: AtomicUsize,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().expect("tensor state poisoned");
+        if !state.mappings.is_empty() {
+            self.ctx.defer(self.ctx.driver.synchronize());
+            state.mappings.clear();
+        }
+        state.reservation = None;
+    }
+}
+
+/// A reservation of `capacity_bytes` split into segments that grow in lockstep.
+/// Cloning is cheap and shares the same memory.
+#[derive(Clone)]
+pub struct ExtensibleTensor {
+    inner: Arc<Inner>,
+}
+
+/// Keeps a tensor's memory alive for one exported view; counts towards `live_views`.
+pub struct ViewGuard {
+    inner: Arc<Inner>,
+}
+
+impl Drop for ViewGuard {
+    fn drop(&mut self) {
+        self.inner.live_views.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A byte range of a tensor handed to a consumer (DLPack), with the guard that keeps it valid.
+pub struct ExportedRegion {
+    pub ptr: u64,
+    pub num_bytes: u64,
+    pub device: DeviceKind,
+    pub guard: ViewGuard,
+}
+
+impl ExtensibleTensor {
+    /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
+    pub fn with_equal_segments(
+        driver: Arc<dyn Driver>,
+        max_bytes: u64,
+        num_segments: u64,
+        options: Options,
+    ) -> Result<ExtensibleTensor> {
+        let granularity = options.granularity.unwrap_or(driver.granularity());
+        let geometry = Geometry::equal(max_bytes, num_segments, granularity)?;
+        ExtensibleTensor::from_geometry(driver, geometry, options)
+    }
+
+    /// Segments of the given capacities, back to back.
+    pub fn with_segment_capacities(
+        driver: Arc<dyn Driver>,
+        segment_capacities: Vec<u64>,
+        options: Options,
+    ) -> Result<ExtensibleTensor> {
+        let granularity = options.granularity.unwrap_or(driver.granularity());
+        let geometry = Geometry::new(segment_capacities, granularity)?;
+        ExtensibleTensor::from_geometry(driver, geometry, options)
+    }
+
+    fn from_geometry(
+        driver: Arc<dyn Driver>,
+        geometry: Geometry,
+        options: Options,
+    ) -> Result<ExtensibleTensor> {
+        let granularity = geometry.granularity();
+        if granularity % driver.granularity() != 0 {
+            return Err(Error::invalid(format!(
+                "granularity {granularity} must be a multiple of the {} backend's {}",
+                driver.backend_name(),
+                driver.granularity()
+            )));
+        }
+        let policy = match (options.fixed_handle_bytes, options.max_handle_bytes) {
+            (Some(fixed), _) => {
+                HandlePolicy::adaptive(fixed, granularity)?; // the same validity rule
+                HandlePolicy::Fixed { handle_granules: fixed / granularity }
+            }
+            (None, max) => {
+                let max = max.unwrap_or(DEFAULT_MAX_HANDLE_BYTES.max(granularity));
+                HandlePolicy::adaptive(max, granularity)?
+            }
+        };
+        let ctx = Arc::new(Ctx { driver, deferred: Mutex::new(Vec::new()) });
+        let va = ctx.driver.reserve(geometry.reserved_bytes())?;
+        let reservation =
+            Reservation { ctx: Arc::clone(&ctx), va, num_bytes: geometry.reserved_bytes() };
+        let state = State {
+            segment_bytes: vec![0; geometry.num_segments()],
+            mappings: Vec::new(),
+            reservation: Some(reservation),
+        };
+        let inner = Inner {
+            ctx,
+            geometry,
+            policy,
+            base: va,
+            state: Mutex::new(state),
+            live_views: AtomicUsize::new(0),
+        };
+        Ok(ExtensibleTensor { inner: Arc::new(inner) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().expect("tensor state poisoned")
+    }
+
+    fn lock_open(&self) -> Result<MutexGuard<'_, State>> {
+        let state = self.lock();
+        match state.reservation {
+            Some(_) => Ok(state),
+            None => Err(Error::Closed),
+        }
+    }
+
+    /// Grows every segment to `bytes_per_segment`.
+    pub fn resize_per_segment(&self, bytes_per_segment: u64, zero_new: bool, stream: u64) -> Result<()> {
+        let targets = vec![bytes_per_segment; self.inner.geometry.num_segments()];
+        self.resize_segments(&targets, zero_new, stream)
+    }
+
+    /// Grows segment `i` to `segment_bytes[i]`; zeroes the new bytes `[old_i, new_i)` of each
+    /// segment on `stream` when `zero_new`. All or nothing: on error the tensor is unchanged.
+    pub fn resize_segments(&self, segment_bytes: &[u64], zero_new: bool, stream: u64) -> Result<()> {
+        let mut state = self.lock_open()?;
+        let geometry = &self.inner.geometry;
+        geometry.check_request(segment_bytes)?;
+        if let Some(i) = state.segment_bytes.iter().zip(segment_bytes).position(|(o, n)| n < o) {
+            return Err(Error::invalid(format!(
+                "cannot shrink segment {i} from {} to {} bytes: only growth is supported",
+                state.segment_bytes[i], segment_bytes[i]
+            )));
+        }
+        if state.segment_bytes == segment_bytes {
+            return Ok(());
+        }
+        let mapped: Vec<Run> = state.mappings.iter().map(|m| m.run).collect();
+        let plan =
+            plan::plan_grow(geometry, &mapped, self.inner.policy, &state.segment_bytes, segment_bytes);
+        let fresh = self.map_runs(&plan.new_handles)?;
+        if zero_new {
+            let driver = &self.inner.ctx.driver;
+            let ranges = if driver.fresh_memory_is_zeroed() {
+                plan::intersect(&plan.new_ranges, &mapped, geometry.granularity())
+            } else {
+                plan.new_ranges
+            };
+            if let Err(err) = self.zero(&ranges, stream) {
+                // The memsets queued so far touch `fresh`: fence before it unmaps on drop.
+                self.inner.ctx.defer(driver.synchronize());
+                return Err(err);
+            }
+        }
+        merge_sorted(&mut state.mappings, fresh);
+        state.segment_bytes.copy_from_slice(segment_bytes);
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Creates and maps one handle per run, then grants access to the new mappings only.
+    fn map_runs(&self, runs: &[Run]) -> Result<Vec<Mapping>> {
+        let inner = &*self.inner;
+        let mut fresh = Vec::with_capacity(runs.len());
+        for &run in runs {
+            let bytes = inner.geometry.run_bytes(run);
+            fresh.push(Mapping::create(&inner.ctx, run, inner.base + bytes.offset, bytes.num_bytes)?);
+        }
+        let mut i = 0;
+        while i < fresh.len() {
+            let mut j = i + 1;
+            while j < fresh.len() && fresh[j].run.first_granule == fresh[j - 1].run.end_granule() {
+                j += 1;
+            }
+            let num_bytes = fresh[j - 1].va + fresh[j - 1].num_bytes - fresh[i].va;
+            inner.ctx.driver.set_access(fresh[i].va, num_bytes)?;
+            i = j;
+        }
+        Ok(fresh)
+    }
+
+    fn zero(&self, ranges: &[ByteRange], stream: u64) -> Result<()> {
+        for range in ranges {
+            let va = self.inner.base + range.offset;
+            self.inner.ctx.driver.memset_zero(va, range.num_bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
+    /// Views stay valid for addressing; touching them faults until the next grow.
+    pub fn release_physical(&self) -> Result<()> {
+        let mut state = self.lock_open()?;
+        self.release_locked(&mut state)
+    }
+
+    fn release_locked(&self, state: &mut State) -> Result<()> {
+        if !state.mappings.is_empty() {
+            self.inner.ctx.driver.synchronize()?;
+            state.mappings.clear();
+        }
+        state.segment_bytes.fill(0);
+        self.take_deferred_errors().into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Releases memory and addresses now. Refused while views exist: their pointers would
+    /// dangle. (Dropping the tensor instead defers the release to the last view.)
+    pub fn close(&self) -> Result<()> {
+        let mut state = self.lock();
+        if state.reservation.is_none() {
+            return Ok(());
+        }
+        let live_views = self.inner.live_views.load(Ordering::Acquire);
+        if live_views > 0 {
+            return Err(Error::ViewsAlive { live_views });
+        }
+        self.release_locked(&mut state)?;
+        state.reservation = None;
+        self.take_deferred_errors().into_iter().next().map_or(Ok(()), Err)
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().reservation.is_none()
+    }
+
+    /// Hands out `[offset, offset + num_bytes)` of the capacity; the guard keeps it alive.
+    pub fn export(&self, offset: u64, num_bytes: u64) -> Result<ExportedRegion> {
+        let _state = self.lock_open()?;
+        let capacity = self.inner.geometry.capacity_bytes();
+        if offset.checked_add(num_bytes).is_none_or(|end| end > capacity) {
+            return Err(Error::invalid(format!(
+                "a view of {num_bytes} bytes at offset {offset} exceeds the capacity of \
+                 {capacity} bytes"
+            )));
+        }
+        self.inner.live_views.fetch_add(1, Ordering::AcqRel);
+        Ok(ExportedRegion {
+            ptr: self.inner.base + offset,
+            num_bytes,
+            device: self.inner.ctx.driver.device(),
+            guard: ViewGuard { inner: Arc::clone(&self.inner) },
+        })
+    }
+
+    pub fn base_ptr(&self) -> Result<u64> {
+        self.lock_open().map(|_| self.inner.base)
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.inner.geometry
+    }
+
+    pub fn policy(&self) -> HandlePolicy {
+        self.inner.policy
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner.geometry.capacity_bytes()
+    }
+
+    pub fn granularity(&self) -> u64 {
+        self.inner.geometry.granularity()
+    }
+
+    pub fn num_segments(&self) -> usize {
+        self.inner.geometry.num_segments()
+    }
+
+    pub fn device(&self) -> DeviceKind {
+        self.inner.ctx.driver.device()
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.ctx.driver.backend_name()
+    }
+
+    /// The committed bytes of each segment.
+    pub fn segment_bytes(&self) -> Vec<u64> {
+        self.lock().segment_bytes.clone()
+    }
+
+    /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
+    pub fn physical_bytes(&self) -> u64 {
+        self.lock().mappings.iter().map(|m| m.num_bytes).sum()
+    }
+
+    pub fn num_handles(&self) -> usize {
+        self.lock().mappings.len()
+    }
+
+    /// The granule runs of the mapped handles, in address order.
+    pub fn handle_runs(&self) -> Vec<Run> {
+        self.lock().mappings.iter().map(|m| m.run).collect()
+    }
+
+    pub fn live_views(&self) -> usize {
+        self.inner.live_views.load(Ordering::Acquire)
+    }
+
+    /// Errors that destructors met (a failed unmap or release) since the last call.
+    pub fn take_deferred_errors(&self) -> Vec<Error> {
+        std::mem::take(&mut *self.inner.ctx.deferred.lock().expect("deferred errors poisoned"))
+    }
+
+    /// Checks the invariants listed at the top of this module.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        check_state(&self.inner, &self.lock())
+    }
+}
+
+fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
+    let geometry = &inner.geometry;
+    let runs: Vec<Run> = state.mappings.iter().map(|m| m.run).collect();
+    plan::check_runs(&runs, geometry.num_granules())?;
+    for m in &state.mappings {
+        let bytes = geometry.run_bytes(m.run);
+        if m.va != inner.base + bytes.offset || m.num_bytes != bytes.num_bytes {
+            return Err(format!("mapping {:?} is at {:#x}+{:#x}", m.run, m.va, m.num_bytes));
+        }
+    }
+    geometry.check_request(&state.segment_bytes).map_err(|e| e.to_string())?;
+    let unmapped = plan::subtract(&geometry.needed_runs(&state.segment_bytes), &runs);
+    if !unmapped.is_empty() {
+        return Err(format!("committed granules {unmapped:?} are not mapped"));
+    }
+    if state.reservation.is_none() && !state.mappings.is_empty() {
+        return Err("a closed tensor still holds mappings".into());
+    }
+    Ok(())
+}
+
+/// Merges sorted, disjoint `fresh` into sorted `mappings`.
+fn merge_sorted(mappings: &mut Vec<Mapping>, fresh: Vec<Mapping>) {
+    if fresh.is_empty() {
+        return;
+    }
+    let mut merged = Vec::with_capacity(mappings.len() + fresh.len());
+    let mut old = std::mem::take(mappings).into_iter().peekable();
+    for m in fresh {
+        while old.peek().is_some_and(|o| o.run < m.run) {
+            merged.extend(old.next());
+        }
+        merged.push(m);
+    }
+    merged.extend(old);
+    *mappings = merged;
+}
