@@ -238,6 +238,11 @@ impl ExtensibleTensor {
         }
     }
 
+    /// Whether `segment_bytes` differs from what is committed (a resize would do work or fail).
+    pub fn needs_grow(&self, segment_bytes: &[u64]) -> bool {
+        self.lock().segment_bytes != segment_bytes
+    }
+
     /// Grows every segment to `bytes_per_segment`.
     pub fn resize_per_segment(&self, bytes_per_segment: u64, zero_new: bool, stream: u64) -> Result<()> {
         let targets = vec![bytes_per_segment; self.inner.geometry.num_segments()];

@@ -90,3 +90,66 @@ pub trait Driver: Send + Sync + 'static {
     /// `(free_bytes, total_bytes)` of the memory `create` draws from.
     fn mem_info(&self) -> Result<(u64, u64)>;
 }
+
+/// Parses a torch-style device name: `cpu`, `cuda` (device 0) or `cuda:N`.
+pub fn parse_device(device: &str) -> Result<DeviceKind> {
+    let invalid = || {
+        crate::error::Error::invalid(format!(
+            "unknown device {device:?}: expected 'cpu', 'cuda' or 'cuda:N'"
+        ))
+    };
+    match device.trim() {
+        "cpu" => Ok(DeviceKind::Cpu),
+        "cuda" => Ok(DeviceKind::Cuda(0)),
+        other => {
+            let ordinal = other.strip_prefix("cuda:").ok_or_else(invalid)?;
+            ordinal.parse::<i32>().ok().filter(|n| *n >= 0).map(DeviceKind::Cuda).ok_or_else(invalid)
+        }
+    }
+}
+
+/// A driver for `device`. The host backend takes `granularity` as its own; CUDA has a fixed
+/// granularity per device (a coarser one is applied by the tensor's geometry) and one shared
+/// driver per device.
+pub fn open(device: &str, granularity: Option<u64>) -> Result<std::sync::Arc<dyn Driver>> {
+    match parse_device(device)? {
+        DeviceKind::Cpu => Ok(std::sync::Arc::new(host::HostDriver::new(
+            granularity.unwrap_or(host::DEFAULT_GRANULARITY),
+        )?)),
+        DeviceKind::Cuda(ordinal) => open_cuda(ordinal),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+    static DRIVERS: OnceLock<Mutex<HashMap<i32, Arc<cuda::CudaDriver>>>> = OnceLock::new();
+    let mut drivers = DRIVERS.get_or_init(Default::default).lock().expect("drivers poisoned");
+    if let Some(driver) = drivers.get(&ordinal) {
+        return Ok(driver.clone());
+    }
+    let driver = Arc::new(cuda::CudaDriver::new(ordinal)?);
+    drivers.insert(ordinal, driver.clone());
+    Ok(driver)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
+    Err(crate::error::Error::Unsupported(NO_CUDA_BUILD.into()))
+}
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA_BUILD: &str = "this build of extensible-kv has no CUDA backend (cargo feature 'cuda')";
+
+/// None when `device` can reserve and map memory, else why not.
+pub fn unavailable_reason(device: &str) -> Option<String> {
+    match parse_device(device) {
+        Err(err) => Some(err.to_string()),
+        Ok(DeviceKind::Cpu) => None,
+        #[cfg(feature = "cuda")]
+        Ok(DeviceKind::Cuda(ordinal)) => cuda::vmm_unavailable_reason(ordinal),
+        #[cfg(not(feature = "cuda"))]
+        Ok(DeviceKind::Cuda(_)) => Some(NO_CUDA_BUILD.into()),
+    }
+}

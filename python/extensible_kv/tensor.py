@@ -1,0 +1,109 @@
+"""`ExtensibleTensor` with torch views.
+
+Every view is a torch tensor over memory exported through DLPack; the export holds a
+reference to the reservation, so memory lives as long as any view of it, whatever happens to
+the `ExtensibleTensor` object. Views over the capacity are valid for addressing, but touching
+bytes past a segment's committed prefix faults (SIGSEGV on the host backend, an illegal
+address on CUDA): paged indexing never does. `segment_view` covers exactly the committed
+prefix, for consumers that register memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from extensible_kv import _native
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ExtensibleTensor"]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class ExtensibleTensor(_native.ExtensibleTensor):
+    """One address reservation of `max_bytes`, in `num_segments` segments that grow in lockstep.
+
+    `ExtensibleTensor(max_bytes, num_segments=1, device="cpu", *, segment_capacities=None,
+    granularity=None, max_handle_bytes=None)`: `device` is `"cpu"` (host backend), `"cuda"`,
+    `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal segments (summing to
+    `max_bytes`). Use as a context manager to `close()` on exit.
+    """
+
+    def view(
+        self,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        strides: Sequence[int] | None = None,
+        offset: int = 0,
+    ) -> torch.Tensor:
+        """A strided view: `strides` in elements (default: contiguous), `offset` in bytes.
+
+        The view's storage spans exactly the bytes it can address, from `offset` on.
+        """
+        import torch
+
+        shape = tuple(int(s) for s in shape)
+        strides = _contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
+        if len(strides) != len(shape):
+            raise ValueError(f"shape {shape} and strides {strides} differ in length")
+        if any(s < 0 for s in shape) or any(s < 0 for s in strides):
+            raise ValueError(f"shape {shape} and strides {strides} must be non-negative")
+        itemsize = _itemsize(dtype)
+        if offset < 0 or offset % itemsize:
+            raise ValueError(f"offset {offset} must be a non-negative multiple of {itemsize}")
+        if 0 in shape:
+            num_elements = 0
+        else:
+            num_elements = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        flat = torch.from_dlpack(self._capsule(offset, num_elements * itemsize))
+        return flat.view(dtype).as_strided(shape, strides)
+
+    def full_view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole capacity as a 1-D tensor of `dtype` (default uint8)."""
+        import torch
+
+        dtype = torch.uint8 if dtype is None else dtype
+        itemsize = _itemsize(dtype)
+        if self.capacity_bytes % itemsize:
+            raise ValueError(
+                f"capacity of {self.capacity_bytes} bytes is not a multiple of {dtype}'s "
+                f"{itemsize}-byte items"
+            )
+        return self.view(dtype, (self.capacity_bytes // itemsize,))
+
+    def segment_view(self, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The committed prefix of segment `index`, as a 1-D tensor whose storage is exactly it."""
+        import torch
+
+        if not 0 <= index < self.num_segments:
+            raise IndexError(f"segment {index} out of range for {self.num_segments} segments")
+        dtype = torch.uint8 if dtype is None else dtype
+        itemsize = _itemsize(dtype)
+        committed = self.segment_bytes[index]
+        if committed % itemsize:
+            raise ValueError(
+                f"segment {index} holds {committed} bytes, not a multiple of {itemsize}"
+            )
+        return self.view(dtype, (committed // itemsize,), offset=self.segment_offsets[index])
+
+    def __enter__(self) -> ExtensibleTensor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,453 @@
+//! The Python bindings (`extensible_kv._native`). No logic lives here: each method extracts
+//! its arguments, releases the GIL around the core call, and converts the result or error.
+
+mod capsule;
+
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyList, PyTuple};
+
+use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
+use crate::driver::{self, DeviceKind};
+use crate::error::{Error, Op};
+use crate::tensor::{ExtensibleTensor, Options};
+
+pyo3::create_exception!(
+    _native,
+    OutOfMemoryError,
+    pyo3::exceptions::PyMemoryError,
+    "Physical memory could not be committed; the tensor is unchanged."
+);
+pyo3::create_exception!(
+    _native,
+    DriverError,
+    PyRuntimeError,
+    "The backend (CUDA driver or OS) failed; `code` holds its name for the failure."
+);
+pyo3::create_exception!(
+    _native,
+    UnsupportedError,
+    PyRuntimeError,
+    "The backend or device cannot do this (e.g. no CUDA VMM support)."
+);
+pyo3::create_exception!(
+    _native,
+    ClosedError,
+    PyValueError,
+    "The tensor was closed."
+);
+
+fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
+    let message = err.to_string();
+    let (pyerr, attrs): (PyErr, Vec<(&str, Py<PyAny>)>) = match err {
+        Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
+        Error::OutOfMemory { op, requested_bytes, free_bytes, code } => (
+            OutOfMemoryError::new_err(message),
+            vec![
+                ("op", op.name().into_pyobject(py).unwrap().into_any().unbind()),
+                ("code", code.into_pyobject(py).unwrap().into_any().unbind()),
+                ("requested_bytes", requested_bytes.into_pyobject(py).unwrap().into_any().unbind()),
+                ("free_bytes", free_bytes.into_pyobject(py).unwrap().into_any().unbind()),
+            ],
+        ),
+        Error::Driver { op, code, .. } => (
+            DriverError::new_err(message),
+            vec![
+                ("op", op.name().into_pyobject(py).unwrap().into_any().unbind()),
+                ("code", code.into_pyobject(py).unwrap().into_any().unbind()),
+            ],
+        ),
+        Error::Unsupported(_) => (UnsupportedError::new_err(message), vec![]),
+        Error::Closed => (ClosedError::new_err(message), vec![]),
+        Error::ViewsAlive { .. } => (PyBufferError::new_err(message), vec![]),
+    };
+    let value = pyerr.value(py);
+    for (name, attr) in attrs {
+        // Attribute setting on a fresh exception instance cannot fail in practice; if it did,
+        // the exception is still the right type with the right message.
+        let _ = value.setattr(name, attr);
+    }
+    pyerr
+}
+
+/// A non-negative size: ValueError (not OverflowError) for negative or oversized ints.
+fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<pyo3::types::PyBool>() {
+        let type_name = obj.get_type().name()?;
+        return Err(PyTypeError::new_err(format!("{what} must be an int, not {type_name}")));
+    }
+    obj.extract::<u64>().map_err(|_| {
+        PyValueError::new_err(format!("{what} must be between 0 and 2**64-1, got {obj}"))
+    })
+}
+
+fn to_u64_opt(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
+    obj.filter(|o| !o.is_none()).map(|o| to_u64(o, what)).transpose()
+}
+
+fn parse_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
+    let (op, nth, kind): (String, u64, String) = obj.extract()?;
+    let op = Op::from_name(&op)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown driver operation {op:?}")))?;
+    let kind = match kind.as_str() {
+        "driver" => FaultKind::Driver,
+        "oom" => FaultKind::OutOfMemory,
+        _ => return Err(PyValueError::new_err("fault kind must be 'driver' or 'oom'")),
+    };
+    Ok(Fault { op, nth, kind })
+}
+
+/// One reservation of address space, split into segments that grow in lockstep.
+#[pyclass(name = "ExtensibleTensor", module = "extensible_kv._native", subclass, frozen)]
+pub struct PyExtensibleTensor {
+    core: ExtensibleTensor,
+}
+
+impl PyExtensibleTensor {
+    fn segment_targets(&self, bytes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let n = self.core.num_segments();
+        if bytes.is_instance_of::<PyInt>() {
+            return Ok(vec![to_u64(bytes, "bytes_per_segment")?; n]);
+        }
+        let items: Vec<Bound<'_, PyAny>> = bytes.try_iter()?.collect::<PyResult<_>>()?;
+        if items.len() != n {
+            return Err(PyValueError::new_err(format!(
+                "expected an int or {n} per-segment sizes, got {}",
+                items.len()
+            )));
+        }
+        items.iter().map(|b| to_u64(b, "bytes_per_segment")).collect()
+    }
+
+    /// The stream to zero on: the caller's, else torch's current stream for a CUDA device.
+    fn resolve_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<u64> {
+        match (stream, self.core.device()) {
+            (Some(s), _) => Ok(s),
+            (None, DeviceKind::Cpu) => Ok(0),
+            (None, DeviceKind::Cuda(ordinal)) => py
+                .import("torch")?
+                .getattr("cuda")?
+                .call_method1("current_stream", (ordinal,))?
+                .getattr("cuda_stream")?
+                .extract(),
+        }
+    }
+
+    fn grow(&self, py: Python<'_>, targets: Vec<u64>, zero_new: bool, stream: Option<u64>) -> PyResult<()> {
+        if !self.core.needs_grow(&targets) {
+            // The no-op fast path: validated, nothing to map, no GIL release.
+            return self.core.resize_segments(&targets, zero_new, 0).map_err(|e| to_pyerr(py, e));
+        }
+        let stream = self.resolve_stream(py, stream)?;
+        let core = &self.core;
+        py.detach(|| core.resize_segments(&targets, zero_new, stream)).map_err(|e| to_pyerr(py, e))
+    }
+}
+
+#[pymethods]
+impl PyExtensibleTensor {
+    #[new]
+    #[pyo3(signature = (
+        max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
+        max_handle_bytes=None, fixed_handle_bytes=None, _fault=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        max_bytes: &Bound<'_, PyAny>,
+        num_segments: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
+        segment_capacities: Option<&Bound<'_, PyAny>>,
+        granularity: Option<&Bound<'_, PyAny>>,
+        max_handle_bytes: Option<&Bound<'_, PyAny>>,
+        fixed_handle_bytes: Option<&Bound<'_, PyAny>>,
+        _fault: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let max_bytes = to_u64(max_bytes, "max_bytes")?;
+        let num_segments = to_u64_opt(num_segments, "num_segments")?;
+        let device = match device.filter(|d| !d.is_none()) {
+            Some(d) => d.str()?.to_string(), // accepts str and torch.device alike
+            None => "cpu".to_string(),
+        };
+        let options = Options {
+            granularity: to_u64_opt(granularity, "granularity")?,
+            max_handle_bytes: to_u64_opt(max_handle_bytes, "max_handle_bytes")?,
+            fixed_handle_bytes: to_u64_opt(fixed_handle_bytes, "fixed_handle_bytes")?,
+        };
+        let capacities = match segment_capacities.filter(|c| !c.is_none()) {
+            Some(caps) => Some(
+                caps.try_iter()?
+                    .map(|c| to_u64(&c?, "segment_capacities[i]"))
+                    .collect::<PyResult<Vec<u64>>>()?,
+            ),
+            None => None,
+        };
+        let fault = _fault.filter(|f| !f.is_none()).map(parse_fault).transpose()?;
+        let build = || -> crate::Result<ExtensibleTensor> {
+            let mut driver = driver::open(&device, options.granularity)?;
+            if let Some(fault) = fault {
+                driver = Arc::new(FaultyDriver::new(driver, fault));
+            }
+            match capacities {
+                Some(caps) => {
+                    check_capacities(&caps, max_bytes, num_segments)?;
+                    ExtensibleTensor::with_segment_capacities(driver, caps, options)
+                }
+                None => ExtensibleTensor::with_equal_segments(
+                    driver,
+                    max_bytes,
+                    num_segments.unwrap_or(1),
+                    options,
+                ),
+            }
+        };
+        let core = py.detach(build).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyExtensibleTensor { core })
+    }
+
+    /// Grows every segment to `bytes_per_segment` (an int, or one size per segment).
+    #[pyo3(signature = (bytes_per_segment, zero_new=true, stream=None))]
+    fn resize_per_segment_(
+        slf: &Bound<'_, Self>,
+        bytes_per_segment: &Bound<'_, PyAny>,
+        zero_new: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Py<Self>> {
+        let this = slf.get();
+        let targets = this.segment_targets(bytes_per_segment)?;
+        this.grow(slf.py(), targets, zero_new, stream)?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// Grows a one-segment tensor to `num_bytes`.
+    #[pyo3(signature = (num_bytes, zero_new=true, stream=None))]
+    fn resize_(
+        slf: &Bound<'_, Self>,
+        num_bytes: &Bound<'_, PyAny>,
+        zero_new: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Py<Self>> {
+        let this = slf.get();
+        let n = this.core.num_segments();
+        if n != 1 {
+            return Err(PyValueError::new_err(format!(
+                "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
+            )));
+        }
+        this.grow(slf.py(), vec![to_u64(num_bytes, "num_bytes")?], zero_new, stream)?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
+    fn release_physical(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.core.release_physical()).map_err(|e| to_pyerr(py, e))
+    }
+
+    /// Releases memory and addresses now; BufferError while views exist. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.core.close()).map_err(|e| to_pyerr(py, e))
+    }
+
+    /// A DLPack capsule of `num_bytes` bytes at `offset` (1-D uint8) that keeps the memory alive.
+    #[pyo3(signature = (offset, num_bytes, versioned=true))]
+    fn _capsule(
+        &self,
+        py: Python<'_>,
+        offset: &Bound<'_, PyAny>,
+        num_bytes: &Bound<'_, PyAny>,
+        versioned: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let (offset, num_bytes) = (to_u64(offset, "offset")?, to_u64(num_bytes, "num_bytes")?);
+        let region = self.core.export(offset, num_bytes).map_err(|e| to_pyerr(py, e))?;
+        capsule::new(py, region, versioned)
+    }
+
+    /// The DLPack protocol: the whole capacity as a 1-D uint8 tensor.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        // The memory is ready on the stream it was zeroed on, which is the consumer's current
+        // stream by default; a consumer on another stream orders itself, as with any allocator.
+        let _ = stream;
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err("ExtensibleTensor exports without copying only"));
+        }
+        if let Some(dev) = dl_device {
+            if dev != self.core.device().dlpack() {
+                return Err(PyBufferError::new_err(format!(
+                    "cannot export to DLPack device {dev:?}: the memory lives on {:?}",
+                    self.core.device().dlpack()
+                )));
+            }
+        }
+        let region = self.core.export(0, self.core.capacity_bytes()).map_err(|e| to_pyerr(py, e))?;
+        capsule::new(py, region, max_version.is_some_and(|(major, _)| major >= 1))
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        self.core.device().dlpack()
+    }
+
+    /// Checks the owner's invariants; raises AssertionError naming the broken one.
+    fn _check_invariants(&self) -> PyResult<()> {
+        self.core.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+
+    /// Errors that destructors met (a failed unmap or release) since the last call.
+    fn take_deferred_errors(&self) -> Vec<String> {
+        self.core.take_deferred_errors().iter().map(ToString::to_string).collect()
+    }
+
+    /// The granule runs `(first_granule, num_granules)` of the mapped handles.
+    fn handle_runs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let runs: Vec<(u64, u64)> =
+            self.core.handle_runs().iter().map(|r| (r.first_granule, r.num_granules)).collect();
+        PyList::new(py, runs)
+    }
+
+    #[getter]
+    fn base_ptr(&self, py: Python<'_>) -> PyResult<u64> {
+        self.core.base_ptr().map_err(|e| to_pyerr(py, e))
+    }
+
+    #[getter]
+    fn capacity_bytes(&self) -> u64 {
+        self.core.capacity_bytes()
+    }
+
+    /// The capacity of each segment (raises ValueError when they differ: see segment_capacities).
+    #[getter]
+    fn segment_capacity_bytes(&self) -> PyResult<u64> {
+        uniform(self.core.geometry().segment_capacities(), "segment_capacities")
+    }
+
+    /// The byte offset of each segment from `base_ptr`.
+    #[getter]
+    fn segment_offsets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.core.geometry().segment_offsets())
+    }
+
+    #[getter]
+    fn segment_capacities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.core.geometry().segment_capacities())
+    }
+
+    /// The committed bytes of every segment (raises ValueError when they differ: see
+    /// segment_bytes).
+    #[getter]
+    fn bytes_per_segment(&self) -> PyResult<u64> {
+        uniform(&self.core.segment_bytes(), "segment_bytes")
+    }
+
+    #[getter]
+    fn segment_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.core.segment_bytes())
+    }
+
+    #[getter]
+    fn num_segments(&self) -> usize {
+        self.core.num_segments()
+    }
+
+    #[getter]
+    fn physical_bytes(&self) -> u64 {
+        self.core.physical_bytes()
+    }
+
+    #[getter]
+    fn num_handles(&self) -> usize {
+        self.core.num_handles()
+    }
+
+    #[getter]
+    fn granularity(&self) -> u64 {
+        self.core.granularity()
+    }
+
+    /// `cpu` or `cuda:N`, as torch names it.
+    #[getter]
+    fn device(&self) -> String {
+        self.core.device().torch_name()
+    }
+
+    /// `host` or `cuda`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.core.backend_name()
+    }
+
+    #[getter]
+    fn live_views(&self) -> usize {
+        self.core.live_views()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.core.is_closed()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ExtensibleTensor(device={}, backend={}, capacity_bytes={}, num_segments={}, \
+             segment_bytes={:?}, physical_bytes={}, num_handles={})",
+            self.core.device().torch_name(),
+            self.core.backend_name(),
+            self.core.capacity_bytes(),
+            self.core.num_segments(),
+            self.core.segment_bytes(),
+            self.core.physical_bytes(),
+            self.core.num_handles()
+        )
+    }
+}
+
+fn uniform(values: &[u64], plural: &str) -> PyResult<u64> {
+    match values.split_first() {
+        Some((first, rest)) if rest.iter().all(|v| v == first) => Ok(*first),
+        _ => Err(PyValueError::new_err(format!("segments differ: use {plural} ({values:?})"))),
+    }
+}
+
+fn check_capacities(caps: &[u64], max_bytes: u64, num_segments: Option<u64>) -> crate::Result<()> {
+    let total: u128 = caps.iter().map(|&c| u128::from(c)).sum();
+    if total != u128::from(max_bytes) {
+        return Err(Error::invalid(format!(
+            "segment_capacities sum to {total} bytes, but max_bytes is {max_bytes}"
+        )));
+    }
+    match num_segments {
+        Some(n) if n != caps.len() as u64 => Err(Error::invalid(format!(
+            "num_segments is {n} but segment_capacities has {} entries",
+            caps.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// None when `device` can map memory through the VMM API, else the reason it cannot.
+#[pyfunction]
+fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    Ok(driver::unavailable_reason(&device.str()?.to_string()))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyExtensibleTensor>()?;
+    m.add_function(wrap_pyfunction!(vmm_unavailable_reason, m)?)?;
+    m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
+    m.add("DriverError", py.get_type::<DriverError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("DEFAULT_MAX_HANDLE_BYTES", crate::tensor::DEFAULT_MAX_HANDLE_BYTES)?;
+    m.add("CUDA_BUILT", cfg!(feature = "cuda"))?;
+    Ok(())
+}
