@@ -82,9 +82,16 @@ fn dl_tensor(region: &ExportedRegion) -> DLTensor {
     let (device_type, device_id) = region.device.dlpack();
     DLTensor {
         data: region.ptr as *mut c_void,
-        device: DLDevice { device_type, device_id },
+        device: DLDevice {
+            device_type,
+            device_id,
+        },
         ndim: 1,
-        dtype: DLDataType { code: KDL_UINT, bits: 8, lanes: 1 },
+        dtype: DLDataType {
+            code: KDL_UINT,
+            bits: 8,
+            lanes: 1,
+        },
         shape: std::ptr::null_mut(),
         strides: std::ptr::null_mut(),
         byte_offset: 0,
@@ -111,13 +118,21 @@ fn len_i64(region: &ExportedRegion) -> i64 {
 /// A DLPack 1.x managed tensor; the consumer must call its deleter exactly once.
 pub fn export_versioned(region: ExportedRegion) -> *mut DLManagedTensorVersioned {
     let managed = DLManagedTensorVersioned {
-        version: DLPackVersion { major: DLPACK_MAJOR, minor: DLPACK_MINOR },
+        version: DLPackVersion {
+            major: DLPACK_MAJOR,
+            minor: DLPACK_MINOR,
+        },
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_versioned),
         flags: 0,
         dl_tensor: dl_tensor(&region),
     };
-    let holder = Holder { managed, shape: [len_i64(&region)], strides: [1], _guard: region.guard };
+    let holder = Holder {
+        managed,
+        shape: [len_i64(&region)],
+        strides: [1],
+        _guard: region.guard,
+    };
     into_raw(holder, |m| &mut m.dl_tensor)
 }
 
@@ -128,7 +143,12 @@ pub fn export_legacy(region: ExportedRegion) -> *mut DLManagedTensor {
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_legacy),
     };
-    let holder = Holder { managed, shape: [len_i64(&region)], strides: [1], _guard: region.guard };
+    let holder = Holder {
+        managed,
+        shape: [len_i64(&region)],
+        strides: [1],
+        _guard: region.guard,
+    };
     into_raw(holder, |m| &mut m.dl_tensor)
 }
 
@@ -166,7 +186,10 @@ mod tests {
             let t = &(*managed).dl_tensor;
             assert_eq!(t.data as u64, tensor.base_ptr().unwrap() + 10);
             assert_eq!(*t.shape, 50);
-            assert_eq!((t.dtype.code, t.dtype.bits, t.dtype.lanes), (KDL_UINT, 8, 1));
+            assert_eq!(
+                (t.dtype.code, t.dtype.bits, t.dtype.lanes),
+                (KDL_UINT, 8, 1)
+            );
             ((*managed).deleter.unwrap())(managed);
         }
         assert_eq!(tensor.live_views(), 0);

@@ -20,7 +20,10 @@ pub struct Run {
 
 impl Run {
     pub fn new(first_granule: u64, num_granules: u64) -> Run {
-        Run { first_granule, num_granules }
+        Run {
+            first_granule,
+            num_granules,
+        }
     }
 
     pub fn end_granule(self) -> u64 {
@@ -91,7 +94,12 @@ impl Geometry {
         let reserved_bytes = total
             .checked_next_multiple_of(granularity)
             .ok_or_else(|| Error::invalid(format!("{total} bytes cannot be reserved")))?;
-        Ok(Geometry { granularity, segment_capacities, segment_offsets, reserved_bytes })
+        Ok(Geometry {
+            granularity,
+            segment_capacities,
+            segment_offsets,
+            reserved_bytes,
+        })
     }
 
     pub fn granularity(&self) -> u64 {
@@ -134,7 +142,10 @@ impl Geometry {
                 segment_bytes.len()
             )));
         }
-        let over = segment_bytes.iter().zip(&self.segment_capacities).position(|(b, c)| b > c);
+        let over = segment_bytes
+            .iter()
+            .zip(&self.segment_capacities)
+            .position(|(b, c)| b > c);
         if let Some(i) = over {
             return Err(Error::invalid(format!(
                 "{} bytes exceeds the capacity of segment {i} ({} bytes)",
@@ -169,7 +180,10 @@ impl Geometry {
         let triples = self.segment_offsets.iter().zip(old).zip(new);
         triples
             .filter(|((_, o), n)| n > o)
-            .map(|((&offset, &o), &n)| ByteRange { offset: offset + o, num_bytes: n - o })
+            .map(|((&offset, &o), &n)| ByteRange {
+                offset: offset + o,
+                num_bytes: n - o,
+            })
             .collect()
     }
 
@@ -218,7 +232,10 @@ pub fn intersect(ranges: &[ByteRange], runs: &[Run], granularity: u64) -> Vec<By
             let start = range.offset.max(runs[k].first_granule * granularity);
             let end = range.end().min(runs[k].end_granule() * granularity);
             if start < end {
-                out.push(ByteRange { offset: start, num_bytes: end - start });
+                out.push(ByteRange {
+                    offset: start,
+                    num_bytes: end - start,
+                });
             }
             k += 1;
         }
@@ -246,7 +263,9 @@ impl HandlePolicy {
                  granularity ({granularity})"
             )));
         }
-        Ok(HandlePolicy::Adaptive { max_handle_granules: max_handle_bytes / granularity })
+        Ok(HandlePolicy::Adaptive {
+            max_handle_granules: max_handle_bytes / granularity,
+        })
     }
 
     /// Appends the handles for `run` to `out`.
@@ -255,10 +274,16 @@ impl HandlePolicy {
         let end = run.end_granule();
         while cursor < end {
             let size = match self {
-                HandlePolicy::Adaptive { max_handle_granules } => {
+                HandlePolicy::Adaptive {
+                    max_handle_granules,
+                } => {
                     let cap = prev_power_of_two(max_handle_granules.max(1));
                     let fits = prev_power_of_two(end - cursor);
-                    let aligned = if cursor == 0 { u64::MAX } else { 1 << cursor.trailing_zeros() };
+                    let aligned = if cursor == 0 {
+                        u64::MAX
+                    } else {
+                        1 << cursor.trailing_zeros()
+                    };
                     cap.min(fits).min(aligned)
                 }
                 HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
@@ -297,19 +322,29 @@ pub fn plan_grow(
     for run in missing {
         policy.cut(run, &mut new_handles);
     }
-    GrowPlan { new_handles, new_ranges: geometry.new_ranges(old, new) }
+    GrowPlan {
+        new_handles,
+        new_ranges: geometry.new_ranges(old, new),
+    }
 }
 
 /// Checks that `runs` are sorted, disjoint, non-empty and inside `num_granules`.
 pub fn check_runs(runs: &[Run], num_granules: u64) -> Result<(), String> {
     for pair in runs.windows(2) {
         if pair[0].end_granule() > pair[1].first_granule {
-            return Err(format!("runs out of order or overlapping: {:?} then {:?}", pair[0], pair[1]));
+            return Err(format!(
+                "runs out of order or overlapping: {:?} then {:?}",
+                pair[0], pair[1]
+            ));
         }
     }
-    if let Some(run) = runs.iter().find(|r| r.num_granules == 0 || r.end_granule() > num_granules)
+    if let Some(run) = runs
+        .iter()
+        .find(|r| r.num_granules == 0 || r.end_granule() > num_granules)
     {
-        return Err(format!("run {run:?} is empty or past granule {num_granules}"));
+        return Err(format!(
+            "run {run:?} is empty or past granule {num_granules}"
+        ));
     }
     Ok(())
 }
@@ -322,7 +357,9 @@ mod tests {
     const G: u64 = 4096;
 
     fn granule_set(runs: &[Run]) -> std::collections::BTreeSet<u64> {
-        runs.iter().flat_map(|r| r.first_granule..r.end_granule()).collect()
+        runs.iter()
+            .flat_map(|r| r.first_granule..r.end_granule())
+            .collect()
     }
 
     #[test]
@@ -336,7 +373,9 @@ mod tests {
         let plan = plan_grow(
             &geometry,
             &[Run::new(0, 2)],
-            HandlePolicy::Adaptive { max_handle_granules: 8 },
+            HandlePolicy::Adaptive {
+                max_handle_granules: 8,
+            },
             &[G / 2, G / 2],
             &[3 * G / 2, 3 * G / 2],
         );
@@ -352,11 +391,25 @@ mod tests {
     #[test]
     fn adaptive_cuts_aligned_powers_of_two() {
         let mut out = Vec::new();
-        HandlePolicy::Adaptive { max_handle_granules: 1 << 20 }.cut(Run::new(3, 13), &mut out);
+        HandlePolicy::Adaptive {
+            max_handle_granules: 1 << 20,
+        }
+        .cut(Run::new(3, 13), &mut out);
         assert_eq!(out, vec![Run::new(3, 1), Run::new(4, 4), Run::new(8, 8)]);
         out.clear();
-        HandlePolicy::Adaptive { max_handle_granules: 4 }.cut(Run::new(0, 11), &mut out);
-        assert_eq!(out, vec![Run::new(0, 4), Run::new(4, 4), Run::new(8, 2), Run::new(10, 1)]);
+        HandlePolicy::Adaptive {
+            max_handle_granules: 4,
+        }
+        .cut(Run::new(0, 11), &mut out);
+        assert_eq!(
+            out,
+            vec![
+                Run::new(0, 4),
+                Run::new(4, 4),
+                Run::new(8, 2),
+                Run::new(10, 1)
+            ]
+        );
     }
 
     /// The issue's bound: growing 2 segments from one block to 64 GiB each.
@@ -369,17 +422,29 @@ mod tests {
         let initial = geometry.needed_runs(&[block, block]);
         let granules = per_segment / g;
         let log2 = u64::from(63 - granules.leading_zeros());
+        let cap_granules = (1u64 << 30) / g;
         for (cap, bound) in [
-            (u64::MAX / g, 2 * log2 + 2),
-            (1 << 30, (per_segment.div_ceil(1 << 30)) + 2 * u64::from((1u64 << 30) / g).ilog2() as u64 + 2),
+            (u64::MAX, 2 * log2 + 2),
+            (
+                cap_granules,
+                per_segment.div_ceil(1 << 30) + 2 * u64::from(cap_granules.ilog2()) + 2,
+            ),
         ] {
-            let policy = HandlePolicy::Adaptive { max_handle_granules: cap };
+            let policy = HandlePolicy::Adaptive {
+                max_handle_granules: cap,
+            };
             let plan = plan_grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
             for segment in 0..2u64 {
                 let (lo, hi) = (segment * granules, (segment + 1) * granules);
-                let count =
-                    plan.new_handles.iter().filter(|r| r.first_granule >= lo && r.end_granule() <= hi).count();
-                assert!(count as u64 <= bound, "segment {segment}: {count} handles > {bound}");
+                let count = plan
+                    .new_handles
+                    .iter()
+                    .filter(|r| r.first_granule >= lo && r.end_granule() <= hi)
+                    .count();
+                assert!(
+                    count as u64 <= bound,
+                    "segment {segment}: {count} handles > {bound}"
+                );
             }
         }
     }
@@ -387,7 +452,9 @@ mod tests {
     #[test]
     fn planning_64_tib_allocates_per_handle_not_per_granule() {
         let geometry = Geometry::equal(64 << 40, 2, 2 << 20).unwrap();
-        let policy = HandlePolicy::Adaptive { max_handle_granules: 1 << 20 };
+        let policy = HandlePolicy::Adaptive {
+            max_handle_granules: 1 << 20,
+        };
         let full = [32u64 << 40; 2];
         let plan = plan_grow(&geometry, &[], policy, &[0, 0], &full);
         // One merged run of 32 Mi granules, cut at the 2 TiB cap.

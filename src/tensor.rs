@@ -51,7 +51,10 @@ struct Ctx {
 impl Ctx {
     fn defer(&self, result: Result<()>) {
         if let Err(err) = result {
-            self.deferred.lock().expect("deferred errors poisoned").push(err);
+            self.deferred
+                .lock()
+                .expect("deferred errors poisoned")
+                .push(err);
         }
     }
 }
@@ -65,7 +68,8 @@ struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.ctx.defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
+        self.ctx
+            .defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
     }
 }
 
@@ -92,9 +96,17 @@ struct Mapping {
 impl Mapping {
     fn create(ctx: &Arc<Ctx>, run: Run, va: u64, num_bytes: u64) -> Result<Mapping> {
         let id = ctx.driver.create(num_bytes)?;
-        let handle = PhysicalHandle { ctx: Arc::clone(ctx), id };
+        let handle = PhysicalHandle {
+            ctx: Arc::clone(ctx),
+            id,
+        };
         ctx.driver.map(va, num_bytes, handle.id)?;
-        Ok(Mapping { run, va, num_bytes, handle })
+        Ok(Mapping {
+            run,
+            va,
+            num_bytes,
+            handle,
+        })
     }
 }
 
@@ -199,17 +211,25 @@ impl ExtensibleTensor {
         let policy = match (options.fixed_handle_bytes, options.max_handle_bytes) {
             (Some(fixed), _) => {
                 HandlePolicy::adaptive(fixed, granularity)?; // the same validity rule
-                HandlePolicy::Fixed { handle_granules: fixed / granularity }
+                HandlePolicy::Fixed {
+                    handle_granules: fixed / granularity,
+                }
             }
             (None, max) => {
                 let max = max.unwrap_or(DEFAULT_MAX_HANDLE_BYTES.max(granularity));
                 HandlePolicy::adaptive(max, granularity)?
             }
         };
-        let ctx = Arc::new(Ctx { driver, deferred: Mutex::new(Vec::new()) });
+        let ctx = Arc::new(Ctx {
+            driver,
+            deferred: Mutex::new(Vec::new()),
+        });
         let va = ctx.driver.reserve(geometry.reserved_bytes())?;
-        let reservation =
-            Reservation { ctx: Arc::clone(&ctx), va, num_bytes: geometry.reserved_bytes() };
+        let reservation = Reservation {
+            ctx: Arc::clone(&ctx),
+            va,
+            num_bytes: geometry.reserved_bytes(),
+        };
         let state = State {
             segment_bytes: vec![0; geometry.num_segments()],
             mappings: Vec::new(),
@@ -223,7 +243,9 @@ impl ExtensibleTensor {
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
         };
-        Ok(ExtensibleTensor { inner: Arc::new(inner) })
+        Ok(ExtensibleTensor {
+            inner: Arc::new(inner),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -244,18 +266,33 @@ impl ExtensibleTensor {
     }
 
     /// Grows every segment to `bytes_per_segment`.
-    pub fn resize_per_segment(&self, bytes_per_segment: u64, zero_new: bool, stream: u64) -> Result<()> {
+    pub fn resize_per_segment(
+        &self,
+        bytes_per_segment: u64,
+        zero_new: bool,
+        stream: u64,
+    ) -> Result<()> {
         let targets = vec![bytes_per_segment; self.inner.geometry.num_segments()];
         self.resize_segments(&targets, zero_new, stream)
     }
 
     /// Grows segment `i` to `segment_bytes[i]`; zeroes the new bytes `[old_i, new_i)` of each
     /// segment on `stream` when `zero_new`. All or nothing: on error the tensor is unchanged.
-    pub fn resize_segments(&self, segment_bytes: &[u64], zero_new: bool, stream: u64) -> Result<()> {
+    pub fn resize_segments(
+        &self,
+        segment_bytes: &[u64],
+        zero_new: bool,
+        stream: u64,
+    ) -> Result<()> {
         let mut state = self.lock_open()?;
         let geometry = &self.inner.geometry;
         geometry.check_request(segment_bytes)?;
-        if let Some(i) = state.segment_bytes.iter().zip(segment_bytes).position(|(o, n)| n < o) {
+        if let Some(i) = state
+            .segment_bytes
+            .iter()
+            .zip(segment_bytes)
+            .position(|(o, n)| n < o)
+        {
             return Err(Error::invalid(format!(
                 "cannot shrink segment {i} from {} to {} bytes: only growth is supported",
                 state.segment_bytes[i], segment_bytes[i]
@@ -265,8 +302,13 @@ impl ExtensibleTensor {
             return Ok(());
         }
         let mapped: Vec<Run> = state.mappings.iter().map(|m| m.run).collect();
-        let plan =
-            plan::plan_grow(geometry, &mapped, self.inner.policy, &state.segment_bytes, segment_bytes);
+        let plan = plan::plan_grow(
+            geometry,
+            &mapped,
+            self.inner.policy,
+            &state.segment_bytes,
+            segment_bytes,
+        );
         let fresh = self.map_runs(&plan.new_handles)?;
         if zero_new {
             let driver = &self.inner.ctx.driver;
@@ -293,7 +335,12 @@ impl ExtensibleTensor {
         let mut fresh = Vec::with_capacity(runs.len());
         for &run in runs {
             let bytes = inner.geometry.run_bytes(run);
-            fresh.push(Mapping::create(&inner.ctx, run, inner.base + bytes.offset, bytes.num_bytes)?);
+            fresh.push(Mapping::create(
+                &inner.ctx,
+                run,
+                inner.base + bytes.offset,
+                bytes.num_bytes,
+            )?);
         }
         let mut i = 0;
         while i < fresh.len() {
@@ -311,7 +358,10 @@ impl ExtensibleTensor {
     fn zero(&self, ranges: &[ByteRange], stream: u64) -> Result<()> {
         for range in ranges {
             let va = self.inner.base + range.offset;
-            self.inner.ctx.driver.memset_zero(va, range.num_bytes, stream)?;
+            self.inner
+                .ctx
+                .driver
+                .memset_zero(va, range.num_bytes, stream)?;
         }
         Ok(())
     }
@@ -329,7 +379,10 @@ impl ExtensibleTensor {
             state.mappings.clear();
         }
         state.segment_bytes.fill(0);
-        self.take_deferred_errors().into_iter().next().map_or(Ok(()), Err)
+        self.take_deferred_errors()
+            .into_iter()
+            .next()
+            .map_or(Ok(()), Err)
     }
 
     /// Releases memory and addresses now. Refused while views exist: their pointers would
@@ -345,7 +398,10 @@ impl ExtensibleTensor {
         }
         self.release_locked(&mut state)?;
         state.reservation = None;
-        self.take_deferred_errors().into_iter().next().map_or(Ok(()), Err)
+        self.take_deferred_errors()
+            .into_iter()
+            .next()
+            .map_or(Ok(()), Err)
     }
 
     pub fn is_closed(&self) -> bool {
@@ -356,7 +412,10 @@ impl ExtensibleTensor {
     pub fn export(&self, offset: u64, num_bytes: u64) -> Result<ExportedRegion> {
         let _state = self.lock_open()?;
         let capacity = self.inner.geometry.capacity_bytes();
-        if offset.checked_add(num_bytes).is_none_or(|end| end > capacity) {
+        if offset
+            .checked_add(num_bytes)
+            .is_none_or(|end| end > capacity)
+        {
             return Err(Error::invalid(format!(
                 "a view of {num_bytes} bytes at offset {offset} exceeds the capacity of \
                  {capacity} bytes"
@@ -367,7 +426,9 @@ impl ExtensibleTensor {
             ptr: self.inner.base + offset,
             num_bytes,
             device: self.inner.ctx.driver.device(),
-            guard: ViewGuard { inner: Arc::clone(&self.inner) },
+            guard: ViewGuard {
+                inner: Arc::clone(&self.inner),
+            },
         })
     }
 
@@ -428,7 +489,14 @@ impl ExtensibleTensor {
 
     /// Errors that destructors met (a failed unmap or release) since the last call.
     pub fn take_deferred_errors(&self) -> Vec<Error> {
-        std::mem::take(&mut *self.inner.ctx.deferred.lock().expect("deferred errors poisoned"))
+        std::mem::take(
+            &mut *self
+                .inner
+                .ctx
+                .deferred
+                .lock()
+                .expect("deferred errors poisoned"),
+        )
     }
 
     /// Checks the invariants listed at the top of this module.
@@ -444,10 +512,15 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
     for m in &state.mappings {
         let bytes = geometry.run_bytes(m.run);
         if m.va != inner.base + bytes.offset || m.num_bytes != bytes.num_bytes {
-            return Err(format!("mapping {:?} is at {:#x}+{:#x}", m.run, m.va, m.num_bytes));
+            return Err(format!(
+                "mapping {:?} is at {:#x}+{:#x}",
+                m.run, m.va, m.num_bytes
+            ));
         }
     }
-    geometry.check_request(&state.segment_bytes).map_err(|e| e.to_string())?;
+    geometry
+        .check_request(&state.segment_bytes)
+        .map_err(|e| e.to_string())?;
     let unmapped = plan::subtract(&geometry.needed_runs(&state.segment_bytes), &runs);
     if !unmapped.is_empty() {
         return Err(format!("committed granules {unmapped:?} are not mapped"));

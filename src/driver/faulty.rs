@@ -32,7 +32,11 @@ pub struct FaultyDriver {
 
 impl FaultyDriver {
     pub fn new(inner: Arc<dyn Driver>, fault: Fault) -> FaultyDriver {
-        FaultyDriver { inner, fault, calls: Default::default() }
+        FaultyDriver {
+            inner,
+            fault,
+            calls: Default::default(),
+        }
     }
 
     /// How many times `op` has been called so far, the failed call included.

@@ -62,7 +62,12 @@ impl Books {
     fn accessible(&self, va: u64, num_bytes: u64) -> bool {
         let end = va + num_bytes;
         let mut cursor = va;
-        let first = self.mappings.range(..=va).next_back().map(|(&s, _)| s).unwrap_or(va);
+        let first = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .map(|(&s, _)| s)
+            .unwrap_or(va);
         for (&start, &(len, accessible)) in self.mappings.range(first..end) {
             if start > cursor || !accessible {
                 return false;
@@ -111,7 +116,11 @@ impl HostDriver {
     /// `(live handles, live mappings, live reservations)`, for leak checks.
     pub fn live_counts(&self) -> (usize, usize, usize) {
         let books = self.books.lock().expect("host books poisoned");
-        (books.handles.len(), books.mappings.len(), books.reservations.len())
+        (
+            books.handles.len(),
+            books.mappings.len(),
+            books.reservations.len(),
+        )
     }
 
     fn check_aligned(&self, op: Op, what: &str, value: u64) -> Result<()> {
@@ -119,7 +128,10 @@ impl HostDriver {
             return Err(Error::Driver {
                 op,
                 code: "EINVAL".into(),
-                detail: format!("{what} {value:#x} is not a multiple of {}", self.granularity),
+                detail: format!(
+                    "{what} {value:#x} is not a multiple of {}",
+                    self.granularity
+                ),
             });
         }
         Ok(())
@@ -157,7 +169,11 @@ fn last_os_error(op: Op, detail: String) -> Error {
 }
 
 fn os_error(op: Op, errno: i32, detail: String) -> Error {
-    Error::Driver { op, code: errno_name(errno), detail }
+    Error::Driver {
+        op,
+        code: errno_name(errno),
+        detail,
+    }
 }
 
 fn invalid_range(op: Op, va: u64, num_bytes: u64, why: &str) -> Error {
@@ -181,7 +197,14 @@ unsafe fn map_inaccessible(va: u64, num_bytes: u64) -> *mut libc::c_void {
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
     // SAFETY: the caller guarantees the range is ours; an anonymous mapping needs no fd.
     unsafe {
-        libc::mmap(va as *mut _, bytes_as_usize(num_bytes), libc::PROT_NONE, flags, -1, 0)
+        libc::mmap(
+            va as *mut _,
+            bytes_as_usize(num_bytes),
+            libc::PROT_NONE,
+            flags,
+            -1,
+            0,
+        )
     }
 }
 
@@ -211,7 +234,14 @@ impl Driver for HostDriver {
         let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         // SAFETY: no MAP_FIXED: the kernel picks fresh address space, which nothing else owns.
         let raw = unsafe {
-            libc::mmap(std::ptr::null_mut(), bytes_as_usize(padded), libc::PROT_NONE, flags, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes_as_usize(padded),
+                libc::PROT_NONE,
+                flags,
+                -1,
+                0,
+            )
         };
         if raw == libc::MAP_FAILED {
             return Err(last_os_error(Op::Reserve, format!("{num_bytes} bytes")));
@@ -237,14 +267,27 @@ impl Driver for HostDriver {
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
         let mut books = self.books.lock().expect("host books poisoned");
         if books.reservations.get(&va) != Some(&num_bytes) {
-            return Err(invalid_range(Op::FreeReservation, va, num_bytes, "is not a reservation"));
+            return Err(invalid_range(
+                Op::FreeReservation,
+                va,
+                num_bytes,
+                "is not a reservation",
+            ));
         }
         if books.mappings.range(va..va + num_bytes).next().is_some() {
-            return Err(invalid_range(Op::FreeReservation, va, num_bytes, "is still mapped"));
+            return Err(invalid_range(
+                Op::FreeReservation,
+                va,
+                num_bytes,
+                "is still mapped",
+            ));
         }
         // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
         if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
-            return Err(last_os_error(Op::FreeReservation, format!("{num_bytes} bytes")));
+            return Err(last_os_error(
+                Op::FreeReservation,
+                format!("{num_bytes} bytes"),
+            ));
         }
         books.reservations.remove(&va);
         Ok(())
@@ -255,7 +298,10 @@ impl Driver for HostDriver {
         // SAFETY: memfd_name is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
         let fd = unsafe { libc::memfd_create(self.memfd_name.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(last_os_error(Op::Create, format!("memfd for {num_bytes} bytes")));
+            return Err(last_os_error(
+                Op::Create,
+                format!("memfd for {num_bytes} bytes"),
+            ));
         }
         // SAFETY: fd was just returned by memfd_create and is owned by nothing else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -299,13 +345,30 @@ impl Driver for HostDriver {
         let fd = match books.handles.get(&handle.0) {
             Some((fd, len)) if *len == num_bytes => fd.as_raw_fd(),
             Some((_, len)) => {
-                return Err(invalid_range(Op::Map, va, num_bytes, &format!("!= handle's {len}")))
+                return Err(invalid_range(
+                    Op::Map,
+                    va,
+                    num_bytes,
+                    &format!("!= handle's {len}"),
+                ))
             }
-            None => return Err(invalid_range(Op::Map, va, num_bytes, "names no live handle")),
+            None => {
+                return Err(invalid_range(
+                    Op::Map,
+                    va,
+                    num_bytes,
+                    "names no live handle",
+                ))
+            }
         };
         self.check_aligned(Op::Map, "address", va)?;
         if books.reservation_containing(va, num_bytes).is_none() {
-            return Err(invalid_range(Op::Map, va, num_bytes, "is outside every reservation"));
+            return Err(invalid_range(
+                Op::Map,
+                va,
+                num_bytes,
+                "is outside every reservation",
+            ));
         }
         let overlaps = books.mappings.range(..va + num_bytes).next_back();
         if overlaps.is_some_and(|(&start, &(len, _))| start + len > va) {
@@ -316,10 +379,20 @@ impl Driver for HostDriver {
         // so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a live memfd of ours
         // at least num_bytes long.
         let raw = unsafe {
-            libc::mmap(va as *mut _, bytes_as_usize(num_bytes), libc::PROT_NONE, flags, fd, 0)
+            libc::mmap(
+                va as *mut _,
+                bytes_as_usize(num_bytes),
+                libc::PROT_NONE,
+                flags,
+                fd,
+                0,
+            )
         };
         if raw == libc::MAP_FAILED {
-            return Err(last_os_error(Op::Map, format!("{num_bytes} bytes at {va:#x}")));
+            return Err(last_os_error(
+                Op::Map,
+                format!("{num_bytes} bytes at {va:#x}"),
+            ));
         }
         books.mappings.insert(va, (num_bytes, false));
         Ok(())
@@ -329,11 +402,19 @@ impl Driver for HostDriver {
         let mut books = self.books.lock().expect("host books poisoned");
         let (starts, exact) = books.mappings_tiling(va, num_bytes);
         if !exact || starts.is_empty() {
-            return Err(invalid_range(Op::Unmap, va, num_bytes, "does not cover whole mappings"));
+            return Err(invalid_range(
+                Op::Unmap,
+                va,
+                num_bytes,
+                "does not cover whole mappings",
+            ));
         }
         // SAFETY: the range is tiled by live mappings of ours, all inside our reservations.
         if unsafe { map_inaccessible(va, num_bytes) } == libc::MAP_FAILED {
-            return Err(last_os_error(Op::Unmap, format!("{num_bytes} bytes at {va:#x}")));
+            return Err(last_os_error(
+                Op::Unmap,
+                format!("{num_bytes} bytes at {va:#x}"),
+            ));
         }
         for start in starts {
             books.mappings.remove(&start);
@@ -345,13 +426,21 @@ impl Driver for HostDriver {
         let mut books = self.books.lock().expect("host books poisoned");
         let (starts, exact) = books.mappings_tiling(va, num_bytes);
         if !exact || starts.is_empty() {
-            return Err(invalid_range(Op::SetAccess, va, num_bytes, "is not wholly mapped"));
+            return Err(invalid_range(
+                Op::SetAccess,
+                va,
+                num_bytes,
+                "is not wholly mapped",
+            ));
         }
         let prot = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: the range is tiled by live shared mappings of ours; mprotect changes only
         // their protection.
         if unsafe { libc::mprotect(va as *mut _, bytes_as_usize(num_bytes), prot) } != 0 {
-            return Err(last_os_error(Op::SetAccess, format!("{num_bytes} bytes at {va:#x}")));
+            return Err(last_os_error(
+                Op::SetAccess,
+                format!("{num_bytes} bytes at {va:#x}"),
+            ));
         }
         for start in starts {
             if let Some(entry) = books.mappings.get_mut(&start) {
@@ -367,7 +456,12 @@ impl Driver for HostDriver {
         }
         let books = self.books.lock().expect("host books poisoned");
         if !books.accessible(va, num_bytes) {
-            return Err(invalid_range(Op::Memset, va, num_bytes, "is not mapped read-write"));
+            return Err(invalid_range(
+                Op::Memset,
+                va,
+                num_bytes,
+                "is not mapped read-write",
+            ));
         }
         // SAFETY: the range is covered by live read-write mappings of ours (checked above under
         // the lock that every unmap also takes); writing zeros there cannot alias Rust objects.
@@ -382,7 +476,10 @@ impl Driver for HostDriver {
     fn mem_info(&self) -> Result<(u64, u64)> {
         let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(|e| Error::Driver {
             op: Op::MemInfo,
-            code: e.raw_os_error().map(errno_name).unwrap_or_else(|| "EIO".into()),
+            code: e
+                .raw_os_error()
+                .map(errno_name)
+                .unwrap_or_else(|| "EIO".into()),
             detail: "reading /proc/meminfo".into(),
         })?;
         let field = |name: &str| -> Option<u64> {

@@ -103,7 +103,12 @@ pub fn parse_device(device: &str) -> Result<DeviceKind> {
         "cuda" => Ok(DeviceKind::Cuda(0)),
         other => {
             let ordinal = other.strip_prefix("cuda:").ok_or_else(invalid)?;
-            ordinal.parse::<i32>().ok().filter(|n| *n >= 0).map(DeviceKind::Cuda).ok_or_else(invalid)
+            ordinal
+                .parse::<i32>()
+                .ok()
+                .filter(|n| *n >= 0)
+                .map(DeviceKind::Cuda)
+                .ok_or_else(invalid)
         }
     }
 }
@@ -125,7 +130,10 @@ fn open_cuda(ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
     static DRIVERS: OnceLock<Mutex<HashMap<i32, Arc<cuda::CudaDriver>>>> = OnceLock::new();
-    let mut drivers = DRIVERS.get_or_init(Default::default).lock().expect("drivers poisoned");
+    let mut drivers = DRIVERS
+        .get_or_init(Default::default)
+        .lock()
+        .expect("drivers poisoned");
     if let Some(driver) = drivers.get(&ordinal) {
         return Ok(driver.clone());
     }
@@ -140,7 +148,8 @@ fn open_cuda(_ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
 }
 
 #[cfg(not(feature = "cuda"))]
-const NO_CUDA_BUILD: &str = "this build of extensible-kv has no CUDA backend (cargo feature 'cuda')";
+const NO_CUDA_BUILD: &str =
+    "this build of extensible-kv has no CUDA backend (cargo feature 'cuda')";
 
 /// None when `device` can reserve and map memory, else why not.
 pub fn unavailable_reason(device: &str) -> Option<String> {

@@ -21,12 +21,18 @@ pub fn new(py: Python<'_>, region: ExportedRegion, versioned: bool) -> PyResult<
         // SAFETY: `managed` is a live export we own; `wrap` hands it to the capsule or, on
         // failure, deletes it once through the closure.
         unsafe {
-            wrap(py, managed.cast(), VERSIONED, destroy_versioned, || delete_versioned(managed))
+            wrap(py, managed.cast(), VERSIONED, destroy_versioned, || {
+                delete_versioned(managed)
+            })
         }
     } else {
         let managed = dlpack::export_legacy(region);
         // SAFETY: as above, for the legacy struct.
-        unsafe { wrap(py, managed.cast(), LEGACY, destroy_legacy, || delete_legacy(managed)) }
+        unsafe {
+            wrap(py, managed.cast(), LEGACY, destroy_legacy, || {
+                delete_legacy(managed)
+            })
+        }
     }
 }
 

@@ -32,30 +32,46 @@ pyo3::create_exception!(
     PyRuntimeError,
     "The backend or device cannot do this (e.g. no CUDA VMM support)."
 );
-pyo3::create_exception!(
-    _native,
-    ClosedError,
-    PyValueError,
-    "The tensor was closed."
-);
+pyo3::create_exception!(_native, ClosedError, PyValueError, "The tensor was closed.");
 
 fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
     let message = err.to_string();
     let (pyerr, attrs): (PyErr, Vec<(&str, Py<PyAny>)>) = match err {
         Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
-        Error::OutOfMemory { op, requested_bytes, free_bytes, code } => (
+        Error::OutOfMemory {
+            op,
+            requested_bytes,
+            free_bytes,
+            code,
+        } => (
             OutOfMemoryError::new_err(message),
             vec![
-                ("op", op.name().into_pyobject(py).unwrap().into_any().unbind()),
+                (
+                    "op",
+                    op.name().into_pyobject(py).unwrap().into_any().unbind(),
+                ),
                 ("code", code.into_pyobject(py).unwrap().into_any().unbind()),
-                ("requested_bytes", requested_bytes.into_pyobject(py).unwrap().into_any().unbind()),
-                ("free_bytes", free_bytes.into_pyobject(py).unwrap().into_any().unbind()),
+                (
+                    "requested_bytes",
+                    requested_bytes
+                        .into_pyobject(py)
+                        .unwrap()
+                        .into_any()
+                        .unbind(),
+                ),
+                (
+                    "free_bytes",
+                    free_bytes.into_pyobject(py).unwrap().into_any().unbind(),
+                ),
             ],
         ),
         Error::Driver { op, code, .. } => (
             DriverError::new_err(message),
             vec![
-                ("op", op.name().into_pyobject(py).unwrap().into_any().unbind()),
+                (
+                    "op",
+                    op.name().into_pyobject(py).unwrap().into_any().unbind(),
+                ),
                 ("code", code.into_pyobject(py).unwrap().into_any().unbind()),
             ],
         ),
@@ -76,7 +92,9 @@ fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
 fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<pyo3::types::PyBool>() {
         let type_name = obj.get_type().name()?;
-        return Err(PyTypeError::new_err(format!("{what} must be an int, not {type_name}")));
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not {type_name}"
+        )));
     }
     obj.extract::<u64>().map_err(|_| {
         PyValueError::new_err(format!("{what} must be between 0 and 2**64-1, got {obj}"))
@@ -84,7 +102,9 @@ fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 }
 
 fn to_u64_opt(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
-    obj.filter(|o| !o.is_none()).map(|o| to_u64(o, what)).transpose()
+    obj.filter(|o| !o.is_none())
+        .map(|o| to_u64(o, what))
+        .transpose()
 }
 
 fn parse_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
@@ -94,13 +114,22 @@ fn parse_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
     let kind = match kind.as_str() {
         "driver" => FaultKind::Driver,
         "oom" => FaultKind::OutOfMemory,
-        _ => return Err(PyValueError::new_err("fault kind must be 'driver' or 'oom'")),
+        _ => {
+            return Err(PyValueError::new_err(
+                "fault kind must be 'driver' or 'oom'",
+            ))
+        }
     };
     Ok(Fault { op, nth, kind })
 }
 
 /// One reservation of address space, split into segments that grow in lockstep.
-#[pyclass(name = "ExtensibleTensor", module = "extensible_kv._native", subclass, frozen)]
+#[pyclass(
+    name = "ExtensibleTensor",
+    module = "extensible_kv._native",
+    subclass,
+    frozen
+)]
 pub struct PyExtensibleTensor {
     core: ExtensibleTensor,
 }
@@ -118,7 +147,10 @@ impl PyExtensibleTensor {
                 items.len()
             )));
         }
-        items.iter().map(|b| to_u64(b, "bytes_per_segment")).collect()
+        items
+            .iter()
+            .map(|b| to_u64(b, "bytes_per_segment"))
+            .collect()
     }
 
     /// The stream to zero on: the caller's, else torch's current stream for a CUDA device.
@@ -135,14 +167,24 @@ impl PyExtensibleTensor {
         }
     }
 
-    fn grow(&self, py: Python<'_>, targets: Vec<u64>, zero_new: bool, stream: Option<u64>) -> PyResult<()> {
+    fn grow(
+        &self,
+        py: Python<'_>,
+        targets: Vec<u64>,
+        zero_new: bool,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
         if !self.core.needs_grow(&targets) {
             // The no-op fast path: validated, nothing to map, no GIL release.
-            return self.core.resize_segments(&targets, zero_new, 0).map_err(|e| to_pyerr(py, e));
+            return self
+                .core
+                .resize_segments(&targets, zero_new, 0)
+                .map_err(|e| to_pyerr(py, e));
         }
         let stream = self.resolve_stream(py, stream)?;
         let core = &self.core;
-        py.detach(|| core.resize_segments(&targets, zero_new, stream)).map_err(|e| to_pyerr(py, e))
+        py.detach(|| core.resize_segments(&targets, zero_new, stream))
+            .map_err(|e| to_pyerr(py, e))
     }
 }
 
@@ -184,7 +226,10 @@ impl PyExtensibleTensor {
             ),
             None => None,
         };
-        let fault = _fault.filter(|f| !f.is_none()).map(parse_fault).transpose()?;
+        let fault = _fault
+            .filter(|f| !f.is_none())
+            .map(parse_fault)
+            .transpose()?;
         let build = || -> crate::Result<ExtensibleTensor> {
             let mut driver = driver::open(&device, options.granularity)?;
             if let Some(fault) = fault {
@@ -236,13 +281,19 @@ impl PyExtensibleTensor {
                 "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
             )));
         }
-        this.grow(slf.py(), vec![to_u64(num_bytes, "num_bytes")?], zero_new, stream)?;
+        this.grow(
+            slf.py(),
+            vec![to_u64(num_bytes, "num_bytes")?],
+            zero_new,
+            stream,
+        )?;
         Ok(slf.clone().unbind())
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
     fn release_physical(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.core.release_physical()).map_err(|e| to_pyerr(py, e))
+        py.detach(|| self.core.release_physical())
+            .map_err(|e| to_pyerr(py, e))
     }
 
     /// Releases memory and addresses now; BufferError while views exist. Idempotent.
@@ -260,7 +311,10 @@ impl PyExtensibleTensor {
         versioned: bool,
     ) -> PyResult<Py<PyAny>> {
         let (offset, num_bytes) = (to_u64(offset, "offset")?, to_u64(num_bytes, "num_bytes")?);
-        let region = self.core.export(offset, num_bytes).map_err(|e| to_pyerr(py, e))?;
+        let region = self
+            .core
+            .export(offset, num_bytes)
+            .map_err(|e| to_pyerr(py, e))?;
         capsule::new(py, region, versioned)
     }
 
@@ -278,7 +332,9 @@ impl PyExtensibleTensor {
         // stream by default; a consumer on another stream orders itself, as with any allocator.
         let _ = stream;
         if copy == Some(true) {
-            return Err(PyBufferError::new_err("ExtensibleTensor exports without copying only"));
+            return Err(PyBufferError::new_err(
+                "ExtensibleTensor exports without copying only",
+            ));
         }
         if let Some(dev) = dl_device {
             if dev != self.core.device().dlpack() {
@@ -288,7 +344,10 @@ impl PyExtensibleTensor {
                 )));
             }
         }
-        let region = self.core.export(0, self.core.capacity_bytes()).map_err(|e| to_pyerr(py, e))?;
+        let region = self
+            .core
+            .export(0, self.core.capacity_bytes())
+            .map_err(|e| to_pyerr(py, e))?;
         capsule::new(py, region, max_version.is_some_and(|(major, _)| major >= 1))
     }
 
@@ -298,18 +357,28 @@ impl PyExtensibleTensor {
 
     /// Checks the owner's invariants; raises AssertionError naming the broken one.
     fn _check_invariants(&self) -> PyResult<()> {
-        self.core.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
+        self.core
+            .check_invariants()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     /// Errors that destructors met (a failed unmap or release) since the last call.
     fn take_deferred_errors(&self) -> Vec<String> {
-        self.core.take_deferred_errors().iter().map(ToString::to_string).collect()
+        self.core
+            .take_deferred_errors()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
     }
 
     /// The granule runs `(first_granule, num_granules)` of the mapped handles.
     fn handle_runs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let runs: Vec<(u64, u64)> =
-            self.core.handle_runs().iter().map(|r| (r.first_granule, r.num_granules)).collect();
+        let runs: Vec<(u64, u64)> = self
+            .core
+            .handle_runs()
+            .iter()
+            .map(|r| (r.first_granule, r.num_granules))
+            .collect();
         PyList::new(py, runs)
     }
 
@@ -326,7 +395,10 @@ impl PyExtensibleTensor {
     /// The capacity of each segment (raises ValueError when they differ: see segment_capacities).
     #[getter]
     fn segment_capacity_bytes(&self) -> PyResult<u64> {
-        uniform(self.core.geometry().segment_capacities(), "segment_capacities")
+        uniform(
+            self.core.geometry().segment_capacities(),
+            "segment_capacities",
+        )
     }
 
     /// The byte offset of each segment from `base_ptr`.
@@ -412,7 +484,9 @@ impl PyExtensibleTensor {
 fn uniform(values: &[u64], plural: &str) -> PyResult<u64> {
     match values.split_first() {
         Some((first, rest)) if rest.iter().all(|v| v == first) => Ok(*first),
-        _ => Err(PyValueError::new_err(format!("segments differ: use {plural} ({values:?})"))),
+        _ => Err(PyValueError::new_err(format!(
+            "segments differ: use {plural} ({values:?})"
+        ))),
     }
 }
 
@@ -447,7 +521,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DriverError", py.get_type::<DriverError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
-    m.add("DEFAULT_MAX_HANDLE_BYTES", crate::tensor::DEFAULT_MAX_HANDLE_BYTES)?;
+    m.add(
+        "DEFAULT_MAX_HANDLE_BYTES",
+        crate::tensor::DEFAULT_MAX_HANDLE_BYTES,
+    )?;
     m.add("CUDA_BUILT", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -1,0 +1,32 @@
+//! Helpers shared by the Rust integration tests: byte access to host-backend memory through
+//! an export (whose guard keeps the memory alive), and /proc-based leak counts.
+#![allow(unsafe_code, dead_code)]
+
+use extensible_kv::ExtensibleTensor;
+
+/// Reads `len` bytes at `offset` of a host-backend tensor; the range must be committed.
+pub fn read(tensor: &ExtensibleTensor, offset: u64, len: u64) -> Vec<u8> {
+    let region = tensor.export(offset, len).expect("export");
+    // SAFETY: the export checked the range lies in the reservation and its guard keeps the
+    // memory mapped; callers only read committed (mapped, accessible) bytes.
+    unsafe { std::slice::from_raw_parts(region.ptr as *const u8, len as usize).to_vec() }
+}
+
+/// Writes `bytes` at `offset` of a host-backend tensor; the range must be committed.
+pub fn write(tensor: &ExtensibleTensor, offset: u64, bytes: &[u8]) {
+    let region = tensor.export(offset, bytes.len() as u64).expect("export");
+    // SAFETY: as in `read`; no Rust reference aliases this memory.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.ptr as *mut u8, bytes.len()) }
+}
+
+/// `(open memfds, mapped memfd regions)` whose name contains `name`, from /proc/self.
+pub fn proc_memfds(name: &str) -> (usize, usize) {
+    let fds = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.to_string_lossy().contains(name))
+        .count();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let maps = maps.lines().filter(|l| l.contains(name)).count();
+    (fds, maps)
+}

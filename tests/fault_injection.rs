@@ -1,0 +1,159 @@
+//! All or nothing: a grow that fails at any driver call leaves the tensor exactly as it was —
+//! same committed bytes, same handles, same contents — and leaks no memfd or mapping.
+
+mod common;
+
+use std::sync::Arc;
+
+use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
+use extensible_kv::driver::host::HostDriver;
+use extensible_kv::{Error, ExtensibleTensor, Op, Options};
+
+const G: u64 = 4096;
+/// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
+/// mapped granules, so the second grow both maps new handles and zeroes mapped bytes.
+const SEGMENT: u64 = 7 * G / 2;
+const FIRST: u64 = G / 2;
+
+fn options() -> Options {
+    // One-granule handles: the second grow needs several of every call.
+    Options {
+        max_handle_bytes: Some(G),
+        ..Options::default()
+    }
+}
+
+fn build(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
+    let tensor =
+        ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options()).unwrap();
+    tensor.resize_per_segment(FIRST, true, 0).unwrap();
+    common::write(&tensor, 0, &[0xab; FIRST as usize]);
+    common::write(&tensor, SEGMENT, &[0xcd; FIRST as usize]);
+    (host, faulty, tensor)
+}
+
+/// How many calls of `op` the second grow makes.
+fn calls_in_second_grow(op: Op) -> u64 {
+    let never = Fault {
+        op,
+        nth: u64::MAX,
+        kind: FaultKind::Driver,
+    };
+    let (_, faulty, tensor) = build(never);
+    let before = faulty.calls(op);
+    tensor.resize_per_segment(SEGMENT, true, 0).unwrap();
+    faulty.calls(op) - before
+}
+
+#[test]
+fn every_failed_call_leaves_the_tensor_unchanged() {
+    let mut injected = 0;
+    for op in [Op::Create, Op::Map, Op::SetAccess, Op::Memset] {
+        let calls = calls_in_second_grow(op);
+        assert!(
+            calls >= 2 || op == Op::SetAccess,
+            "{op}: only {calls} calls to fail"
+        );
+        for k in 1..=calls {
+            for kind in [FaultKind::Driver, FaultKind::OutOfMemory] {
+                let probe = Fault {
+                    op,
+                    nth: u64::MAX,
+                    kind,
+                };
+                let (_, counter, _) = build(probe);
+                let nth = counter.calls(op) + k;
+                let (host, _, tensor) = build(Fault { op, nth, kind });
+                let name = host.memfd_name().to_string();
+                let before = (
+                    tensor.segment_bytes(),
+                    tensor.physical_bytes(),
+                    tensor.handle_runs(),
+                    host.live_counts(),
+                    common::proc_memfds(&name),
+                );
+                let err = tensor.resize_per_segment(SEGMENT, true, 0).unwrap_err();
+                match (kind, &err) {
+                    (
+                        FaultKind::Driver,
+                        Error::Driver {
+                            op: failed, code, ..
+                        },
+                    ) => {
+                        assert_eq!((*failed, code.as_str()), (op, "INJECTED_FAULT"))
+                    }
+                    (FaultKind::OutOfMemory, Error::OutOfMemory { op: failed, .. }) => {
+                        assert_eq!(*failed, op)
+                    }
+                    _ => panic!("{op} call {k}: unexpected {err:?}"),
+                }
+                let after = (
+                    tensor.segment_bytes(),
+                    tensor.physical_bytes(),
+                    tensor.handle_runs(),
+                    host.live_counts(),
+                    common::proc_memfds(&name),
+                );
+                assert_eq!(before, after, "{op} call {k} ({kind:?}) changed the tensor");
+                assert!(tensor.take_deferred_errors().is_empty());
+                tensor.check_invariants().unwrap();
+                assert_eq!(common::read(&tensor, 0, FIRST), vec![0xab; FIRST as usize]);
+                assert_eq!(
+                    common::read(&tensor, SEGMENT, FIRST),
+                    vec![0xcd; FIRST as usize]
+                );
+                // Only the nth call fails: the same grow now succeeds.
+                tensor.resize_per_segment(SEGMENT, true, 0).unwrap();
+                assert_eq!(
+                    common::read(&tensor, FIRST, SEGMENT - FIRST),
+                    vec![0; (SEGMENT - FIRST) as usize]
+                );
+                tensor.close().unwrap();
+                assert_eq!(host.live_counts(), (0, 0, 0));
+                assert_eq!(common::proc_memfds(&name), (0, 0));
+                injected += 1;
+            }
+        }
+    }
+    assert!(injected >= 20, "only {injected} faults injected");
+}
+
+#[test]
+fn a_failed_reserve_is_a_typed_error() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let faulty = Arc::new(FaultyDriver::new(
+        host.clone(),
+        Fault {
+            op: Op::Reserve,
+            nth: 1,
+            kind: FaultKind::Driver,
+        },
+    ));
+    let result = ExtensibleTensor::with_equal_segments(faulty, 4 * G, 1, options());
+    assert!(matches!(
+        result,
+        Err(Error::Driver {
+            op: Op::Reserve,
+            ..
+        })
+    ));
+    assert_eq!(host.live_counts(), (0, 0, 0));
+}
+
+/// A failed unmap during release is reported, not swallowed, and never panics.
+#[test]
+fn destructor_errors_are_reported() {
+    let (_, _, tensor) = build(Fault {
+        op: Op::Unmap,
+        nth: 1,
+        kind: FaultKind::Driver,
+    });
+    let err = tensor.release_physical().unwrap_err();
+    assert!(
+        matches!(err, Error::Driver { op: Op::Unmap, .. }),
+        "{err:?}"
+    );
+    assert_eq!(tensor.num_handles(), 0);
+}

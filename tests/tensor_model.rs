@@ -1,0 +1,217 @@
+//! A state-machine property test: random geometries (capacities that are not granule
+//! multiples, so segments share granules), random handle policies, and random sequences of
+//! grows, writes and releases, checked against a plain model of each segment's bytes.
+
+mod common;
+
+use std::sync::Arc;
+
+use extensible_kv::driver::host::HostDriver;
+use extensible_kv::{ExtensibleTensor, Options};
+use proptest::prelude::*;
+
+const G: u64 = 4096;
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// Grow every segment to this fraction of its capacity (lockstep), or each to its own.
+    Grow {
+        fractions: Vec<f64>,
+        lockstep: bool,
+        zero_new: bool,
+    },
+    Write {
+        segment: usize,
+        seed: u8,
+    },
+    Release,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (prop::collection::vec(0.0f64..=1.0, 5), any::<bool>(), any::<bool>())
+            .prop_map(|(fractions, lockstep, zero_new)| Step::Grow { fractions, lockstep, zero_new }),
+        3 => (0usize..5, any::<u8>()).prop_map(|(segment, seed)| Step::Write { segment, seed }),
+        1 => Just(Step::Release),
+    ]
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8) | 1)
+        .collect()
+}
+
+fn run(
+    caps: Vec<u64>,
+    equal: bool,
+    options: Options,
+    steps: Vec<Step>,
+) -> Result<(), TestCaseError> {
+    let driver = Arc::new(HostDriver::new(G).unwrap());
+    let n = caps.len();
+    let tensor = if equal {
+        let cap = caps[0];
+        ExtensibleTensor::with_equal_segments(driver.clone(), cap * n as u64, n as u64, options)
+    } else {
+        ExtensibleTensor::with_segment_capacities(driver.clone(), caps, options)
+    }
+    .unwrap();
+    let geometry = tensor.geometry().clone();
+    let offsets = geometry.segment_offsets().to_vec();
+    // The model: the committed bytes of each segment.
+    let mut model: Vec<Vec<u8>> = vec![Vec::new(); n];
+    for step in steps {
+        match step {
+            Step::Grow {
+                fractions,
+                lockstep,
+                zero_new,
+            } => {
+                let targets: Vec<u64> = geometry
+                    .segment_capacities()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        let f = if lockstep { fractions[0] } else { fractions[i] };
+                        ((c as f64 * f) as u64).max(model[i].len() as u64)
+                    })
+                    .collect();
+                let targets = if lockstep
+                    && geometry
+                        .segment_capacities()
+                        .iter()
+                        .all(|&c| c == geometry.segment_capacities()[0])
+                {
+                    vec![*targets.iter().max().unwrap(); n]
+                } else {
+                    targets
+                };
+                tensor.resize_segments(&targets, zero_new, 0).unwrap();
+                for (i, &t) in targets.iter().enumerate() {
+                    // Fresh memfd pages read zero, so new bytes are zero either way unless
+                    // they sit in a granule mapped earlier; only then does zero_new matter.
+                    let old = model[i].len();
+                    let actual = common::read(&tensor, offsets[i] + old as u64, t - old as u64);
+                    if zero_new {
+                        prop_assert!(
+                            actual.iter().all(|&b| b == 0),
+                            "new bytes of segment {i} not zero"
+                        );
+                    }
+                    model[i].extend_from_slice(&actual);
+                }
+            }
+            Step::Write { segment, seed } => {
+                let i = segment % n;
+                let bytes = pattern(seed, model[i].len());
+                common::write(&tensor, offsets[i], &bytes);
+                model[i] = bytes;
+                // Scribble over the mapped slack past the prefix (inside this segment's
+                // capacity): a later grow with zero_new must zero it again.
+                let end = offsets[i] + model[i].len() as u64;
+                let slack_end = end
+                    .next_multiple_of(G)
+                    .min(offsets[i] + geometry.segment_capacities()[i]);
+                if !model[i].is_empty() && slack_end > end {
+                    common::write(
+                        &tensor,
+                        end,
+                        &pattern(seed ^ 0x5a, (slack_end - end) as usize),
+                    );
+                }
+            }
+            Step::Release => {
+                tensor.release_physical().unwrap();
+                model.iter_mut().for_each(Vec::clear);
+                prop_assert_eq!(driver.live_counts().0, 0);
+            }
+        }
+        tensor.check_invariants().map_err(TestCaseError::fail)?;
+        let committed: Vec<u64> = model.iter().map(|m| m.len() as u64).collect();
+        prop_assert_eq!(tensor.segment_bytes(), committed.clone());
+        // Growth only: the mapped granules are exactly those the committed prefixes need.
+        let needed: u64 = geometry
+            .needed_runs(&committed)
+            .iter()
+            .map(|r| r.num_granules)
+            .sum();
+        prop_assert_eq!(tensor.physical_bytes(), needed * G);
+        prop_assert_eq!(driver.live_counts().0, tensor.num_handles());
+        for (i, bytes) in model.iter().enumerate() {
+            prop_assert_eq!(
+                &common::read(&tensor, offsets[i], bytes.len() as u64),
+                bytes
+            );
+        }
+    }
+    tensor.close().unwrap();
+    prop_assert_eq!(driver.live_counts(), (0, 0, 0));
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matches_the_model(
+        caps in prop::collection::vec(1u64..4 * G, 1..5),
+        equal in any::<bool>(),
+        adaptive_cap in 1u64..8,
+        fixed in prop::option::of(1u64..3),
+        steps in prop::collection::vec(step(), 1..12),
+    ) {
+        let options = Options {
+            granularity: None,
+            max_handle_bytes: Some(adaptive_cap * G),
+            fixed_handle_bytes: fixed.map(|f| f * G),
+        };
+        run(caps, equal, options, steps)?;
+    }
+}
+
+/// The dedup case: 3 granules, 2 segments of 1.5 granules, from ½ granule to full.
+#[test]
+fn shared_granule_is_mapped_once_and_data_survives() {
+    let driver = Arc::new(HostDriver::new(G).unwrap());
+    let tensor =
+        ExtensibleTensor::with_equal_segments(driver.clone(), 3 * G, 2, Options::default())
+            .unwrap();
+    tensor.resize_per_segment(G / 2, true, 0).unwrap();
+    assert_eq!(tensor.physical_bytes(), 2 * G);
+    common::write(&tensor, 0, &pattern(7, (G / 2) as usize));
+    common::write(&tensor, 3 * G / 2, &pattern(9, (G / 2) as usize));
+    tensor.resize_per_segment(3 * G / 2, true, 0).unwrap();
+    assert_eq!(tensor.physical_bytes(), 3 * G);
+    assert_eq!(driver.live_counts().0, tensor.num_handles());
+    assert_eq!(
+        common::read(&tensor, 0, G / 2),
+        pattern(7, (G / 2) as usize)
+    );
+    assert_eq!(
+        common::read(&tensor, 3 * G / 2, G / 2),
+        pattern(9, (G / 2) as usize)
+    );
+    assert!(common::read(&tensor, G / 2, G).iter().all(|&b| b == 0));
+    assert!(common::read(&tensor, 2 * G, G).iter().all(|&b| b == 0));
+}
+
+/// A view outlives the tensor; the memory goes with the last view.
+#[test]
+fn views_keep_memory_alive() {
+    let driver = Arc::new(HostDriver::new(G).unwrap());
+    let tensor =
+        ExtensibleTensor::with_equal_segments(driver.clone(), 4 * G, 1, Options::default())
+            .unwrap();
+    tensor.resize_per_segment(G, true, 0).unwrap();
+    common::write(&tensor, 0, b"alive");
+    let region = tensor.export(0, G).unwrap();
+    assert!(matches!(
+        tensor.close(),
+        Err(extensible_kv::Error::ViewsAlive { live_views: 1 })
+    ));
+    drop(tensor);
+    assert_eq!(driver.live_counts(), (1, 1, 1));
+    drop(region);
+    assert_eq!(driver.live_counts(), (0, 0, 0));
+}
