@@ -1,1 +1,146 @@
-fn main() {}
+//! Mapping benchmarks: bulk commit with the adaptive handle policy against fixed one-granule
+//! handles (what per-granule peers do) in the same run, incremental one-granule grows, and
+//! the cost of planning over a 64 TiB reservation.
+//!
+//! `EKV_BENCH_DEVICE` picks the backend (`cpu`, the default, or `cuda:N` in a build with the
+//! `cuda` feature); `EKV_BENCH_MIB` the bytes committed per segment in the bulk bench
+//! (default 64 on cpu, 8192 on cuda).
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use extensible_kv::plan::{self, Geometry, HandlePolicy};
+use extensible_kv::{driver, Driver, ExtensibleTensor, Options};
+
+const MIB: u64 = 1 << 20;
+/// One 16-token bf16 block of 8 KV heads of 128 per segment: the flow's first commit.
+const BLOCK: u64 = 16 * 8 * 128 * 2;
+
+fn device() -> String {
+    std::env::var("EKV_BENCH_DEVICE").unwrap_or_else(|_| "cpu".into())
+}
+
+fn open_driver() -> Arc<dyn Driver> {
+    driver::open(&device(), None).expect("bench device")
+}
+
+fn bulk_bytes_per_segment() -> u64 {
+    let default = if device() == "cpu" { 64 } else { 8192 };
+    std::env::var("EKV_BENCH_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+        * MIB
+}
+
+fn stream() -> u64 {
+    0
+}
+
+fn bulk_commit(c: &mut Criterion) {
+    let driver = open_driver();
+    let per_segment = bulk_bytes_per_segment();
+    let g = driver.granularity();
+    let mut group = c.benchmark_group(format!("bulk_commit/{}", device()));
+    group.throughput(Throughput::Bytes(2 * per_segment));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(5));
+    for (name, options) in [
+        ("adaptive", Options::default()),
+        (
+            "fixed_granule",
+            Options {
+                fixed_handle_bytes: Some(g),
+                ..Options::default()
+            },
+        ),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || {
+                    let t = ExtensibleTensor::with_equal_segments(
+                        driver.clone(),
+                        2 * per_segment,
+                        2,
+                        options,
+                    )
+                    .unwrap();
+                    t.resize_per_segment(BLOCK, true, stream()).unwrap();
+                    driver.synchronize().unwrap();
+                    t
+                },
+                |t| {
+                    t.resize_per_segment(per_segment, true, stream()).unwrap();
+                    driver.synchronize().unwrap();
+                    t
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+}
+
+/// One granule more per segment, up to `MAX_STEPS` granules; releases (untimed) and starts
+/// again from one granule when full.
+fn incremental_grow(c: &mut Criterion) {
+    const MAX_STEPS: u64 = 256;
+    let driver = open_driver();
+    let g = driver.granularity();
+    let mut group = c.benchmark_group(format!("incremental_grow/{}", device()));
+    group.throughput(Throughput::Bytes(2 * g));
+    let t = ExtensibleTensor::with_equal_segments(
+        driver.clone(),
+        2 * MAX_STEPS * g,
+        2,
+        Options::default(),
+    )
+    .unwrap();
+    let mut size = 0;
+    group.bench_function("one_granule_per_segment", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                if size == MAX_STEPS * g {
+                    t.release_physical().unwrap();
+                    size = 0;
+                }
+                size += g;
+                let start = std::time::Instant::now();
+                t.resize_per_segment(size, true, stream()).unwrap();
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    group.finish();
+    driver.synchronize().unwrap();
+}
+
+fn planning(c: &mut Criterion) {
+    let g = 2 * MIB;
+    let geometry = Geometry::equal(64 << 40, 2, g).unwrap();
+    let adaptive = HandlePolicy::Adaptive {
+        max_handle_granules: (1 << 30) / g,
+    };
+    let mut group = c.benchmark_group("planning_64TiB");
+    group.bench_function("full_grow_1GiB_cap", |b| {
+        b.iter(|| {
+            let plan = plan::plan_grow(&geometry, &[], adaptive, &[0, 0], &[32 << 40, 32 << 40]);
+            black_box(plan.new_handles.len())
+        })
+    });
+    let half = [16u64 << 40, 16 << 40];
+    let mapped = plan::plan_grow(&geometry, &[], adaptive, &[0, 0], &half).new_handles;
+    let next = [half[0] + g, half[1] + g];
+    group.bench_function("one_granule_grow_over_32k_handles", |b| {
+        b.iter(|| black_box(plan::plan_grow(&geometry, &mapped, adaptive, &half, &next)))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bulk_commit, incremental_grow, planning);
+criterion_main!(benches);

@@ -158,21 +158,13 @@ impl Geometry {
     /// The granules that hold the first `segment_bytes[i]` bytes of every segment, merged into
     /// sorted, disjoint, non-adjacent runs.
     pub fn needed_runs(&self, segment_bytes: &[u64]) -> Vec<Run> {
-        let g = self.granularity;
-        let mut runs: Vec<Run> = Vec::new();
-        for (&offset, &num_bytes) in self.segment_offsets.iter().zip(segment_bytes) {
-            if num_bytes == 0 {
-                continue;
-            }
-            let (first, end) = (offset / g, (offset + num_bytes).div_ceil(g));
-            match runs.last_mut() {
-                Some(last) if first <= last.end_granule() => {
-                    last.num_granules = last.num_granules.max(end - last.first_granule);
-                }
-                _ => runs.push(Run::new(first, end - first)),
-            }
-        }
-        runs
+        let prefixes: Vec<ByteRange> = self
+            .segment_offsets
+            .iter()
+            .zip(segment_bytes)
+            .map(|(&offset, &num_bytes)| ByteRange { offset, num_bytes })
+            .collect();
+        granules_of(&prefixes, self.granularity)
     }
 
     /// The logical bytes a grow from `old` to `new` adds: `[old_i, new_i)` of every segment.
@@ -201,9 +193,7 @@ pub fn subtract(needed: &[Run], mapped: &[Run]) -> Vec<Run> {
     let mut m = 0;
     for run in needed {
         let mut cursor = run.first_granule;
-        while m < mapped.len() && mapped[m].end_granule() <= cursor {
-            m += 1;
-        }
+        m += mapped[m..].partition_point(|r| r.end_granule() <= cursor);
         let mut k = m;
         while k < mapped.len() && mapped[k].first_granule < run.end_granule() {
             if mapped[k].first_granule > cursor {
@@ -224,9 +214,7 @@ pub fn intersect(ranges: &[ByteRange], runs: &[Run], granularity: u64) -> Vec<By
     let mut out = Vec::new();
     let mut r = 0;
     for range in ranges {
-        while r < runs.len() && runs[r].end_granule() * granularity <= range.offset {
-            r += 1;
-        }
+        r += runs[r..].partition_point(|run| run.end_granule() * granularity <= range.offset);
         let mut k = r;
         while k < runs.len() && runs[k].first_granule * granularity < range.end() {
             let start = range.offset.max(runs[k].first_granule * granularity);
@@ -309,7 +297,10 @@ pub struct GrowPlan {
 }
 
 /// Plans growing every segment from `old` to `new` bytes (`new[i] >= old[i]`) given the
-/// `mapped` runs (sorted, disjoint).
+/// `mapped` runs (sorted, disjoint, covering every granule `old` needs).
+///
+/// Only the granules of the new bytes can be missing, so the work is O(segments × log
+/// handles) however much is already mapped.
 pub fn plan_grow(
     geometry: &Geometry,
     mapped: &[Run],
@@ -317,15 +308,34 @@ pub fn plan_grow(
     old: &[u64],
     new: &[u64],
 ) -> GrowPlan {
-    let missing = subtract(&geometry.needed_runs(new), mapped);
+    let new_ranges = geometry.new_ranges(old, new);
+    let missing = subtract(&granules_of(&new_ranges, geometry.granularity()), mapped);
     let mut new_handles = Vec::new();
     for run in missing {
         policy.cut(run, &mut new_handles);
     }
     GrowPlan {
         new_handles,
-        new_ranges: geometry.new_ranges(old, new),
+        new_ranges,
     }
+}
+
+/// The granules holding sorted, disjoint byte `ranges`, merged into sorted, disjoint runs.
+fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for range in ranges.iter().filter(|r| r.num_bytes > 0) {
+        let (first, end) = (
+            range.offset / granularity,
+            range.end().div_ceil(granularity),
+        );
+        match runs.last_mut() {
+            Some(last) if first <= last.end_granule() => {
+                last.num_granules = last.num_granules.max(end - last.first_granule);
+            }
+            _ => runs.push(Run::new(first, end - first)),
+        }
+    }
+    runs
 }
 
 /// Checks that `runs` are sorted, disjoint, non-empty and inside `num_granules`.
