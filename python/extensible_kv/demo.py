@@ -29,7 +29,9 @@ def _fmt(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def run(device: str | None = None, capacity_bytes: int = 2 * GIB, grow_bytes: int = 256 * MIB) -> int:
+def run(
+    device: str | None = None, capacity_bytes: int = 2 * GIB, grow_bytes: int = 256 * MIB
+) -> int:
     import torch
 
     device = pick_device(device)

@@ -56,7 +56,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
         The view's storage spans exactly the bytes it can address, from `offset` on.
         """
-        import torch
+        from torch.utils.dlpack import from_dlpack
 
         shape = tuple(int(s) for s in shape)
         strides = _contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
@@ -71,7 +71,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             num_elements = 0
         else:
             num_elements = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-        flat = torch.from_dlpack(self._capsule(offset, num_elements * itemsize))
+        flat = from_dlpack(self._capsule(offset, num_elements * itemsize))
         return flat.view(dtype).as_strided(shape, strides)
 
     def full_view(self, dtype: torch.dtype | None = None) -> torch.Tensor:

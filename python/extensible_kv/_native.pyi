@@ -1,0 +1,109 @@
+"""Type stubs for the native module (Rust, PyO3). Checked against the module by mypy.stubtest."""
+
+from collections.abc import Sequence
+from typing import Any, Final, Self
+
+from typing_extensions import disjoint_base
+
+__all__ = [
+    "CUDA_BUILT",
+    "DEFAULT_MAX_HANDLE_BYTES",
+    "ClosedError",
+    "DriverError",
+    "ExtensibleTensor",
+    "OutOfMemoryError",
+    "UnsupportedError",
+    "vmm_unavailable_reason",
+]
+
+CUDA_BUILT: Final[bool]
+DEFAULT_MAX_HANDLE_BYTES: Final[int]
+
+class OutOfMemoryError(MemoryError):
+    """Physical memory could not be committed; the tensor is unchanged."""
+
+    op: str
+    code: str
+    requested_bytes: int
+    free_bytes: int | None
+
+class DriverError(RuntimeError):
+    """The backend (CUDA driver or OS) failed; `code` holds its name for the failure."""
+
+    op: str
+    code: str
+
+class UnsupportedError(RuntimeError):
+    """The backend or device cannot do this (e.g. no CUDA VMM support)."""
+
+class ClosedError(ValueError):
+    """The tensor was closed."""
+
+def vmm_unavailable_reason(device: object) -> str | None: ...
+
+@disjoint_base
+class ExtensibleTensor:
+    def __new__(
+        cls,
+        max_bytes: int,
+        num_segments: int | None = None,
+        device: object = None,
+        *,
+        segment_capacities: Sequence[int] | None = None,
+        granularity: int | None = None,
+        max_handle_bytes: int | None = None,
+        fixed_handle_bytes: int | None = None,
+        _fault: tuple[str, int, str] | None = None,
+    ) -> Self: ...
+    def resize_per_segment_(
+        self,
+        bytes_per_segment: int | Sequence[int],
+        zero_new: bool = True,
+        stream: int | None = None,
+    ) -> Self: ...
+    def resize_(self, num_bytes: int, zero_new: bool = True, stream: int | None = None) -> Self: ...
+    def release_physical(self) -> None: ...
+    def close(self) -> None: ...
+    def _capsule(self, offset: int, num_bytes: int, versioned: bool = True) -> Any: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def _check_invariants(self) -> None: ...
+    def take_deferred_errors(self) -> list[str]: ...
+    def handle_runs(self) -> list[tuple[int, int]]: ...
+    @property
+    def base_ptr(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def segment_capacity_bytes(self) -> int: ...
+    @property
+    def segment_offsets(self) -> tuple[int, ...]: ...
+    @property
+    def segment_capacities(self) -> tuple[int, ...]: ...
+    @property
+    def bytes_per_segment(self) -> int: ...
+    @property
+    def segment_bytes(self) -> tuple[int, ...]: ...
+    @property
+    def num_segments(self) -> int: ...
+    @property
+    def physical_bytes(self) -> int: ...
+    @property
+    def num_handles(self) -> int: ...
+    @property
+    def granularity(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def live_views(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...

@@ -1,0 +1,48 @@
+"""The README's commands and example are executed, so they cannot rot."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_first_lines_are_the_two_commands() -> None:
+    setup_and_demo, run_tests = _blocks("sh")[0].strip().splitlines()
+    assert setup_and_demo == "scripts/setup && .venv/bin/python -m extensible_kv demo"
+    assert run_tests == "scripts/test"
+    assert README.index("```sh") < README.index("\n## ")
+    # CI runs exactly the README's test command after the setup.
+    ci = (ROOT / ".ci" / "run").read_text().split()
+    assert ci[-2:] == ["scripts/setup", "scripts/test"]
+
+
+def test_demo_command_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "extensible_kv", "demo", "--grow-mib", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("ok")
+    assert "new bytes zero=True" in result.stdout
+
+
+def test_example_runs() -> None:
+    (example,) = _blocks("python")
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    physical, handles = map(int, result.stdout.split())
+    assert physical == 128 << 20
+    assert handles <= 4
