@@ -44,6 +44,10 @@ impl ByteRange {
     }
 }
 
+/// More segments than any layout needs (the largest, L·H, is a few thousand): a bound that
+/// keeps absurd requests from allocating per-segment books.
+pub const MAX_SEGMENTS: u64 = 1 << 20;
+
 /// The reservation's shape: granularity and the segments' capacities and offsets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Geometry {
@@ -65,8 +69,17 @@ impl Geometry {
                  pass segment_capacities for unequal segments"
             )));
         }
-        let count = usize::try_from(num_segments)
-            .map_err(|_| Error::invalid(format!("{num_segments} segments is too many")))?;
+        if num_segments > MAX_SEGMENTS {
+            return Err(Error::invalid(format!(
+                "{num_segments} segments: at most {MAX_SEGMENTS} are supported"
+            )));
+        }
+        if num_segments > max_bytes {
+            return Err(Error::invalid(format!(
+                "{num_segments} segments of {max_bytes} bytes in all would have capacity 0"
+            )));
+        }
+        let count = usize::try_from(num_segments).expect("bounded by MAX_SEGMENTS");
         Geometry::new(vec![max_bytes / num_segments; count], granularity)
     }
 
@@ -79,6 +92,12 @@ impl Geometry {
         }
         if segment_capacities.is_empty() {
             return Err(Error::invalid("at least one segment is needed"));
+        }
+        if segment_capacities.len() as u64 > MAX_SEGMENTS {
+            return Err(Error::invalid(format!(
+                "{} segments: at most {MAX_SEGMENTS} are supported",
+                segment_capacities.len()
+            )));
         }
         if let Some(i) = segment_capacities.iter().position(|&c| c == 0) {
             return Err(Error::invalid(format!("segment {i} has capacity 0 bytes")));

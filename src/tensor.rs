@@ -59,6 +59,23 @@ impl Ctx {
     }
 }
 
+/// Whether a grow zeroes its new bytes, on which stream, and whether it has queued any.
+struct Zeroing {
+    enabled: bool,
+    stream: u64,
+    queued: bool,
+}
+
+impl Zeroing {
+    fn new(enabled: bool, stream: u64) -> Zeroing {
+        Zeroing {
+            enabled,
+            stream,
+            queued: false,
+        }
+    }
+}
+
 /// Owns an address reservation; frees it on drop.
 struct Reservation {
     ctx: Arc<Ctx>,
@@ -309,61 +326,75 @@ impl ExtensibleTensor {
             &state.segment_bytes,
             segment_bytes,
         );
-        let fresh = self.map_runs(&plan.new_handles)?;
-        if zero_new {
-            let driver = &self.inner.ctx.driver;
-            let ranges = if driver.fresh_memory_is_zeroed() {
-                plan::intersect(&plan.new_ranges, &mapped, geometry.granularity())
-            } else {
-                plan.new_ranges
-            };
-            if let Err(err) = self.zero(&ranges, stream) {
-                // The memsets queued so far touch `fresh`: fence before it unmaps on drop.
-                self.inner.ctx.defer(driver.synchronize());
+        let mut zeroing = Zeroing::new(zero_new, stream);
+        let result = self.map_and_zero(&plan, &mapped, &mut zeroing);
+        let fresh = match result {
+            Ok(fresh) => fresh,
+            Err(err) => {
+                if zeroing.queued {
+                    // Queued memsets may still write to the fresh mappings, which unmap as
+                    // they drop: fence first.
+                    self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
+                }
                 return Err(err);
             }
-        }
+        };
         merge_sorted(&mut state.mappings, fresh);
         state.segment_bytes.copy_from_slice(segment_bytes);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
     }
 
-    /// Creates and maps one handle per run, then grants access to the new mappings only.
-    fn map_runs(&self, runs: &[Run]) -> Result<Vec<Mapping>> {
+    /// Creates, maps and grants access to one handle per planned run, and zeroes the new
+    /// logical bytes. A handle's bytes are zeroed as soon as it is accessible, so on a device
+    /// the memsets run while the host maps the next handles. On error, the mappings made so
+    /// far are dropped (unmapped, released) by the caller's `?` — after the caller's fence.
+    fn map_and_zero(
+        &self,
+        plan: &plan::GrowPlan,
+        mapped: &[Run],
+        zeroing: &mut Zeroing,
+    ) -> Result<Vec<Mapping>> {
         let inner = &*self.inner;
-        let mut fresh = Vec::with_capacity(runs.len());
-        for &run in runs {
+        let g = inner.geometry.granularity();
+        let fresh_is_zero = inner.ctx.driver.fresh_memory_is_zeroed();
+        // Pieces of the new bytes, each inside one new handle, in address order.
+        let in_fresh = match zeroing.enabled && !fresh_is_zero {
+            true => plan::intersect(&plan.new_ranges, &plan.new_handles, g),
+            false => Vec::new(),
+        };
+        let mut pending = in_fresh.iter().peekable();
+        let mut fresh = Vec::with_capacity(plan.new_handles.len());
+        for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
-            fresh.push(Mapping::create(
-                &inner.ctx,
-                run,
-                inner.base + bytes.offset,
-                bytes.num_bytes,
-            )?);
-        }
-        let mut i = 0;
-        while i < fresh.len() {
-            let mut j = i + 1;
-            while j < fresh.len() && fresh[j].run.first_granule == fresh[j - 1].run.end_granule() {
-                j += 1;
+            let mapping =
+                Mapping::create(&inner.ctx, run, inner.base + bytes.offset, bytes.num_bytes)?;
+            fresh.push(mapping);
+            inner
+                .ctx
+                .driver
+                .set_access(inner.base + bytes.offset, bytes.num_bytes)?;
+            while let Some(piece) = pending.next_if(|p| p.offset < bytes.end()) {
+                self.zero(piece, zeroing)?;
             }
-            let num_bytes = fresh[j - 1].va + fresh[j - 1].num_bytes - fresh[i].va;
-            inner.ctx.driver.set_access(fresh[i].va, num_bytes)?;
-            i = j;
+        }
+        if zeroing.enabled {
+            // New bytes in granules mapped earlier (a granule shared with a neighbour, or the
+            // slack past the old prefix) are not fresh memory: zero them on every backend.
+            for piece in plan::intersect(&plan.new_ranges, mapped, g) {
+                self.zero(&piece, zeroing)?;
+            }
         }
         Ok(fresh)
     }
 
-    fn zero(&self, ranges: &[ByteRange], stream: u64) -> Result<()> {
-        for range in ranges {
-            let va = self.inner.base + range.offset;
-            self.inner
-                .ctx
-                .driver
-                .memset_zero(va, range.num_bytes, stream)?;
-        }
-        Ok(())
+    fn zero(&self, piece: &ByteRange, zeroing: &mut Zeroing) -> Result<()> {
+        let va = self.inner.base + piece.offset;
+        zeroing.queued = true;
+        self.inner
+            .ctx
+            .driver
+            .memset_zero(va, piece.num_bytes, zeroing.stream)
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.

@@ -45,10 +45,15 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 fn run(
     caps: Vec<u64>,
     equal: bool,
+    dirty: bool,
     options: Options,
     steps: Vec<Step>,
 ) -> Result<(), TestCaseError> {
-    let driver = Arc::new(HostDriver::new(G).unwrap());
+    let driver = match dirty {
+        true => HostDriver::new_dirty(G),
+        false => HostDriver::new(G),
+    };
+    let driver = Arc::new(driver.unwrap());
     let n = caps.len();
     let tensor = if equal {
         let cap = caps[0];
@@ -89,8 +94,8 @@ fn run(
                 };
                 tensor.resize_segments(&targets, zero_new, 0).unwrap();
                 for (i, &t) in targets.iter().enumerate() {
-                    // Fresh memfd pages read zero, so new bytes are zero either way unless
-                    // they sit in a granule mapped earlier; only then does zero_new matter.
+                    // Without zero_new, new bytes hold whatever the memory held: zero or
+                    // junk from a fresh handle, or stray writes in a granule mapped earlier.
                     let old = model[i].len();
                     let actual = common::read(&tensor, offsets[i] + old as u64, t - old as u64);
                     if zero_new {
@@ -157,6 +162,7 @@ proptest! {
     fn matches_the_model(
         caps in prop::collection::vec(1u64..4 * G, 1..5),
         equal in any::<bool>(),
+        dirty in any::<bool>(),
         adaptive_cap in 1u64..8,
         fixed in prop::option::of(1u64..3),
         steps in prop::collection::vec(step(), 1..12),
@@ -166,7 +172,7 @@ proptest! {
             max_handle_bytes: Some(adaptive_cap * G),
             fixed_handle_bytes: fixed.map(|f| f * G),
         };
-        run(caps, equal, options, steps)?;
+        run(caps, equal, dirty, options, steps)?;
     }
 }
 

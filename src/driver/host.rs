@@ -22,6 +22,9 @@ use std::sync::Mutex;
 use super::{DeviceKind, Driver, HandleId};
 use crate::error::{Error, Op, Result};
 
+/// What fresh memory of a `new_dirty` driver reads as.
+pub const DIRTY_BYTE: u8 = 0xa5;
+
 /// CUDA's granularity on Hopper, so host tests exercise the same geometry.
 pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
 
@@ -85,6 +88,9 @@ impl Books {
 /// find exactly this instance's files and mappings in `/proc/self`.
 pub struct HostDriver {
     granularity: u64,
+    /// Fill fresh handles with junk and say so, as `cuMemCreate` memory may hold anything:
+    /// lets host tests exercise the zeroing a CUDA grow needs.
+    dirty_fresh_memory: bool,
     memfd_name: CString,
     books: Mutex<Books>,
 }
@@ -102,10 +108,19 @@ impl HostDriver {
         let id = NEXT_DRIVER_ID.fetch_add(1, Ordering::Relaxed);
         Ok(HostDriver {
             granularity,
+            dirty_fresh_memory: false,
             memfd_name: CString::new(format!("extensible-kv:{}:{id}", std::process::id()))
                 .expect("no NUL in a formatted name"),
             books: Mutex::new(Books::default()),
         })
+    }
+
+    /// Like `new`, but fresh memory reads `DIRTY_BYTE` instead of zero (a test double for the
+    /// CUDA backend's uninitialised memory).
+    pub fn new_dirty(granularity: u64) -> Result<HostDriver> {
+        let mut driver = HostDriver::new(granularity)?;
+        driver.dirty_fresh_memory = true;
+        Ok(driver)
     }
 
     /// The name this instance's memfds carry (`/memfd:<name>` in `/proc/self/{fd,maps}`).
@@ -136,6 +151,31 @@ impl HostDriver {
         }
         Ok(())
     }
+}
+
+fn fill_dirty(fd: &OwnedFd, num_bytes: u64) -> Result<()> {
+    let chunk = vec![DIRTY_BYTE; 1 << 16];
+    let mut offset = 0u64;
+    while offset < num_bytes {
+        let len = chunk.len().min(bytes_as_usize(num_bytes - offset));
+        // SAFETY: fd is a live memfd we own; `chunk` is valid for `len` bytes of reading.
+        let written = unsafe {
+            libc::pwrite(
+                fd.as_raw_fd(),
+                chunk.as_ptr().cast(),
+                len,
+                offset as libc::off_t,
+            )
+        };
+        if written <= 0 {
+            return Err(last_os_error(
+                Op::Create,
+                format!("filling {num_bytes} bytes"),
+            ));
+        }
+        offset += written as u64;
+    }
+    Ok(())
 }
 
 fn page_size() -> u64 {
@@ -222,7 +262,7 @@ impl Driver for HostDriver {
     }
 
     fn fresh_memory_is_zeroed(&self) -> bool {
-        true
+        !self.dirty_fresh_memory
     }
 
     fn reserve(&self, num_bytes: u64) -> Result<u64> {
@@ -230,7 +270,15 @@ impl Driver for HostDriver {
         if num_bytes == 0 {
             return Err(invalid_range(Op::Reserve, 0, 0, "is empty"));
         }
-        let padded = num_bytes + self.granularity;
+        let out_of_address_space = |code: &str| Error::OutOfMemory {
+            op: Op::Reserve,
+            requested_bytes: num_bytes,
+            free_bytes: None,
+            code: code.into(),
+        };
+        let padded = num_bytes
+            .checked_add(self.granularity)
+            .ok_or_else(|| out_of_address_space("EOVERFLOW"))?;
         let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         // SAFETY: no MAP_FIXED: the kernel picks fresh address space, which nothing else owns.
         let raw = unsafe {
@@ -244,7 +292,10 @@ impl Driver for HostDriver {
             )
         };
         if raw == libc::MAP_FAILED {
-            return Err(last_os_error(Op::Reserve, format!("{num_bytes} bytes")));
+            return Err(match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::ENOMEM) => out_of_address_space("ENOMEM"),
+                _ => last_os_error(Op::Reserve, format!("{num_bytes} bytes")),
+            });
         }
         let raw = raw as u64;
         let start = raw.next_multiple_of(self.granularity);
@@ -320,6 +371,9 @@ impl Driver for HostDriver {
                 },
                 _ => os_error(Op::Create, errno, format!("fallocate {num_bytes} bytes")),
             });
+        }
+        if self.dirty_fresh_memory {
+            fill_dirty(&fd, num_bytes)?;
         }
         let mut books = self.books.lock().expect("host books poisoned");
         books.next_handle += 1;

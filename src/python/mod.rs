@@ -88,9 +88,12 @@ fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
     pyerr
 }
 
-/// A non-negative size: ValueError (not OverflowError) for negative or oversized ints.
+/// A non-negative size from an int or anything with `__index__` (numpy ints): TypeError for
+/// other types, ValueError (not OverflowError) for negative or oversized values.
 fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<pyo3::types::PyBool>() {
+    let is_int_like = !obj.is_instance_of::<pyo3::types::PyBool>()
+        && (obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")?);
+    if !is_int_like {
         let type_name = obj.get_type().name()?;
         return Err(PyTypeError::new_err(format!(
             "{what} must be an int, not {type_name}"

@@ -1,0 +1,128 @@
+"""Fixtures shared by the Python API tests.
+
+Every test body runs once per backend through the `backend` fixture: `"cpu"` (the host
+backend: mmap + memfd, always available) and `"cuda"` (CUDA VMM, skipped with the library's
+own reason where unavailable). Sizes are written in units of the tensor's granularity `g`
+(4096 bytes on cpu to keep tests small, the driver's default, 2 MiB on H100/H200, on cuda).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import extensible_kv
+import pytest
+from extensible_kv import ExtensibleTensor
+
+CPU_GRANULARITY = 4096
+MEMFD_TAG = "memfd:extensible-kv"
+
+
+def _cuda_skip_reason() -> str | None:
+    return extensible_kv.vmm_unavailable_reason("cuda:0")
+
+
+_CUDA_REASON = _cuda_skip_reason()
+
+BACKENDS = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or ""),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """`"cpu"` or `"cuda"`."""
+    return str(request.param)
+
+
+@pytest.fixture
+def device(backend: str) -> str:
+    """The device string to construct tensors on: `cpu` or `cuda:0`."""
+    return "cpu" if backend == "cpu" else "cuda:0"
+
+
+def device_kwargs(backend: str) -> dict[str, Any]:
+    """Constructor kwargs that pick the backend (and the small granularity on cpu)."""
+    if backend == "cpu":
+        return {"device": "cpu", "granularity": CPU_GRANULARITY}
+    return {"device": "cuda:0"}
+
+
+MakeTensor = Callable[..., ExtensibleTensor]
+
+
+@pytest.fixture
+def make_tensor(backend: str) -> Iterator[MakeTensor]:
+    """`make_tensor(max_bytes, num_segments=1, **kw)` on the fixture's backend.
+
+    The factory keeps only weak references, so a test may `del` a tensor to check that views
+    outlive it; every tensor still alive at teardown is closed (a BufferError from a test
+    that deliberately keeps views is ignored).
+    """
+    made: list[weakref.ref[ExtensibleTensor]] = []
+
+    def make(max_bytes: int, num_segments: int | None = 1, **kw: Any) -> ExtensibleTensor:
+        if kw.get("segment_capacities") is not None and num_segments == 1:
+            num_segments = None  # the count comes from the capacities
+        kwargs = {**device_kwargs(backend), **kw}
+        t = ExtensibleTensor(max_bytes, num_segments, **kwargs)
+        made.append(weakref.ref(t))
+        return t
+
+    yield make
+    for ref in made:
+        t = ref()
+        if t is None:
+            continue
+        try:
+            t.close()
+        except BufferError:
+            pass
+
+
+@pytest.fixture
+def g(make_tensor: MakeTensor) -> int:
+    """The granularity tensors of this backend get from `make_tensor`."""
+    probe = make_tensor(1)
+    granularity = probe.granularity
+    probe.close()
+    return granularity
+
+
+def memfd_counts() -> tuple[int, int]:
+    """`(open fds, mappings)` of this process that belong to extensible-kv memfds.
+
+    The host backend names its memfds `extensible-kv:<pid>:<id>`; they show up as
+    `/memfd:extensible-kv:... (deleted)` in `/proc/self/fd` and `/proc/self/maps`. No
+    garbage collection here (it costs ~0.1 s with torch loaded): drop views before counting.
+    """
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the fd listing the directory itself is gone by now
+            continue
+        if MEMFD_TAG in target:
+            fds += 1
+    with open("/proc/self/maps") as maps:
+        mappings = sum(MEMFD_TAG in line for line in maps)
+    return fds, mappings
+
+
+@pytest.fixture
+def leak_check() -> Callable[[], tuple[int, int]]:
+    """`memfd_counts`, for tests that compare before and after; collects garbage once first,
+    so that views left in cycles by earlier tests do not die in the middle of this one."""
+    gc.collect()
+    return memfd_counts
