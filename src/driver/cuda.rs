@@ -19,12 +19,12 @@
 //!   taken on trust is `memset_zero`'s stream, which only its creator (torch) can vouch for.
 #![allow(unsafe_code)]
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
+use super::books::Books;
 use super::{DeviceKind, Driver, HandleId};
 use crate::error::{Error, Op, Result};
 
@@ -363,83 +363,11 @@ pub fn vmm_unavailable_reason(ordinal: i32) -> Option<String> {
     open(ordinal).err()
 }
 
-/// What this driver has handed out and not yet taken back.
-#[derive(Default)]
-struct Books {
-    /// start → length of each live reservation.
-    reservations: BTreeMap<u64, u64>,
-    /// start → (length, accessible) of each live mapping.
-    mappings: BTreeMap<u64, (u64, bool)>,
-    /// handle → length of each live allocation.
-    handles: HashMap<u64, u64>,
-}
-
-impl Books {
-    fn inside_reservation(&self, va: u64, num_bytes: u64) -> bool {
-        let Some((&start, &len)) = self.reservations.range(..=va).next_back() else {
-            return false;
-        };
-        va.checked_add(num_bytes)
-            .is_some_and(|end| end <= start + len)
-    }
-
-    /// Why a mapping of `handle` cannot go at `[va, va + num_bytes)`, if it cannot.
-    fn refuse_map(&self, va: u64, num_bytes: u64, handle: u64) -> Option<String> {
-        match self.handles.get(&handle) {
-            None => return Some(format!("names no live handle ({handle:#x})")),
-            Some(&len) if len != num_bytes => return Some(format!("!= the handle's {len} bytes")),
-            Some(_) => {}
-        }
-        if !self.inside_reservation(va, num_bytes) {
-            return Some("is outside every reservation".into());
-        }
-        let before_end = self.mappings.range(..va + num_bytes).next_back();
-        before_end
-            .is_some_and(|(&start, &(len, _))| start + len > va)
-            .then(|| "is already mapped".into())
-    }
-
-    /// The starts of the whole mappings that tile `[va, va + num_bytes)` exactly, if they do.
-    fn tiling(&self, va: u64, num_bytes: u64) -> Option<Vec<u64>> {
-        let end = va.checked_add(num_bytes)?;
-        let mut cursor = va;
-        let mut starts = Vec::new();
-        for (&start, &(len, _)) in self.mappings.range(va..end) {
-            if start != cursor {
-                return None;
-            }
-            starts.push(start);
-            cursor = start + len;
-        }
-        (cursor == end && !starts.is_empty()).then_some(starts)
-    }
-
-    /// Whether accessible mappings cover `[va, va + num_bytes)` (which may cut through them).
-    fn accessible(&self, va: u64, num_bytes: u64) -> bool {
-        let Some(end) = va.checked_add(num_bytes) else {
-            return false;
-        };
-        let first = self
-            .mappings
-            .range(..=va)
-            .next_back()
-            .map_or(va, |(&start, _)| start);
-        let mut cursor = va;
-        for (&start, &(len, accessible)) in self.mappings.range(first..end) {
-            if start > cursor || !accessible {
-                return false;
-            }
-            cursor = cursor.max(start + len);
-        }
-        cursor >= end
-    }
-}
-
 /// CUDA's VMM API on one device, through its primary context.
 pub struct CudaDriver {
     ordinal: i32,
     granularity: u64,
-    books: Mutex<Books>,
+    books: Mutex<Books<()>>,
     /// Last, so it is released after `Drop` has cleaned up with it.
     primary: PrimaryContext,
 }
@@ -459,16 +387,11 @@ impl CudaDriver {
 
     /// `(live handles, live mappings, live reservations)`, for leak checks.
     pub fn live_counts(&self) -> (usize, usize, usize) {
-        let books = self.books();
-        (
-            books.handles.len(),
-            books.mappings.len(),
-            books.reservations.len(),
-        )
+        self.books().live_counts()
     }
 
     /// Books change only after a call succeeded, so a panic elsewhere leaves them consistent.
-    fn books(&self) -> MutexGuard<'_, Books> {
+    fn books(&self) -> MutexGuard<'_, Books<()>> {
         self.books.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -516,21 +439,8 @@ impl Driver for CudaDriver {
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
         let _bound = self.bind(Op::FreeReservation)?;
         let mut books = self.books();
-        if books.reservations.get(&va) != Some(&num_bytes) {
-            return Err(refused(
-                Op::FreeReservation,
-                va,
-                num_bytes,
-                "is not a reservation",
-            ));
-        }
-        if books.mappings.range(va..va + num_bytes).next().is_some() {
-            return Err(refused(
-                Op::FreeReservation,
-                va,
-                num_bytes,
-                "is still mapped",
-            ));
+        if let Some(why) = books.refuse_free(va, num_bytes) {
+            return Err(refused(Op::FreeReservation, va, num_bytes, why));
         }
         // SAFETY: the range is exactly one live reservation with nothing mapped in it, both
         // checked under the lock that every map takes.
@@ -550,14 +460,14 @@ impl Driver for CudaDriver {
             }
             Err(err) => return Err(err).on(Op::Create, || format!("{num_bytes} bytes")),
         };
-        self.books().handles.insert(handle, num_bytes);
+        self.books().handles.insert(handle, ((), num_bytes));
         Ok(HandleId(handle))
     }
 
     fn release(&self, handle: HandleId) -> Result<()> {
         let _bound = self.bind(Op::Release)?;
         let mut books = self.books();
-        let Some(&num_bytes) = books.handles.get(&handle.0) else {
+        let Some(&((), num_bytes)) = books.handles.get(&handle.0) else {
             let detail = format!("no live handle {:#x}", handle.0);
             return Err(Error::Driver {
                 op: Op::Release,
@@ -670,7 +580,7 @@ impl Drop for CudaDriver {
     /// outliving the driver. Errors are dropped: there is no one left to report them to.
     fn drop(&mut self) {
         let books = std::mem::take(self.books.get_mut().unwrap_or_else(PoisonError::into_inner));
-        if books.handles.is_empty() && books.mappings.is_empty() && books.reservations.is_empty() {
+        if books.live_counts() == (0, 0, 0) {
             return;
         }
         let Ok(_bound) = self.primary.bind() else {
@@ -697,7 +607,6 @@ impl Drop for CudaDriver {
 mod tests {
     use super::*;
 
-    const MIB: u64 = 1 << 20;
 
     /// A driver on device 0, or `None` (with a note) on machines without a usable GPU.
     fn gpu_driver() -> Option<CudaDriver> {
@@ -749,90 +658,6 @@ mod tests {
             CudaDriver::new(i32::MAX),
             Err(Error::Unsupported(_))
         ));
-    }
-
-    /// Books with one 8 MiB reservation at 64 MiB, 2 MiB mapped at its start (accessible) and
-    /// 2 MiB right after (not yet accessible), and a free 2 MiB handle 7.
-    fn books() -> Books {
-        let mut books = Books::default();
-        books.reservations.insert(64 * MIB, 8 * MIB);
-        books.mappings.insert(64 * MIB, (2 * MIB, true));
-        books.mappings.insert(66 * MIB, (2 * MIB, false));
-        books.handles.insert(7, 2 * MIB);
-        books
-    }
-
-    #[test]
-    fn books_refuse_bad_maps() {
-        let books = books();
-        assert_eq!(books.refuse_map(68 * MIB, 2 * MIB, 7), None);
-        assert_eq!(books.refuse_map(70 * MIB, 2 * MIB, 7), None);
-        assert!(books
-            .refuse_map(68 * MIB, 2 * MIB, 8)
-            .unwrap()
-            .contains("no live handle"));
-        assert!(books
-            .refuse_map(68 * MIB, 4 * MIB, 7)
-            .unwrap()
-            .contains("!="));
-        assert!(books
-            .refuse_map(72 * MIB, 2 * MIB, 7)
-            .unwrap()
-            .contains("outside"));
-        assert!(books
-            .refuse_map(62 * MIB, 2 * MIB, 7)
-            .unwrap()
-            .contains("outside"));
-        assert!(books
-            .refuse_map(u64::MAX - MIB, 2 * MIB, 7)
-            .unwrap()
-            .contains("outside"));
-        assert!(books
-            .refuse_map(66 * MIB, 2 * MIB, 7)
-            .unwrap()
-            .contains("already mapped"));
-        assert!(books
-            .refuse_map(67 * MIB, 2 * MIB, 7)
-            .unwrap()
-            .contains("already mapped"));
-    }
-
-    #[test]
-    fn books_tile_whole_mappings_only() {
-        let books = books();
-        assert_eq!(
-            books.tiling(64 * MIB, 4 * MIB),
-            Some(vec![64 * MIB, 66 * MIB])
-        );
-        assert_eq!(books.tiling(66 * MIB, 2 * MIB), Some(vec![66 * MIB]));
-        assert_eq!(books.tiling(64 * MIB, MIB), None, "part of a mapping");
-        assert_eq!(
-            books.tiling(64 * MIB, 6 * MIB),
-            None,
-            "runs past the mappings"
-        );
-        assert_eq!(books.tiling(68 * MIB, 2 * MIB), None, "nothing mapped");
-        assert_eq!(books.tiling(u64::MAX, 2), None);
-    }
-
-    #[test]
-    fn books_know_what_is_accessible() {
-        let books = books();
-        assert!(books.accessible(64 * MIB, 2 * MIB));
-        assert!(
-            books.accessible(64 * MIB + 3, MIB),
-            "may cut through a mapping"
-        );
-        assert!(
-            !books.accessible(64 * MIB, 2 * MIB + 1),
-            "runs into an inaccessible mapping"
-        );
-        assert!(!books.accessible(68 * MIB, 1), "unmapped");
-        assert!(
-            !books.accessible(63 * MIB, 2 * MIB),
-            "starts before the mappings"
-        );
-        assert!(!books.accessible(u64::MAX, 2));
     }
 
     /// Fills `[va, va + num_bytes)` with `byte` and waits, outside the driver's own paths.

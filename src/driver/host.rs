@@ -13,12 +13,12 @@
 //! clobber memory this driver does not own, whatever the caller passes.
 #![allow(unsafe_code)]
 
-use std::collections::{BTreeMap, HashMap};
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use super::books::Books;
 use super::{DeviceKind, Driver, HandleId};
 use crate::error::{Error, Op, Result};
 
@@ -30,60 +30,6 @@ pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
 
 static NEXT_DRIVER_ID: AtomicU64 = AtomicU64::new(0);
 
-#[derive(Default)]
-struct Books {
-    /// start → length of each live reservation.
-    reservations: BTreeMap<u64, u64>,
-    /// start → (length, accessible) of each live mapping.
-    mappings: BTreeMap<u64, (u64, bool)>,
-    handles: HashMap<u64, (OwnedFd, u64)>,
-    next_handle: u64,
-}
-
-impl Books {
-    fn reservation_containing(&self, va: u64, num_bytes: u64) -> Option<(u64, u64)> {
-        let (&start, &len) = self.reservations.range(..=va).next_back()?;
-        (va.checked_add(num_bytes)? <= start + len).then_some((start, len))
-    }
-
-    /// The live mappings that lie inside `[va, va + num_bytes)`, and whether they tile it exactly.
-    fn mappings_tiling(&self, va: u64, num_bytes: u64) -> (Vec<u64>, bool) {
-        let end = va + num_bytes;
-        let mut starts = Vec::new();
-        let mut cursor = va;
-        for (&start, &(len, _)) in self.mappings.range(va..end) {
-            if start != cursor {
-                return (starts, false);
-            }
-            starts.push(start);
-            cursor = start + len;
-        }
-        (starts, cursor == end)
-    }
-
-    /// Whether `[va, va + num_bytes)` is covered by accessible mappings (it may cut through them).
-    fn accessible(&self, va: u64, num_bytes: u64) -> bool {
-        let end = va + num_bytes;
-        let mut cursor = va;
-        let first = self
-            .mappings
-            .range(..=va)
-            .next_back()
-            .map(|(&s, _)| s)
-            .unwrap_or(va);
-        for (&start, &(len, accessible)) in self.mappings.range(first..end) {
-            if start > cursor || !accessible {
-                return false;
-            }
-            cursor = cursor.max(start + len);
-            if cursor >= end {
-                return true;
-            }
-        }
-        cursor >= end
-    }
-}
-
 /// Linux mmap + memfd backend. Each instance names its memfds `extensible-kv:<id>` so tests can
 /// find exactly this instance's files and mappings in `/proc/self`.
 pub struct HostDriver {
@@ -92,7 +38,8 @@ pub struct HostDriver {
     /// lets host tests exercise the zeroing a CUDA grow needs.
     dirty_fresh_memory: bool,
     memfd_name: CString,
-    books: Mutex<Books>,
+    books: Mutex<Books<OwnedFd>>,
+    next_handle: AtomicU64,
 }
 
 impl HostDriver {
@@ -112,6 +59,7 @@ impl HostDriver {
             memfd_name: CString::new(format!("extensible-kv:{}:{id}", std::process::id()))
                 .expect("no NUL in a formatted name"),
             books: Mutex::new(Books::default()),
+            next_handle: AtomicU64::new(1),
         })
     }
 
@@ -130,12 +78,11 @@ impl HostDriver {
 
     /// `(live handles, live mappings, live reservations)`, for leak checks.
     pub fn live_counts(&self) -> (usize, usize, usize) {
-        let books = self.books.lock().expect("host books poisoned");
-        (
-            books.handles.len(),
-            books.mappings.len(),
-            books.reservations.len(),
-        )
+        self.books().live_counts()
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books<OwnedFd>> {
+        self.books.lock().expect("host books poisoned")
     }
 
     fn check_aligned(&self, op: Op, what: &str, value: u64) -> Result<()> {
@@ -310,28 +257,15 @@ impl Driver for HostDriver {
                 libc::munmap((start + num_bytes) as *mut _, bytes_as_usize(tail));
             }
         }
-        let mut books = self.books.lock().expect("host books poisoned");
+        let mut books = self.books();
         books.reservations.insert(start, num_bytes);
         Ok(start)
     }
 
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books.lock().expect("host books poisoned");
-        if books.reservations.get(&va) != Some(&num_bytes) {
-            return Err(invalid_range(
-                Op::FreeReservation,
-                va,
-                num_bytes,
-                "is not a reservation",
-            ));
-        }
-        if books.mappings.range(va..va + num_bytes).next().is_some() {
-            return Err(invalid_range(
-                Op::FreeReservation,
-                va,
-                num_bytes,
-                "is still mapped",
-            ));
+        let mut books = self.books();
+        if let Some(why) = books.refuse_free(va, num_bytes) {
+            return Err(invalid_range(Op::FreeReservation, va, num_bytes, why));
         }
         // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
         if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
@@ -375,15 +309,13 @@ impl Driver for HostDriver {
         if self.dirty_fresh_memory {
             fill_dirty(&fd, num_bytes)?;
         }
-        let mut books = self.books.lock().expect("host books poisoned");
-        books.next_handle += 1;
-        let id = books.next_handle;
-        books.handles.insert(id, (fd, num_bytes));
+        let id = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.books().handles.insert(id, (fd, num_bytes));
         Ok(HandleId(id))
     }
 
     fn release(&self, handle: HandleId) -> Result<()> {
-        let mut books = self.books.lock().expect("host books poisoned");
+        let mut books = self.books();
         match books.handles.remove(&handle.0) {
             Some(_) => Ok(()), // the OwnedFd closes here; live mappings keep the file alive
             None => Err(Error::Driver {
@@ -395,39 +327,12 @@ impl Driver for HostDriver {
     }
 
     fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
-        let mut books = self.books.lock().expect("host books poisoned");
-        let fd = match books.handles.get(&handle.0) {
-            Some((fd, len)) if *len == num_bytes => fd.as_raw_fd(),
-            Some((_, len)) => {
-                return Err(invalid_range(
-                    Op::Map,
-                    va,
-                    num_bytes,
-                    &format!("!= handle's {len}"),
-                ))
-            }
-            None => {
-                return Err(invalid_range(
-                    Op::Map,
-                    va,
-                    num_bytes,
-                    "names no live handle",
-                ))
-            }
-        };
+        let mut books = self.books();
         self.check_aligned(Op::Map, "address", va)?;
-        if books.reservation_containing(va, num_bytes).is_none() {
-            return Err(invalid_range(
-                Op::Map,
-                va,
-                num_bytes,
-                "is outside every reservation",
-            ));
+        if let Some(why) = books.refuse_map(va, num_bytes, handle.0) {
+            return Err(invalid_range(Op::Map, va, num_bytes, &why));
         }
-        let overlaps = books.mappings.range(..va + num_bytes).next_back();
-        if overlaps.is_some_and(|(&start, &(len, _))| start + len > va) {
-            return Err(invalid_range(Op::Map, va, num_bytes, "is already mapped"));
-        }
+        let fd = books.handles[&handle.0].0.as_raw_fd();
         let flags = libc::MAP_SHARED | libc::MAP_FIXED;
         // SAFETY: the range lies inside one of our reservations and overlaps no live mapping,
         // so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a live memfd of ours
@@ -453,16 +358,11 @@ impl Driver for HostDriver {
     }
 
     fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books.lock().expect("host books poisoned");
-        let (starts, exact) = books.mappings_tiling(va, num_bytes);
-        if !exact || starts.is_empty() {
-            return Err(invalid_range(
-                Op::Unmap,
-                va,
-                num_bytes,
-                "does not cover whole mappings",
-            ));
-        }
+        let mut books = self.books();
+        let Some(starts) = books.tiling(va, num_bytes) else {
+            let why = "does not cover whole mappings";
+            return Err(invalid_range(Op::Unmap, va, num_bytes, why));
+        };
         // SAFETY: the range is tiled by live mappings of ours, all inside our reservations.
         if unsafe { map_inaccessible(va, num_bytes) } == libc::MAP_FAILED {
             return Err(last_os_error(
@@ -477,16 +377,11 @@ impl Driver for HostDriver {
     }
 
     fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books.lock().expect("host books poisoned");
-        let (starts, exact) = books.mappings_tiling(va, num_bytes);
-        if !exact || starts.is_empty() {
-            return Err(invalid_range(
-                Op::SetAccess,
-                va,
-                num_bytes,
-                "is not wholly mapped",
-            ));
-        }
+        let mut books = self.books();
+        let Some(starts) = books.tiling(va, num_bytes) else {
+            let why = "is not wholly mapped";
+            return Err(invalid_range(Op::SetAccess, va, num_bytes, why));
+        };
         let prot = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: the range is tiled by live shared mappings of ours; mprotect changes only
         // their protection.
@@ -508,7 +403,7 @@ impl Driver for HostDriver {
         if num_bytes == 0 {
             return Ok(());
         }
-        let books = self.books.lock().expect("host books poisoned");
+        let books = self.books();
         if !books.accessible(va, num_bytes) {
             return Err(invalid_range(
                 Op::Memset,

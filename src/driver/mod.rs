@@ -11,6 +11,7 @@
 //! `set_access` makes mapped ranges readable and writable; `unmap` returns a range to reserved,
 //! inaccessible address space; `release` drops a handle (its memory lives on while mapped).
 
+mod books;
 pub mod faulty;
 pub mod host;
 

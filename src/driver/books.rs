@@ -1,0 +1,217 @@
+//! What a backend has handed out and not yet taken back: reservations, mappings (and whether
+//! access was granted) and physical handles. Both backends check every address range against
+//! these books before touching the OS or the driver — that check is what makes the `Driver`
+//! trait's methods safe to call with any arguments. Pure bookkeeping: no FFI.
+
+use std::collections::{BTreeMap, HashMap};
+
+/// The books of one backend; `H` is what the backend keeps per handle (a memfd, or nothing).
+pub(crate) struct Books<H> {
+    /// start → length of each live reservation.
+    pub reservations: BTreeMap<u64, u64>,
+    /// start → (length, accessible) of each live mapping.
+    pub mappings: BTreeMap<u64, (u64, bool)>,
+    /// handle id → (backend data, length) of each live handle.
+    pub handles: HashMap<u64, (H, u64)>,
+}
+
+impl<H> Default for Books<H> {
+    fn default() -> Self {
+        Books {
+            reservations: BTreeMap::new(),
+            mappings: BTreeMap::new(),
+            handles: HashMap::new(),
+        }
+    }
+}
+
+impl<H> Books<H> {
+    /// `(live handles, live mappings, live reservations)`, for leak checks.
+    pub fn live_counts(&self) -> (usize, usize, usize) {
+        (
+            self.handles.len(),
+            self.mappings.len(),
+            self.reservations.len(),
+        )
+    }
+
+    pub fn inside_reservation(&self, va: u64, num_bytes: u64) -> bool {
+        let Some((&start, &len)) = self.reservations.range(..=va).next_back() else {
+            return false;
+        };
+        va.checked_add(num_bytes)
+            .is_some_and(|end| end <= start + len)
+    }
+
+    /// Why `[va, va + num_bytes)` cannot be freed as a reservation, if it cannot.
+    pub fn refuse_free(&self, va: u64, num_bytes: u64) -> Option<&'static str> {
+        if self.reservations.get(&va) != Some(&num_bytes) {
+            return Some("is not a reservation");
+        }
+        let end = va.checked_add(num_bytes)?;
+        self.mappings
+            .range(va..end)
+            .next()
+            .map(|_| "is still mapped")
+    }
+
+    /// Why a mapping of `handle` cannot go at `[va, va + num_bytes)`, if it cannot.
+    pub fn refuse_map(&self, va: u64, num_bytes: u64, handle: u64) -> Option<String> {
+        match self.handles.get(&handle) {
+            None => return Some(format!("names no live handle ({handle:#x})")),
+            Some((_, len)) if *len != num_bytes => {
+                return Some(format!("!= the handle's {len} bytes"))
+            }
+            Some(_) => {}
+        }
+        if !self.inside_reservation(va, num_bytes) {
+            return Some("is outside every reservation".into());
+        }
+        let before_end = self.mappings.range(..va + num_bytes).next_back();
+        before_end
+            .is_some_and(|(&start, &(len, _))| start + len > va)
+            .then(|| "is already mapped".into())
+    }
+
+    /// The starts of the whole mappings that tile `[va, va + num_bytes)` exactly, if they do.
+    pub fn tiling(&self, va: u64, num_bytes: u64) -> Option<Vec<u64>> {
+        let end = va.checked_add(num_bytes)?;
+        let mut cursor = va;
+        let mut starts = Vec::new();
+        for (&start, &(len, _)) in self.mappings.range(va..end) {
+            if start != cursor {
+                return None;
+            }
+            starts.push(start);
+            cursor = start + len;
+        }
+        (cursor == end && !starts.is_empty()).then_some(starts)
+    }
+
+    /// Whether accessible mappings cover `[va, va + num_bytes)` (which may cut through them).
+    pub fn accessible(&self, va: u64, num_bytes: u64) -> bool {
+        let Some(end) = va.checked_add(num_bytes) else {
+            return false;
+        };
+        let first = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .map_or(va, |(&start, _)| start);
+        let mut cursor = va;
+        for (&start, &(len, accessible)) in self.mappings.range(first..end) {
+            if start > cursor || !accessible {
+                return false;
+            }
+            cursor = cursor.max(start + len);
+        }
+        cursor >= end
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// Books with one 8 MiB reservation at 64 MiB, 2 MiB mapped at its start (accessible) and
+    /// 2 MiB right after (not yet accessible), and a free 2 MiB handle 7.
+    fn books() -> Books<()> {
+        let mut books = Books::default();
+        books.reservations.insert(64 * MIB, 8 * MIB);
+        books.mappings.insert(64 * MIB, (2 * MIB, true));
+        books.mappings.insert(66 * MIB, (2 * MIB, false));
+        books.handles.insert(7, ((), 2 * MIB));
+        books
+    }
+
+    #[test]
+    fn books_refuse_bad_maps() {
+        let books = books();
+        assert_eq!(books.refuse_map(68 * MIB, 2 * MIB, 7), None);
+        assert_eq!(books.refuse_map(70 * MIB, 2 * MIB, 7), None);
+        assert!(books
+            .refuse_map(68 * MIB, 2 * MIB, 8)
+            .unwrap()
+            .contains("no live handle"));
+        assert!(books
+            .refuse_map(68 * MIB, 4 * MIB, 7)
+            .unwrap()
+            .contains("!="));
+        assert!(books
+            .refuse_map(72 * MIB, 2 * MIB, 7)
+            .unwrap()
+            .contains("outside"));
+        assert!(books
+            .refuse_map(62 * MIB, 2 * MIB, 7)
+            .unwrap()
+            .contains("outside"));
+        assert!(books
+            .refuse_map(u64::MAX - MIB, 2 * MIB, 7)
+            .unwrap()
+            .contains("outside"));
+        assert!(books
+            .refuse_map(66 * MIB, 2 * MIB, 7)
+            .unwrap()
+            .contains("already mapped"));
+        assert!(books
+            .refuse_map(67 * MIB, 2 * MIB, 7)
+            .unwrap()
+            .contains("already mapped"));
+    }
+
+    #[test]
+    fn books_tile_whole_mappings_only() {
+        let books = books();
+        assert_eq!(
+            books.tiling(64 * MIB, 4 * MIB),
+            Some(vec![64 * MIB, 66 * MIB])
+        );
+        assert_eq!(books.tiling(66 * MIB, 2 * MIB), Some(vec![66 * MIB]));
+        assert_eq!(books.tiling(64 * MIB, MIB), None, "part of a mapping");
+        assert_eq!(
+            books.tiling(64 * MIB, 6 * MIB),
+            None,
+            "runs past the mappings"
+        );
+        assert_eq!(books.tiling(68 * MIB, 2 * MIB), None, "nothing mapped");
+        assert_eq!(books.tiling(u64::MAX, 2), None);
+    }
+
+    #[test]
+    fn books_know_what_is_accessible() {
+        let books = books();
+        assert!(books.accessible(64 * MIB, 2 * MIB));
+        assert!(
+            books.accessible(64 * MIB + 3, MIB),
+            "may cut through a mapping"
+        );
+        assert!(
+            !books.accessible(64 * MIB, 2 * MIB + 1),
+            "runs into an inaccessible mapping"
+        );
+        assert!(!books.accessible(68 * MIB, 1), "unmapped");
+        assert!(
+            !books.accessible(63 * MIB, 2 * MIB),
+            "starts before the mappings"
+        );
+        assert!(!books.accessible(u64::MAX, 2));
+    }
+
+    #[test]
+    fn books_refuse_bad_frees() {
+        let books = books();
+        assert_eq!(
+            books.refuse_free(64 * MIB, 8 * MIB),
+            Some("is still mapped")
+        );
+        assert_eq!(
+            books.refuse_free(64 * MIB, 4 * MIB),
+            Some("is not a reservation")
+        );
+        let mut empty = books;
+        empty.mappings.clear();
+        assert_eq!(empty.refuse_free(64 * MIB, 8 * MIB), None);
+    }
+}
