@@ -13,14 +13,35 @@ from extensible_kv._native import (
     UnsupportedError,
     vmm_unavailable_reason,
 )
+from extensible_kv.kv_cache import (
+    AttentionLayerSpec,
+    ExtensibleKVCache,
+    KVCacheTensorSpec,
+    LayerSpec,
+    MambaLayerSpec,
+    StandardLayerSpec,
+)
+from extensible_kv.layouts import BACKEND_PRESETS, STANDARD_LAYOUTS
+from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
 from extensible_kv.tensor import ExtensibleTensor
 
 __all__ = [
+    "BACKEND_PRESETS",
+    "STANDARD_LAYOUTS",
+    "AttentionLayerSpec",
     "ClosedError",
     "DriverError",
+    "ExtensibleKVCache",
     "ExtensibleTensor",
+    "KVCacheTensorSpec",
+    "LayerSpec",
+    "MambaLayerSpec",
+    "MambaStateSpec",
     "OutOfMemoryError",
+    "StandardLayerSpec",
     "UnsupportedError",
+    "gated_delta_net_state_spec",
+    "mamba2_state_spec",
     "vmm_unavailable_reason",
 ]
 __version__ = "0.1.0"

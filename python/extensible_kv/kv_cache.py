@@ -1,0 +1,412 @@
+"""`ExtensibleKVCache`: a model's KV cache tensors, reserved for a capacity, grown in blocks.
+
+The description mirrors what a serving stack knows (vLLM's `KVCacheTensor`s): a list of
+buffers, each with its page size (`bytes_per_block`) and the layers sharing it. Layers share a
+buffer when their blocks are handed out disjointly (one layer of each KV cache group), so each
+views the whole buffer; the layers of an `[L, B, H, N, C]` buffer each view their slice.
+
+Every buffer is an `ExtensibleTensor` of `capacity_blocks` pages in as many segments as its
+layout has (design.md §4); every layer gets one view in its backend's logical shape with the
+physical strides, spanning the capacity, whose address never changes. `commit(n)` grows every
+buffer to `n` blocks, zeroing the new ones. A model with any Mamba layer is hybrid: its
+attention layouts are made block-major so that every buffer has one segment and a page means
+the same bytes to every layer sharing it.
+
+Invariants: the layers of a buffer agree on its segment count and per-segment block stride,
+and their page is the buffer's `bytes_per_block`; segment `s` holds bytes
+`[s * capacity * stride, (s + 1) * capacity * stride)`, exactly where the layouts' outer dims
+step. `legacy=True` builds the same views over a fully committed `torch.zeros` per buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from extensible_kv._native import ClosedError
+from extensible_kv.layouts import (
+    BlockLayout,
+    KVCacheBackend,
+    ViewGeometry,
+    backend_layout,
+    resolve_backend,
+    standard_layout,
+)
+from extensible_kv.mamba import MambaStateSpec
+from extensible_kv.tensor import ExtensibleTensor
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "AttentionLayerSpec",
+    "ExtensibleKVCache",
+    "KVCacheTensorSpec",
+    "LayerSpec",
+    "MambaLayerSpec",
+    "StandardLayerSpec",
+]
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """An attention layer laid out by a backend: a class with vLLM's `get_kv_cache_shape`
+    (and optionally `get_kv_cache_stride_order`), or a preset name from `BACKEND_PRESETS`."""
+
+    backend: KVCacheBackend | str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    cache_dtype_str: str = "auto"
+
+
+@dataclass(frozen=True)
+class StandardLayerSpec:
+    """Layer `layer_index` of a buffer holding `num_layers_in_buffer` layers in the standard
+    `[L, B, H, N, C]` vocabulary; `layout` is the physical order, e.g. `"LHBNC"`."""
+
+    layout: str
+    num_layers_in_buffer: int
+    layer_index: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MambaLayerSpec:
+    """A Mamba / linear-attention layer: its states packed in one page per block."""
+
+    state: MambaStateSpec
+
+
+LayerSpec = AttentionLayerSpec | StandardLayerSpec | MambaLayerSpec
+
+
+@dataclass(frozen=True)
+class KVCacheTensorSpec:
+    """One KV cache buffer: its page size and the layers that view it, by name."""
+
+    bytes_per_block: int
+    layers: Mapping[str, LayerSpec]
+
+
+# ---------------------------------------------------------------------------------------------
+# planning: specs → view geometries, checked per buffer
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    name: str
+    views: tuple[ViewGeometry, ...]  # one for attention, one per state for Mamba
+    is_mamba: bool
+    num_segments: int
+    block_bytes: int  # one block over every segment of the buffer
+
+    @property
+    def block_stride_bytes(self) -> int:
+        return self.views[0].block_stride_bytes
+
+
+def _attention_layout(spec: AttentionLayerSpec | StandardLayerSpec, hybrid: bool) -> BlockLayout:
+    if isinstance(spec, StandardLayerSpec):
+        layout = standard_layout(
+            spec.layout,
+            spec.num_layers_in_buffer,
+            spec.layer_index,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.dtype,
+        )
+        if hybrid and layout.num_segments > 1:
+            raise ValueError(
+                f"layout {spec.layout} has {layout.num_segments} segments, but a hybrid model "
+                "needs one per buffer: use a block-major order (BLHNC, BLNHC, BHLNC)"
+            )
+        return layout
+    backend = resolve_backend(spec.backend)
+    layout = backend_layout(
+        backend,
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_size,
+        spec.dtype,
+        spec.cache_dtype_str,
+    )
+    # A page must mean the same bytes to an attention layer and a Mamba layer sharing it.
+    return layout.block_major() if hybrid and layout.num_segments > 1 else layout
+
+
+def _plan_layer(name: str, spec: LayerSpec, capacity_blocks: int, hybrid: bool) -> _LayerPlan:
+    try:
+        if isinstance(spec, MambaLayerSpec):
+            views = tuple(spec.state.state_views(capacity_blocks))
+            return _LayerPlan(name, views, True, 1, spec.state.page_bytes)
+        layout = _attention_layout(spec, hybrid)
+        view = layout.layer_view(capacity_blocks)
+        return _LayerPlan(name, (view,), False, layout.num_segments, layout.block_bytes)
+    except ValueError as error:
+        raise ValueError(f"layer {name!r}: {error}") from error
+
+
+def _check_buffer(index: int, bytes_per_block: int, plans: Sequence[_LayerPlan]) -> None:
+    first = plans[0]
+    for plan in plans[1:]:
+        if plan.num_segments != first.num_segments:
+            raise ValueError(
+                f"KV cache tensor {index}: layers {first.name!r} ({first.num_segments} "
+                f"segments) and {plan.name!r} ({plan.num_segments} segments) cannot share it"
+            )
+        if plan.block_stride_bytes != first.block_stride_bytes:
+            raise ValueError(
+                f"KV cache tensor {index}: layers {first.name!r} (block stride "
+                f"{first.block_stride_bytes} bytes) and {plan.name!r} (block stride "
+                f"{plan.block_stride_bytes} bytes) cannot share it"
+            )
+    for plan in plans:
+        if plan.block_bytes != bytes_per_block:
+            raise ValueError(
+                f"layer {plan.name!r}: a block takes {plan.block_bytes} bytes, but KV cache "
+                f"tensor {index} has {bytes_per_block} bytes per block"
+            )
+
+
+def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list[_LayerPlan]]:
+    if capacity_blocks <= 0:
+        raise ValueError(f"capacity_blocks {capacity_blocks} must be positive")
+    hybrid = any(isinstance(s, MambaLayerSpec) for t in specs for s in t.layers.values())
+    plans, seen = [], set[str]()
+    for index, tensor in enumerate(specs):
+        if not tensor.layers or tensor.bytes_per_block <= 0:
+            raise ValueError(
+                f"KV cache tensor {index} needs layers and a positive bytes_per_block, got "
+                f"{len(tensor.layers)} layers and {tensor.bytes_per_block} bytes"
+            )
+        if seen & tensor.layers.keys():
+            raise ValueError(f"layers {sorted(seen & tensor.layers.keys())} appear twice")
+        seen |= tensor.layers.keys()
+        layer_plans = [
+            _plan_layer(name, spec, capacity_blocks, hybrid) for name, spec in tensor.layers.items()
+        ]
+        _check_buffer(index, tensor.bytes_per_block, layer_plans)
+        plans.append(layer_plans)
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# buffers: where the views live
+
+
+class _Buffer(Protocol):
+    @property
+    def physical_bytes(self) -> int: ...
+
+    def view(self, geometry: ViewGeometry) -> torch.Tensor: ...
+    def grow(self, bytes_per_segment: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class _ExtensibleBuffer:
+    def __init__(self, tensor: ExtensibleTensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def physical_bytes(self) -> int:
+        return self.tensor.physical_bytes
+
+    def view(self, geometry: ViewGeometry) -> torch.Tensor:
+        g = geometry
+        return self.tensor.view(g.dtype, g.shape, g.strides, g.offset_bytes)
+
+    def grow(self, bytes_per_segment: int) -> None:
+        self.tensor.resize_per_segment_(bytes_per_segment)
+
+    def close(self) -> None:
+        self.tensor.close()
+
+
+class _LegacyBuffer:
+    """Everything committed up front, as engines allocate today: the reference to compare
+    against, byte for byte."""
+
+    def __init__(self, num_bytes: int, device: str | torch.device) -> None:
+        import torch
+
+        self.data: torch.Tensor | None = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        self.physical_bytes = num_bytes
+
+    def view(self, geometry: ViewGeometry) -> torch.Tensor:
+        g = geometry
+        if self.data is None:
+            raise ClosedError("the KV cache is closed")
+        flat = self.data[g.offset_bytes : g.offset_bytes + g.num_bytes].view(g.dtype)
+        return flat.as_strided(g.shape, g.strides)
+
+    def grow(self, bytes_per_segment: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.data = None
+        self.physical_bytes = 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class ExtensibleKVCache:
+    """A model's KV cache buffers, reserved for `capacity_blocks` blocks each.
+
+    `spec` lists the buffers (`KVCacheTensorSpec`); `device` is `"cpu"` (host backend) or
+    `"cuda:N"`; `granularity` passes through to `ExtensibleTensor` (small on cpu in tests).
+    `views` maps each layer to its capacity view (a list of state views for a Mamba layer);
+    touch only blocks below `committed_blocks`. Use as a context manager to `close()` on exit.
+    """
+
+    def __init__(
+        self,
+        spec: Sequence[KVCacheTensorSpec],
+        capacity_blocks: int,
+        device: str | torch.device = "cpu",
+        *,
+        legacy: bool = False,
+        granularity: int | None = None,
+    ) -> None:
+        self._plans = _plan(spec, capacity_blocks)
+        self._capacity_blocks = capacity_blocks
+        self._committed_blocks = 0
+        self._legacy = legacy
+        self._closed = False
+        self._buffers: list[_Buffer] = []
+        self._views: dict[str, list[torch.Tensor]] = {}
+        try:
+            for tensor_spec, plans in zip(spec, self._plans, strict=True):
+                num_bytes = capacity_blocks * tensor_spec.bytes_per_block
+                buffer = self._make_buffer(num_bytes, plans, device, granularity)
+                self._buffers.append(buffer)
+                for plan in plans:
+                    self._views[plan.name] = [buffer.view(v) for v in plan.views]
+        except BaseException:
+            self.close()
+            raise
+
+    def _make_buffer(
+        self,
+        num_bytes: int,
+        plans: Sequence[_LayerPlan],
+        device: str | torch.device,
+        granularity: int | None,
+    ) -> _Buffer:
+        if self._legacy:
+            return _LegacyBuffer(num_bytes, device)
+        tensor = ExtensibleTensor(num_bytes, plans[0].num_segments, device, granularity=granularity)
+        return _ExtensibleBuffer(tensor)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity_blocks
+
+    @property
+    def committed_blocks(self) -> int:
+        return self._committed_blocks
+
+    @property
+    def legacy(self) -> bool:
+        return self._legacy
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def views(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Layer name → its capacity view (Mamba: one view per state); addresses never move."""
+        plans = {plan.name: plan for plans in self._plans for plan in plans}
+        return {
+            name: list(views) if plans[name].is_mamba else views[0]
+            for name, views in self._views.items()
+        }
+
+    @property
+    def block_dims(self) -> dict[str, int]:
+        """Layer name → the dim of its view(s) that indexes blocks."""
+        return {p.name: p.views[0].block_dim for plans in self._plans for p in plans}
+
+    @property
+    def num_segments(self) -> tuple[int, ...]:
+        """The segment count of each buffer."""
+        return tuple(plans[0].num_segments for plans in self._plans)
+
+    @property
+    def buffers(self) -> tuple[ExtensibleTensor, ...]:
+        """The reservation of each buffer (empty in legacy mode, which has none)."""
+        return tuple(b.tensor for b in self._buffers if isinstance(b, _ExtensibleBuffer))
+
+    @property
+    def buffer_physical_bytes(self) -> tuple[int, ...]:
+        """Physical bytes committed to each buffer (whole granules)."""
+        return tuple(b.physical_bytes for b in self._buffers)
+
+    @property
+    def physical_bytes(self) -> int:
+        return sum(self.buffer_physical_bytes)
+
+    def commit(self, num_blocks: int) -> None:
+        """Grows every buffer to `num_blocks` blocks, zeroing the new ones; a no-op at or
+        below `committed_blocks`. If one buffer fails (out of memory), the ones before it keep
+        their growth (growth is never undone), `committed_blocks` stays put, and a retry
+        resumes."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        if not 0 <= num_blocks <= self._capacity_blocks:
+            raise ValueError(
+                f"cannot commit {num_blocks} blocks: capacity is {self._capacity_blocks} blocks"
+            )
+        if num_blocks <= self._committed_blocks:
+            return
+        for buffer, plans in zip(self._buffers, self._plans, strict=True):
+            buffer.grow(num_blocks * plans[0].block_stride_bytes)
+        self._committed_blocks = num_blocks
+
+    def committed_views(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Views of exactly the committed blocks, each with storage of exactly the bytes it
+        addresses (for consumers that register memory: RDMA, IPC).
+
+        A layer whose view lies in one segment gets one tensor like its capacity view, cut to
+        `committed_blocks`; a layer spanning several segments (K/V split, LHBNC) gets a list
+        of one tensor per segment, the segment dims dropped (for a K/V split: `[K, V]`), since
+        a single tensor would span the uncommitted tail between segments. Mamba: one tensor
+        per state. In legacy mode the same shapes and strides, over the one allocation.
+        """
+        out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+        n = self._committed_blocks
+        for buffer, plans in zip(self._buffers, self._plans, strict=True):
+            for plan in plans:
+                parts = [p for v in plan.views for p in v.with_blocks(n).per_segment()]
+                views = [buffer.view(p) for p in parts]
+                out[plan.name] = views if plan.is_mamba or len(views) > 1 else views[0]
+        return out
+
+    def close(self) -> None:
+        """Drops the cache's views and releases every buffer. Raises BufferError while views
+        handed out (by `views` or `committed_views`) are still alive; the buffers without live
+        views are released anyway: drop the views and call again."""
+        self._views = {}
+        error: BufferError | None = None
+        for buffer in self._buffers:
+            try:
+                buffer.close()
+            except BufferError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        self._closed = True
+
+    def __enter__(self) -> ExtensibleKVCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,470 @@
+"""KV cache layouts → segments (design.md §4).
+
+A backend describes one layer's cache by its logical shape, `get_kv_cache_shape(num_blocks,
+block_size, num_kv_heads, head_size, cache_dtype_str)`, and optionally its physical order,
+`get_kv_cache_stride_order()` (vLLM's convention: `order[i]` is the logical dim stored i-th,
+outermost first). Memory is contiguous in physical order, so the dims stored before the block
+dim cut the buffer into segments that each grow by a slice of every block: committing `n`
+blocks is committing `n * bytes_per_block / num_segments` bytes of every segment. Because a
+segment's capacity is `capacity_blocks` such slices, segment boundaries are exactly where the
+outer dims step.
+
+`BlockLayout` is that description, independent of the block count; `ViewGeometry` is one torch
+view of it (shape, strides in elements, byte offset) for a given count. Both are pure
+arithmetic: `kv_cache` turns geometries into tensors. The standard `[L, B, H, N, C]` vocabulary
+(vLLM #51718, C = 2 * head_size elements: K and V packed) and presets for the usual backends
+are built here too; real vLLM backend classes plug in exactly like the presets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BACKEND_PRESETS",
+    "STANDARD_LAYOUTS",
+    "BlockLayout",
+    "FlashAttentionHNDLayout",
+    "FlashAttentionLayout",
+    "FlashInferHNDLayout",
+    "FlashInferLayout",
+    "FlashMLASparseLayout",
+    "FlexAttentionLayout",
+    "KVCacheBackend",
+    "KVSplitBlockMajorLayout",
+    "MLALayout",
+    "TritonAttentionHNDLayout",
+    "TritonAttentionLayout",
+    "ViewGeometry",
+    "backend_layout",
+    "find_block_dim",
+    "resolve_backend",
+    "standard_layout",
+    "stride_order",
+]
+
+# Two block counts no real dim equals by accident; the dim that follows them is the block dim.
+_PROBE_BLOCKS = (7919, 7927)
+STANDARD_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+_STANDARD_DIMS = "LBHNC"
+
+
+class KVCacheBackend(Protocol):
+    """Anything with vLLM's `get_kv_cache_shape`; `get_kv_cache_stride_order` is optional."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]: ...
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return tuple(strides)
+
+
+@dataclass(frozen=True)
+class ViewGeometry:
+    """One strided view of a buffer: `shape` and `strides` in elements, `offset_bytes` from the
+    buffer's start. `segment_dims` are the dims whose indices pick a segment (the view spans
+    several segments when any is larger than 1)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset_bytes: int
+    block_dim: int
+    segment_dims: tuple[int, ...] = ()
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes from the first addressable element through the last one."""
+        if 0 in self.shape:
+            return 0
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+        return (last + 1) * itemsize(self.dtype)
+
+    @property
+    def block_stride_bytes(self) -> int:
+        return self.strides[self.block_dim] * itemsize(self.dtype)
+
+    def with_blocks(self, num_blocks: int) -> ViewGeometry:
+        """The same view cut to the first `num_blocks` blocks (strides, offset unchanged)."""
+        shape = list(self.shape)
+        shape[self.block_dim] = num_blocks
+        return replace(self, shape=tuple(shape))
+
+    def per_segment(self) -> list[ViewGeometry]:
+        """One view per segment this view spans, the segment dims dropped: each addresses
+        only its own segment, so a view of committed blocks stays inside committed bytes."""
+        if not self.segment_dims:
+            return [self]
+        kept = [d for d in range(len(self.shape)) if d not in self.segment_dims]
+        block_dim = kept.index(self.block_dim)
+        views = []
+        for index in itertools.product(*(range(self.shape[d]) for d in self.segment_dims)):
+            skip = sum(i * self.strides[d] for i, d in zip(index, self.segment_dims, strict=True))
+            views.append(
+                ViewGeometry(
+                    self.dtype,
+                    tuple(self.shape[d] for d in kept),
+                    tuple(self.strides[d] for d in kept),
+                    self.offset_bytes + skip * itemsize(self.dtype),
+                    block_dim,
+                )
+            )
+        return views
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """A buffer's layout for any block count.
+
+    `block_shape` is the logical shape with the block dim of size 1; `order` the physical
+    order (vLLM's stride order). A buffer holding several layers (the `[L, B, H, N, C]`
+    vocabulary) names the dim that picks the layer in `layer_dim`; each layer's view drops it.
+    """
+
+    dtype: torch.dtype
+    block_shape: tuple[int, ...]
+    block_dim: int
+    order: tuple[int, ...]
+    layer_dim: int | None = None
+    layer_index: int = 0
+
+    def __post_init__(self) -> None:
+        ndim = len(self.block_shape)
+        if sorted(self.order) != list(range(ndim)):
+            raise ValueError(f"stride order {self.order} is not a permutation of {ndim} dims")
+        if not 0 <= self.block_dim < ndim or self.block_shape[self.block_dim] != 1:
+            raise ValueError(f"block dim {self.block_dim} of {self.block_shape} must have size 1")
+        if any(n <= 0 for n in self.block_shape):
+            raise ValueError(f"shape {self.block_shape} must have positive dims")
+        if self.layer_dim is not None:
+            if not 0 <= self.layer_dim < ndim:
+                raise ValueError(f"layer dim {self.layer_dim} out of range for {ndim} dims")
+            num_layers = self.block_shape[self.layer_dim]
+            if self.layer_dim == self.block_dim or not 0 <= self.layer_index < num_layers:
+                raise ValueError(
+                    f"layer index {self.layer_index} out of range for {num_layers} layers "
+                    f"(layer dim {self.layer_dim}, block dim {self.block_dim})"
+                )
+
+    @property
+    def num_segments(self) -> int:
+        """The product of the dims stored before the block dim."""
+        outer = self.order[: self.order.index(self.block_dim)]
+        return math.prod(self.block_shape[d] for d in outer)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes in the buffer, over all segments (vLLM's page size)."""
+        return math.prod(self.block_shape) * itemsize(self.dtype)
+
+    @property
+    def segment_block_bytes(self) -> int:
+        return self.block_bytes // self.num_segments
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        shape = list(self.block_shape)
+        shape[self.block_dim] = num_blocks
+        return tuple(shape)
+
+    def strides(self, num_blocks: int) -> tuple[int, ...]:
+        """Logical strides in elements: contiguous in physical order."""
+        shape = self.shape(num_blocks)
+        physical = contiguous_strides([shape[d] for d in self.order])
+        strides = [0] * len(shape)
+        for position, dim in enumerate(self.order):
+            strides[dim] = physical[position]
+        return tuple(strides)
+
+    def block_major(self) -> BlockLayout:
+        """The block dim stored outermost, the other dims in their physical order: one
+        segment. For a K/V split `(2, B, ...)` this gives strides `(hidden, 2 * hidden, ...)`
+        and a block's K and V pages adjacent, as hybrid models need."""
+        rest = tuple(d for d in self.order if d != self.block_dim)
+        return replace(self, order=(self.block_dim, *rest))
+
+    def layer_view(self, num_blocks: int) -> ViewGeometry:
+        """This layer's view over `num_blocks` blocks of the buffer."""
+        shape, strides = self.shape(num_blocks), self.strides(num_blocks)
+        outer = set(self.order[: self.order.index(self.block_dim)])
+        if self.layer_dim is None:
+            return ViewGeometry(self.dtype, shape, strides, 0, self.block_dim, tuple(sorted(outer)))
+        drop = self.layer_dim
+        kept = [d for d in range(len(shape)) if d != drop]
+        return ViewGeometry(
+            self.dtype,
+            tuple(shape[d] for d in kept),
+            tuple(strides[d] for d in kept),
+            self.layer_index * strides[drop] * itemsize(self.dtype),
+            kept.index(self.block_dim),
+            tuple(kept.index(d) for d in sorted(outer - {drop})),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM-style backends
+
+
+def _shape(
+    backend: KVCacheBackend,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype_str: str,
+) -> tuple[int, ...]:
+    # By keyword: some backends take cache_dtype_str keyword-only.
+    shape = backend.get_kv_cache_shape(
+        num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=cache_dtype_str
+    )
+    return tuple(int(n) for n in shape)
+
+
+def find_block_dim(
+    backend: KVCacheBackend,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype_str: str = "auto",
+) -> int:
+    """The dim of `get_kv_cache_shape` that follows the block count, found by probing with two
+    sentinel counts: position alone would mistake a K/V dim of 2 or a layer dim for it."""
+    shapes = [
+        _shape(backend, n, block_size, num_kv_heads, head_size, cache_dtype_str)
+        for n in _PROBE_BLOCKS
+    ]
+    if len(shapes[0]) != len(shapes[1]):
+        raise ValueError(f"shape rank changes with the block count: {shapes[0]} vs {shapes[1]}")
+    changed = [d for d, (a, b) in enumerate(zip(*shapes, strict=True)) if a != b]
+    if len(changed) != 1:
+        raise ValueError(
+            f"expected exactly one dim to follow the block count, got dims {changed} "
+            f"({shapes[0]} for {_PROBE_BLOCKS[0]} blocks, {shapes[1]} for {_PROBE_BLOCKS[1]})"
+        )
+    dim = changed[0]
+    if (shapes[0][dim], shapes[1][dim]) != _PROBE_BLOCKS:
+        raise ValueError(
+            f"dim {dim} scales with the block count but is not it: {shapes[0][dim]} for "
+            f"{_PROBE_BLOCKS[0]} blocks, {shapes[1][dim]} for {_PROBE_BLOCKS[1]}"
+        )
+    return dim
+
+
+def stride_order(backend: object, ndim: int) -> tuple[int, ...]:
+    """The backend's physical order; identity when it has none (missing, or raising
+    NotImplementedError, as vLLM's base class does)."""
+    method = getattr(backend, "get_kv_cache_stride_order", None)
+    if method is None:
+        return tuple(range(ndim))
+    try:
+        order = tuple(int(d) for d in method())
+    except NotImplementedError:
+        return tuple(range(ndim))
+    if sorted(order) != list(range(ndim)):
+        raise ValueError(f"stride order {order} is not a permutation of {ndim} dims")
+    return order
+
+
+def backend_layout(
+    backend: KVCacheBackend,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    cache_dtype_str: str = "auto",
+) -> BlockLayout:
+    """One layer's `BlockLayout` as the backend lays it out."""
+    block_dim = find_block_dim(backend, block_size, num_kv_heads, head_size, cache_dtype_str)
+    shape = list(_shape(backend, 1, block_size, num_kv_heads, head_size, cache_dtype_str))
+    shape[block_dim] = 1
+    order = stride_order(backend, len(shape))
+    return BlockLayout(dtype, tuple(shape), block_dim, order)
+
+
+def standard_layout(
+    name: str,
+    num_layers: int,
+    layer_index: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+) -> BlockLayout:
+    """Layer `layer_index` of a buffer of `num_layers` layers in the `[L, B, H, N, C]`
+    vocabulary, `name` its physical order (e.g. `"LHBNC"`); C = 2 * head_size (K and V)."""
+    if name not in STANDARD_LAYOUTS:
+        raise ValueError(f"unknown layout name {name!r}; known: {', '.join(STANDARD_LAYOUTS)}")
+    block_shape = (num_layers, 1, num_kv_heads, block_size, 2 * head_size)
+    order = tuple(_STANDARD_DIMS.index(letter) for letter in name)
+    return BlockLayout(dtype, block_shape, 1, order, layer_dim=0, layer_index=layer_index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: the shapes and orders of vLLM's backends, as classes with the same two methods.
+
+
+class FlashAttentionLayout:
+    """FlashAttention, NHD: K/V split `(2, B, N, H, D)` stored as is: 2 segments (K and V)."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 2, 3, 4)
+
+
+class FlashAttentionHNDLayout(FlashAttentionLayout):
+    """FlashAttention, HND: heads stored outside tokens within a block; 2 segments."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 3, 2, 4)
+
+
+class KVSplitBlockMajorLayout(FlashAttentionLayout):
+    """A K/V split `(2, B, N, H, D)` stored block-major: 1 segment."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (1, 0, 2, 3, 4)
+
+
+class FlexAttentionLayout(FlashAttentionLayout):
+    """FlexAttention: `(2, B, N, H, D)` in logical order (vLLM defines no stride order)."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        raise NotImplementedError
+
+
+class FlashInferLayout:
+    """FlashInfer, NHD: `(B, 2, N, H, D)`, block-major: 1 segment."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 2, 3, 4)
+
+
+class FlashInferHNDLayout(FlashInferLayout):
+    """FlashInfer, HND: `(B, 2, N, H, D)` stored as `(B, 2, H, N, D)`."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 3, 2, 4)
+
+
+class TritonAttentionLayout(FlashInferLayout):
+    """Triton attention, NHD: `(B, 2, N, H, D)` in logical order."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        raise NotImplementedError
+
+
+class TritonAttentionHNDLayout(FlashInferLayout):
+    """Triton attention, HND: `(B, 2, N, H, D)` stored as `(B, 2, H, N, D)`."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 3, 2, 4)
+
+
+class MLALayout:
+    """MLA (FlashMLA, Triton-MLA, CUTLASS-MLA): one latent per token, `(B, N, head_size)`
+    with head_size 576 (512 + 64 rope) and one KV head."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        raise NotImplementedError
+
+
+class FlashMLASparseLayout(MLALayout):
+    """FlashMLA sparse: with `cache_dtype_str="fp8_ds_mla"` a 656-byte record per token (512
+    fp8 NoPE + 16 fp32 scales + 128 bf16 RoPE), viewed as uint8."""
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        if cache_dtype_str == "fp8_ds_mla":
+            return (num_blocks, block_size, 656)
+        return (num_blocks, block_size, head_size)
+
+
+BACKEND_PRESETS: Mapping[str, KVCacheBackend] = {
+    "FLASH_ATTN": FlashAttentionLayout,
+    "FLASH_ATTN_HND": FlashAttentionHNDLayout,
+    "FLEX_ATTENTION": FlexAttentionLayout,
+    "FLASHINFER": FlashInferLayout,
+    "FLASHINFER_HND": FlashInferHNDLayout,
+    "TRITON_ATTN": TritonAttentionLayout,
+    "TRITON_ATTN_HND": TritonAttentionHNDLayout,
+    "MLA": MLALayout,
+    "FLASHMLA_SPARSE": FlashMLASparseLayout,
+    "KV_SPLIT_BLOCK_MAJOR": KVSplitBlockMajorLayout,
+}
+
+
+def resolve_backend(backend: KVCacheBackend | str) -> KVCacheBackend:
+    """A preset by name (`BACKEND_PRESETS`), or the backend itself."""
+    if not isinstance(backend, str):
+        return backend
+    try:
+        return BACKEND_PRESETS[backend]
+    except KeyError:
+        known = ", ".join(BACKEND_PRESETS)
+        raise ValueError(f"unknown backend layout name {backend!r}; known: {known}") from None

@@ -1,0 +1,484 @@
+"""`ExtensibleKVCache` on every preset and standard layout, hybrid models, the legacy mode, and
+two real-looking models (design.md §4-§6).
+
+Only blocks below the committed count are touched: on the host backend anything else is a
+SIGSEGV, so a passing write is proof that the block's bytes were committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from extensible_kv import ClosedError
+from extensible_kv.kv_cache import (
+    AttentionLayerSpec,
+    ExtensibleKVCache,
+    KVCacheTensorSpec,
+    LayerSpec,
+    MambaLayerSpec,
+    StandardLayerSpec,
+)
+from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
+from kv_helpers import (
+    DEVICES,
+    MakeCache,
+    blocks,
+    byte_sum,
+    cache_factory,
+    committed_byte_sum,
+    layer_views,
+    pattern,
+)
+
+N, H, D = 16, 2, 32  # tokens per block, KV heads, head size
+BF16 = torch.bfloat16
+PAGE = 2 * N * H * D * 2  # K and V of one block, bf16: 4096 bytes
+CAPACITY = 8
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_cache(device: str) -> Iterator[MakeCache]:
+    yield from cache_factory(device)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One buffer in one layout, and the segment count design.md's table gives it."""
+
+    name: str
+    spec: tuple[KVCacheTensorSpec, ...]
+    num_segments: int
+
+
+def _preset(name: str, segments: int) -> Case:
+    layer: LayerSpec = AttentionLayerSpec(name, N, H, D, BF16)
+    page = PAGE
+    if name == "MLA":
+        layer, page = AttentionLayerSpec(name, N, 1, 576, BF16), N * 576 * 2
+    if name == "FLASHMLA_SPARSE":
+        layer = AttentionLayerSpec(name, N, 1, 576, torch.uint8, "fp8_ds_mla")
+        page = N * 656
+    return Case(name, (KVCacheTensorSpec(page, {"attn": layer}),), segments)
+
+
+def _standard(name: str, segments: int, num_layers: int = 3) -> Case:
+    layers = {
+        f"layer.{i}": StandardLayerSpec(name, num_layers, i, N, H, D, BF16)
+        for i in range(num_layers)
+    }
+    return Case(name, (KVCacheTensorSpec(num_layers * PAGE, layers),), segments)
+
+
+CASES = [
+    _preset("FLASH_ATTN", 2),
+    _preset("FLASH_ATTN_HND", 2),
+    _preset("FLEX_ATTENTION", 2),
+    _preset("FLASHINFER", 1),
+    _preset("FLASHINFER_HND", 1),
+    _preset("TRITON_ATTN", 1),
+    _preset("TRITON_ATTN_HND", 1),
+    _preset("MLA", 1),
+    _preset("FLASHMLA_SPARSE", 1),
+    _preset("KV_SPLIT_BLOCK_MAJOR", 1),
+    _standard("LBHNC", 3),
+    _standard("LBNHC", 3),
+    _standard("LHBNC", 3 * H),
+    _standard("BLHNC", 1),
+    _standard("BLNHC", 1),
+    _standard("BHLNC", 1),
+]
+
+
+@pytest.fixture(params=CASES, ids=[c.name for c in CASES])
+def case(request: pytest.FixtureRequest) -> Case:
+    case: Case = request.param
+    return case
+
+
+def write_blocks(cache: ExtensibleKVCache, first: int, count: int, seed: int = 0) -> int:
+    """Writes a pattern, different per view, into blocks `[first, first + count)` of every
+    view; returns the sum of the bytes written."""
+    written = 0
+    for index, (_, block_dim, view) in enumerate(layer_views(cache)):
+        target = blocks(view, block_dim, first, count)
+        data = pattern(tuple(target.shape), view.dtype, seed + index, view.device)
+        target.copy_(data)
+        written += byte_sum(data)
+    return written
+
+
+def check_blocks(cache: ExtensibleKVCache, first: int, count: int, seed: int = 0) -> None:
+    for index, (name, block_dim, view) in enumerate(layer_views(cache)):
+        target = blocks(view, block_dim, first, count)
+        expected = pattern(tuple(target.shape), view.dtype, seed + index, view.device)
+        assert torch.equal(target, expected), f"layer {name} lost blocks [{first}, +{count})"
+
+
+# ---------------------------------------------------------------------------------------------
+# every preset and standard layout
+
+
+def test_segment_count_is_the_tables(case: Case, make_cache: MakeCache) -> None:
+    cache = make_cache(case.spec, CAPACITY)
+    assert cache.num_segments == (case.num_segments,)
+    (buffer,) = cache.buffers
+    assert buffer.num_segments == case.num_segments
+    assert buffer.capacity_bytes == CAPACITY * case.spec[0].bytes_per_block
+    assert cache.physical_bytes == cache.committed_blocks == 0
+
+
+def test_last_committed_block_lands_in_committed_memory(case: Case, make_cache: MakeCache) -> None:
+    cache = make_cache(case.spec, CAPACITY)
+    cache.commit(3)
+    per_segment = 3 * case.spec[0].bytes_per_block // case.num_segments
+    assert cache.buffers[0].segment_bytes == (per_segment,) * case.num_segments
+    written = write_blocks(cache, 2, 1)
+    check_blocks(cache, 2, 1)
+    # Read back through views of exactly the committed bytes: every written byte is there.
+    assert committed_byte_sum(cache) == written
+
+
+def test_data_survives_growth_and_new_blocks_read_zero(case: Case, make_cache: MakeCache) -> None:
+    cache = make_cache(case.spec, CAPACITY)
+    cache.commit(2)
+    write_blocks(cache, 0, 2, seed=5)
+    ptrs = {name: view.data_ptr() for name, _, view in layer_views(cache)}
+    cache.commit(CAPACITY)
+    assert {name: view.data_ptr() for name, _, view in layer_views(cache)} == ptrs
+    check_blocks(cache, 0, 2, seed=5)
+    for _, block_dim, view in layer_views(cache):
+        assert not blocks(view, block_dim, 2, CAPACITY - 2).any()
+    write_blocks(cache, CAPACITY - 1, 1, seed=9)
+    check_blocks(cache, CAPACITY - 1, 1, seed=9)
+
+
+def test_committed_views_have_exactly_committed_storage(case: Case, make_cache: MakeCache) -> None:
+    cache = make_cache(case.spec, CAPACITY)
+    cache.commit(3)
+    written = write_blocks(cache, 0, 3)
+    (buffer,) = cache.buffers
+    segments = [
+        (buffer.base_ptr + offset, buffer.base_ptr + offset + num_bytes)
+        for offset, num_bytes in zip(buffer.segment_offsets, buffer.segment_bytes, strict=True)
+    ]
+    total = 0
+    for name, views in cache.committed_views().items():
+        parts = views if isinstance(views, list) else [views]
+        # One tensor per segment the layer spans (2 for K/V split, H for LHBNC).
+        assert len(parts) == max(1, case.num_segments // len(case.spec[0].layers))
+        assert isinstance(views, torch.Tensor) == (len(parts) == 1)
+        for part in parts:
+            start = part.untyped_storage().data_ptr()
+            end = start + part.untyped_storage().nbytes()
+            assert any(lo <= start and end <= hi for lo, hi in segments), name
+            total += byte_sum(part)
+        if isinstance(views, torch.Tensor):
+            full = cache.views[name]
+            assert isinstance(full, torch.Tensor)
+            assert torch.equal(views, blocks(full, cache.block_dims[name], 0, 3))
+            assert views.stride() == full.stride()
+    # Per-layer views of one buffer are disjoint here, so together they hold every byte.
+    assert total == written
+
+
+# ---------------------------------------------------------------------------------------------
+# K/V split vs block-major
+
+
+def _one_layer(backend: str, page: int = PAGE) -> list[KVCacheTensorSpec]:
+    return [KVCacheTensorSpec(page, {"attn": AttentionLayerSpec(backend, N, H, D, BF16)})]
+
+
+def test_kv_split_grows_both_halves(make_cache: MakeCache) -> None:
+    cache = make_cache(_one_layer("FLASH_ATTN"), CAPACITY)
+    (buffer,) = cache.buffers
+    cache.commit(1)
+    cache.commit(3)
+    assert buffer.segment_bytes == (3 * PAGE // 2, 3 * PAGE // 2)
+    kv = cache.views["attn"]
+    assert isinstance(kv, torch.Tensor)
+    kv[0, 2].fill_(1)  # K of block 2: the end of segment 0's prefix
+    assert byte_sum(buffer.segment_view(0)) == byte_sum(kv[0, 2]) > 0
+    assert byte_sum(buffer.segment_view(1)) == 0
+    kv[1, 2].fill_(2)  # V of block 2: the end of segment 1's prefix
+    assert byte_sum(buffer.segment_view(1)) == byte_sum(kv[1, 2])
+    k, v = cache.committed_views()["attn"]
+    assert torch.equal(k, kv[0, :3]) and torch.equal(v, kv[1, :3])
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER", "KV_SPLIT_BLOCK_MAJOR"])
+def test_block_major_grows_one_prefix(backend: str, make_cache: MakeCache) -> None:
+    cache = make_cache(_one_layer(backend), CAPACITY)
+    cache.commit(3)
+    assert cache.buffers[0].segment_bytes == (3 * PAGE,)
+    assert cache.physical_bytes == 3 * PAGE  # 3 granules of 4 KiB on cpu; 1 of 2 MiB on cuda
+    view = cache.views["attn"]
+    assert isinstance(view, torch.Tensor)
+    kv_block_2 = view[:, 2] if backend == "KV_SPLIT_BLOCK_MAJOR" else view[2]
+    kv_block_2.fill_(1)
+    assert committed_byte_sum(cache) == byte_sum(kv_block_2)
+
+
+def test_commit_is_monotonic_and_bounded(make_cache: MakeCache) -> None:
+    cache = make_cache(_one_layer("FLASH_ATTN"), CAPACITY)
+    assert cache.commit(4) is None
+    before = (cache.buffers[0].segment_bytes, cache.physical_bytes)
+    cache.commit(4)
+    cache.commit(1)
+    cache.commit(0)
+    assert cache.committed_blocks == 4
+    assert (cache.buffers[0].segment_bytes, cache.physical_bytes) == before
+    with pytest.raises(ValueError, match="cannot commit 9 blocks: capacity is 8 blocks"):
+        cache.commit(CAPACITY + 1)
+    with pytest.raises(ValueError, match="cannot commit -1 blocks"):
+        cache.commit(-1)
+    cache.commit(CAPACITY)
+    assert cache.committed_blocks == CAPACITY
+    assert cache.buffers[0].segment_bytes == (CAPACITY * PAGE // 2,) * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# hybrid attention + Mamba
+
+
+def _small_mamba(page_size_padded: int | None = PAGE) -> MambaStateSpec:
+    return mamba2_state_spec(
+        conv_kernel=4,
+        conv_dim=16,
+        num_heads=2,
+        head_dim=4,
+        d_state=16,
+        conv_dtype=BF16,
+        ssm_dtype=torch.float32,
+        page_size_padded=page_size_padded,
+    )
+
+
+def _hybrid_model() -> list[KVCacheTensorSpec]:
+    """A buffer shared by a FlashAttention layer and a Mamba layer, and a FlexAttention one
+    of its own: both K/V split, so both re-strided."""
+    shared = {
+        "attn.0": AttentionLayerSpec("FLASH_ATTN_HND", N, H, D, BF16),
+        "mamba.1": MambaLayerSpec(_small_mamba()),
+    }
+    own = {"attn.2": AttentionLayerSpec("FLEX_ATTENTION", N, H, D, BF16)}
+    return [KVCacheTensorSpec(PAGE, shared), KVCacheTensorSpec(PAGE, own)]
+
+
+def test_hybrid_restrides_kv_split_and_both_grow(make_cache: MakeCache) -> None:
+    cache = make_cache(_hybrid_model(), CAPACITY)
+    hidden = N * H * D
+    assert cache.num_segments == (1, 1)
+    views = cache.views
+    for name, inner in (("attn.0", (D, N * D, 1)), ("attn.2", (H * D, D, 1))):
+        view = views[name]
+        assert isinstance(view, torch.Tensor)
+        assert view.shape == (2, CAPACITY, N, H, D)  # still the backend's logical shape
+        assert view.stride() == (hidden, 2 * hidden, *inner)
+    mamba = views["mamba.1"]
+    assert isinstance(mamba, list) and [s.stride(0) * s.element_size() for s in mamba] == [PAGE] * 2
+    cache.commit(4)
+    assert [b.segment_bytes for b in cache.buffers] == [(4 * PAGE,)] * 2
+    # Blocks of a shared buffer go to one layer or the other: attention 2, Mamba 3.
+    attn = views["attn.0"]
+    assert isinstance(attn, torch.Tensor)
+    attn[:, 2].copy_(pattern((2, N, H, D), BF16, 1, attn.device))
+    for seed, state in enumerate(mamba):
+        state[3].copy_(pattern(tuple(state.shape[1:]), state.dtype, seed, state.device))
+    assert torch.equal(attn[:, 2], pattern((2, N, H, D), BF16, 1, attn.device))
+    for seed, state in enumerate(mamba):
+        expected = pattern(tuple(state.shape[1:]), state.dtype, seed, state.device)
+        assert torch.equal(state[3], expected)
+    # K and V of block 2 are one contiguous page, right after block 1's.
+    assert attn[0, 2].data_ptr() == cache.buffers[0].base_ptr + 2 * PAGE
+    assert attn[1, 2].data_ptr() == attn[0, 2].data_ptr() + PAGE // 2
+
+
+def test_hybrid_rejects_multi_segment_standard_layout(make_cache: MakeCache) -> None:
+    spec = [
+        _standard("LBHNC", 3, num_layers=2).spec[0],
+        KVCacheTensorSpec(PAGE, {"mamba": MambaLayerSpec(_small_mamba())}),
+    ]
+    with pytest.raises(ValueError, match=r"layer 'layer\.0': layout LBHNC has 2 segments"):
+        make_cache(spec, CAPACITY)
+
+
+# ---------------------------------------------------------------------------------------------
+# legacy mode
+
+
+def _mixed_model() -> list[KVCacheTensorSpec]:
+    return [
+        *_one_layer("FLASH_ATTN"),
+        KVCacheTensorSpec(PAGE, {"hnd": AttentionLayerSpec("FLASHINFER_HND", N, H, D, BF16)}),
+        *_standard("LHBNC", 2 * H, num_layers=2).spec,
+    ]
+
+
+@pytest.mark.parametrize("model", [_mixed_model, _hybrid_model])
+def test_legacy_matches_extensible(
+    model: Callable[[], list[KVCacheTensorSpec]], make_cache: MakeCache
+) -> None:
+    caches = [make_cache(model(), CAPACITY, legacy=legacy) for legacy in (False, True)]
+    for cache in caches:
+        cache.commit(2)
+        write_blocks(cache, 0, 2, seed=3)
+        cache.commit(6)
+        write_blocks(cache, 5, 1, seed=4)
+    extensible, legacy = caches
+    assert legacy.legacy and not legacy.buffers
+    assert legacy.buffer_physical_bytes == tuple(CAPACITY * t.bytes_per_block for t in model())
+    assert extensible.physical_bytes < legacy.physical_bytes
+    pairs = zip(layer_views(extensible), layer_views(legacy), strict=True)
+    for (name, block_dim, a), (_, _, b) in pairs:
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+        assert torch.equal(blocks(a, block_dim, 0, 6), blocks(b, block_dim, 0, 6)), name
+    committed = [c.committed_views() for c in caches]
+    for name, a_views in committed[0].items():
+        b_views = committed[1][name]
+        a_list = a_views if isinstance(a_views, list) else [a_views]
+        b_list = b_views if isinstance(b_views, list) else [b_views]
+        for a, b in zip(a_list, b_list, strict=True):
+            assert (a.shape, a.stride()) == (b.shape, b.stride()) and torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------
+# errors name the layer and the numbers
+
+
+def _attn(block_size: int = N, backend: str = "FLASHINFER") -> AttentionLayerSpec:
+    return AttentionLayerSpec(backend, block_size, H, D, BF16)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (
+            [KVCacheTensorSpec(PAGE, {"a": _attn(backend="FLASH_ATTN"), "b": _attn()})],
+            r"tensor 0: layers 'a' \(2 segments\) and 'b' \(1 segments\) cannot share",
+        ),
+        (
+            [KVCacheTensorSpec(PAGE, {"a": _attn(), "b": _attn(block_size=2 * N)})],
+            r"layers 'a' \(block stride 4096 bytes\) and 'b' \(block stride 8192 bytes\)",
+        ),
+        (
+            [KVCacheTensorSpec(2 * PAGE, {"a": _attn()})],
+            "layer 'a': a block takes 4096 bytes, but KV cache tensor 0 has 8192 bytes",
+        ),
+        (
+            [KVCacheTensorSpec(PAGE, {"m": MambaLayerSpec(_small_mamba(None))})],
+            "layer 'm': a block takes 608 bytes, but KV cache tensor 0 has 4096 bytes",
+        ),
+        (
+            [KVCacheTensorSpec(PAGE, {"x": StandardLayerSpec("LBXNC", 1, 0, N, H, D, BF16)})],
+            "layer 'x': unknown layout name 'LBXNC'",
+        ),
+        (
+            [KVCacheTensorSpec(PAGE, {"y": _attn(backend="PAGED")})],
+            "layer 'y': unknown backend layout name 'PAGED'",
+        ),
+        (
+            [KVCacheTensorSpec(PAGE, {"a": _attn()}), KVCacheTensorSpec(PAGE, {"a": _attn()})],
+            r"layers \['a'\] appear twice",
+        ),
+        ([KVCacheTensorSpec(PAGE, {})], "tensor 0 needs layers .* got 0 layers and 4096 bytes"),
+    ],
+)
+def test_spec_errors(spec: list[KVCacheTensorSpec], match: str, device: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ExtensibleKVCache(spec, CAPACITY, device)
+
+
+def test_capacity_must_be_positive(device: str) -> None:
+    with pytest.raises(ValueError, match="capacity_blocks 0 must be positive"):
+        ExtensibleKVCache(_one_layer("FLASH_ATTN"), 0, device)
+
+
+def test_close_refuses_while_views_live_then_releases(make_cache: MakeCache) -> None:
+    spec = [
+        *_one_layer("FLASH_ATTN"),
+        KVCacheTensorSpec(PAGE, {"other": AttentionLayerSpec("FLASHINFER", N, H, D, BF16)}),
+    ]
+    cache = make_cache(spec, CAPACITY)
+    cache.commit(2)
+    k, v = cache.committed_views()["attn"]
+    with pytest.raises(BufferError):
+        cache.close()
+    # The buffer without live views is released anyway; the other waits for its views.
+    assert [b.closed for b in cache.buffers] == [False, True]
+    assert not cache.closed and cache.views == {}
+    del k, v
+    cache.close()
+    assert cache.closed and all(b.closed for b in cache.buffers)
+    with pytest.raises(ClosedError, match="closed"):
+        cache.commit(3)
+
+
+# ---------------------------------------------------------------------------------------------
+# real-looking models
+
+
+def _check_physical(cache: ExtensibleKVCache, spec: list[KVCacheTensorSpec]) -> None:
+    """Every buffer holds its committed blocks, plus less than a granule per segment."""
+    for buffer, tensor_spec, physical in zip(
+        cache.buffers, spec, cache.buffer_physical_bytes, strict=True
+    ):
+        nominal = cache.committed_blocks * tensor_spec.bytes_per_block
+        assert nominal <= physical <= nominal + buffer.num_segments * buffer.granularity
+    assert cache.physical_bytes == sum(cache.buffer_physical_bytes)
+
+
+def test_dense_model_28_layers(make_cache: MakeCache) -> None:
+    # 28 layers, 8 KV heads, head size 128, block size 16, bf16, FlashAttention: 64 KiB pages
+    # in 2 segments, one buffer per layer; 160 blocks reserve 280 MiB.
+    page = 2 * 16 * 8 * 128 * 2
+    layer = AttentionLayerSpec("FLASH_ATTN", 16, 8, 128, BF16)
+    spec = [KVCacheTensorSpec(page, {f"model.layers.{i}.attn": layer}) for i in range(28)]
+    cache = make_cache(spec, 160)
+    assert cache.num_segments == (2,) * 28
+    cache.commit(1)
+    _check_physical(cache, spec)
+    cache.commit(37)
+    _check_physical(cache, spec)
+    written = write_blocks(cache, 36, 1)
+    assert committed_byte_sum(cache) == written
+
+
+def test_hybrid_model_3_attention_to_1_mamba(make_cache: MakeCache) -> None:
+    # Qwen3-Next-like: 8 layers, GatedDeltaNet at every 4th. As vLLM does, attention's block
+    # size is raised (to a multiple of 16) until its page holds the Mamba state, and the
+    # Mamba page is padded to match; each buffer is shared by one layer of each of the 4
+    # groups (3 attention, 1 Mamba), whose blocks never overlap.
+    token_bytes = 2 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16
+    unpadded = gated_delta_net_state_spec().page_bytes
+    block_size = -(-unpadded // (16 * token_bytes)) * 16
+    page = block_size * token_bytes
+    gdn = MambaLayerSpec(gated_delta_net_state_spec(page_size_padded=page))
+    attn = AttentionLayerSpec("FLASH_ATTN", block_size, 2, 256, BF16)
+    spec = []
+    for i in range(2):
+        layers: dict[str, LayerSpec] = {f"layers.{i + 2 * g}": attn for g in range(3)}
+        layers[f"layers.{i + 6}"] = gdn
+        spec.append(KVCacheTensorSpec(page, layers))
+    cache = make_cache(spec, 24)
+    assert (block_size, page, cache.num_segments) == (544, 1114112, (1, 1))
+    cache.commit(1)
+    cache.commit(5)
+    _check_physical(cache, spec)
+    # One block per layer, distinct within a buffer: 3 attention blocks, then the Mamba one.
+    targets = [
+        blocks(view, block_dim, int(name.split(".")[1]) // 2 + 1)
+        for name, block_dim, view in layer_views(cache)
+    ]
+    for target in targets:
+        target.fill_(1)
+    assert all(bool(target.eq(1).all()) for target in targets)
+    assert committed_byte_sum(cache) == sum(byte_sum(target) for target in targets)
