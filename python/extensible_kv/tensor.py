@@ -21,10 +21,34 @@ if TYPE_CHECKING:
 __all__ = ["ExtensibleTensor"]
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    import torch
+_DLPACK_CODES: dict[torch.dtype, tuple[int, int]] = {}
 
-    return torch.empty((), dtype=dtype).element_size()
+
+def _dlpack_code(dtype: torch.dtype) -> tuple[int, int, bool]:
+    """`(code, bits, exact)`: DLPack's name for `dtype`, or (`exact` False) a signed integer of
+    the same size that the caller reinterprets with `.view(dtype)`."""
+    if not _DLPACK_CODES:
+        import torch
+
+        kdl_int, kdl_uint, kdl_float, kdl_bfloat, kdl_bool = 0, 1, 2, 4, 6
+        _DLPACK_CODES.update(
+            {
+                torch.bool: (kdl_bool, 8),
+                torch.uint8: (kdl_uint, 8),
+                torch.int8: (kdl_int, 8),
+                torch.int16: (kdl_int, 16),
+                torch.int32: (kdl_int, 32),
+                torch.int64: (kdl_int, 64),
+                torch.float16: (kdl_float, 16),
+                torch.float32: (kdl_float, 32),
+                torch.float64: (kdl_float, 64),
+                torch.bfloat16: (kdl_bfloat, 16),
+            }
+        )
+    code = _DLPACK_CODES.get(dtype)
+    if code is not None:
+        return code[0], code[1], True
+    return 0, dtype.itemsize * 8, False
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -58,28 +82,19 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         """
         from torch.utils.dlpack import from_dlpack
 
-        shape = tuple(int(s) for s in shape)
-        strides = _contiguous_strides(shape) if strides is None else tuple(int(s) for s in strides)
-        if len(strides) != len(shape):
-            raise ValueError(f"shape {shape} and strides {strides} differ in length")
-        if any(s < 0 for s in shape) or any(s < 0 for s in strides):
-            raise ValueError(f"shape {shape} and strides {strides} must be non-negative")
-        itemsize = _itemsize(dtype)
-        if offset < 0 or offset % itemsize:
-            raise ValueError(f"offset {offset} must be a non-negative multiple of {itemsize}")
-        if 0 in shape:
-            num_elements = 0
-        else:
-            num_elements = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-        flat = from_dlpack(self._capsule(offset, num_elements * itemsize))
-        return flat.view(dtype).as_strided(shape, strides)
+        shape = tuple(shape)
+        strides = _contiguous_strides(shape) if strides is None else tuple(strides)
+        code, bits, exact = _dlpack_code(dtype)
+        view = from_dlpack(self._view_capsule(offset, code, bits, shape, strides))
+        # Types DLPack consumers may not know (float8, complex) travel as same-sized ints.
+        return view if exact else view.view(dtype)
 
     def full_view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole capacity as a 1-D tensor of `dtype` (default uint8)."""
         import torch
 
         dtype = torch.uint8 if dtype is None else dtype
-        itemsize = _itemsize(dtype)
+        itemsize = dtype.itemsize
         if self.capacity_bytes % itemsize:
             raise ValueError(
                 f"capacity of {self.capacity_bytes} bytes is not a multiple of {dtype}'s "
@@ -94,7 +109,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         if not 0 <= index < self.num_segments:
             raise IndexError(f"segment {index} out of range for {self.num_segments} segments")
         dtype = torch.uint8 if dtype is None else dtype
-        itemsize = _itemsize(dtype)
+        itemsize = dtype.itemsize
         committed = self.segment_bytes[index]
         if committed % itemsize:
             raise ValueError(

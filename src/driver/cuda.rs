@@ -607,7 +607,6 @@ impl Drop for CudaDriver {
 mod tests {
     use super::*;
 
-
     /// A driver on device 0, or `None` (with a note) on machines without a usable GPU.
     fn gpu_driver() -> Option<CudaDriver> {
         if let Some(reason) = vmm_unavailable_reason(0) {

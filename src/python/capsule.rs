@@ -8,16 +8,21 @@ use std::ffi::CStr;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use crate::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned};
+use crate::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned, StridedLayout};
 use crate::tensor::ExportedRegion;
 
 const VERSIONED: &CStr = c"dltensor_versioned";
 const LEGACY: &CStr = c"dltensor";
 
-/// A capsule holding `region`: DLPack 1.x when `versioned`, else the legacy form.
-pub fn new(py: Python<'_>, region: ExportedRegion, versioned: bool) -> PyResult<Py<PyAny>> {
+/// A capsule holding `region` as `layout`: DLPack 1.x when `versioned`, else the legacy form.
+pub fn new(
+    py: Python<'_>,
+    region: ExportedRegion,
+    layout: StridedLayout,
+    versioned: bool,
+) -> PyResult<Py<PyAny>> {
     if versioned {
-        let managed = dlpack::export_versioned(region);
+        let managed = dlpack::export_versioned(region, layout);
         // SAFETY: `managed` is a live export we own; `wrap` hands it to the capsule or, on
         // failure, deletes it once through the closure.
         unsafe {
@@ -26,7 +31,7 @@ pub fn new(py: Python<'_>, region: ExportedRegion, versioned: bool) -> PyResult<
             })
         }
     } else {
-        let managed = dlpack::export_legacy(region);
+        let managed = dlpack::export_legacy(region, layout);
         // SAFETY: as above, for the legacy struct.
         unsafe {
             wrap(py, managed.cast(), LEGACY, destroy_legacy, || {

@@ -9,6 +9,7 @@ use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyTypeError, PyValueError}
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyTuple};
 
+use crate::dlpack::StridedLayout;
 use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use crate::driver::{self, DeviceKind};
 use crate::error::{Error, Op};
@@ -314,11 +315,45 @@ impl PyExtensibleTensor {
         versioned: bool,
     ) -> PyResult<Py<PyAny>> {
         let (offset, num_bytes) = (to_u64(offset, "offset")?, to_u64(num_bytes, "num_bytes")?);
+        let layout = StridedLayout::bytes(num_bytes).map_err(|e| to_pyerr(py, e))?;
         let region = self
             .core
             .export(offset, num_bytes)
             .map_err(|e| to_pyerr(py, e))?;
-        capsule::new(py, region, versioned)
+        capsule::new(py, region, layout, versioned)
+    }
+
+    /// A DLPack capsule of a strided view: element type `(code, bits)` in DLPack's terms,
+    /// `shape` and `strides` in elements, `offset` in bytes (a multiple of the item size).
+    /// Its storage is exactly the bytes the view can address.
+    #[pyo3(signature = (offset, code, bits, shape, strides))]
+    fn _view_capsule(
+        &self,
+        py: Python<'_>,
+        offset: &Bound<'_, PyAny>,
+        code: u8,
+        bits: u8,
+        shape: Vec<i64>,
+        strides: Vec<i64>,
+    ) -> PyResult<Py<PyAny>> {
+        let offset = to_u64(offset, "offset")?;
+        let dtype = crate::dlpack::DLDataType {
+            code,
+            bits,
+            lanes: 1,
+        };
+        let export = || -> crate::Result<(crate::tensor::ExportedRegion, StridedLayout)> {
+            let layout = StridedLayout::new(dtype, shape, strides)?;
+            if offset % layout.itemsize() != 0 {
+                return Err(Error::invalid(format!(
+                    "offset {offset} must be a multiple of the {}-byte item size",
+                    layout.itemsize()
+                )));
+            }
+            Ok((self.core.export(offset, layout.extent_bytes()?)?, layout))
+        };
+        let (region, layout) = export().map_err(|e| to_pyerr(py, e))?;
+        capsule::new(py, region, layout, true)
     }
 
     /// The DLPack protocol: the whole capacity as a 1-D uint8 tensor.
@@ -347,11 +382,11 @@ impl PyExtensibleTensor {
                 )));
             }
         }
-        let region = self
-            .core
-            .export(0, self.core.capacity_bytes())
-            .map_err(|e| to_pyerr(py, e))?;
-        capsule::new(py, region, max_version.is_some_and(|(major, _)| major >= 1))
+        let capacity = self.core.capacity_bytes();
+        let layout = StridedLayout::bytes(capacity).map_err(|e| to_pyerr(py, e))?;
+        let region = self.core.export(0, capacity).map_err(|e| to_pyerr(py, e))?;
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        capsule::new(py, region, layout, versioned)
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
