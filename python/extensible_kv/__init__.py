@@ -3,7 +3,8 @@
 `ExtensibleTensor` is one reservation of virtual address space, split into segments that grow
 in lockstep; physical memory is committed by `resize_per_segment_`, and torch views of it keep
 the memory alive. `device="cpu"` uses the host backend (Linux mmap + memfd), `"cuda:N"` the
-CUDA driver's virtual memory management.
+CUDA driver's virtual memory management. `ExtensibleKVCache` lays a model's KV cache out on
+such tensors; `KVCacheFlow` runs the flow: reserve, capture graphs, `extend_to_fit`.
 """
 
 from extensible_kv._native import (
@@ -13,6 +14,8 @@ from extensible_kv._native import (
     UnsupportedError,
     vmm_unavailable_reason,
 )
+from extensible_kv.distributed import min_over_group
+from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     ExtensibleKVCache,
@@ -23,6 +26,7 @@ from extensible_kv.kv_cache import (
 )
 from extensible_kv.layouts import BACKEND_PRESETS, STANDARD_LAYOUTS
 from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
+from extensible_kv.sizing import blocks_within, capacity_blocks_for, measure_budget
 from extensible_kv.tensor import ExtensibleTensor
 
 __all__ = [
@@ -31,8 +35,10 @@ __all__ = [
     "AttentionLayerSpec",
     "ClosedError",
     "DriverError",
+    "ExtendReport",
     "ExtensibleKVCache",
     "ExtensibleTensor",
+    "KVCacheFlow",
     "KVCacheTensorSpec",
     "LayerSpec",
     "MambaLayerSpec",
@@ -40,8 +46,12 @@ __all__ = [
     "OutOfMemoryError",
     "StandardLayerSpec",
     "UnsupportedError",
+    "blocks_within",
+    "capacity_blocks_for",
     "gated_delta_net_state_spec",
     "mamba2_state_spec",
+    "measure_budget",
+    "min_over_group",
     "vmm_unavailable_reason",
 ]
 __version__ = "0.1.0"

@@ -46,6 +46,7 @@ __all__ = [
     "LayerSpec",
     "MambaLayerSpec",
     "StandardLayerSpec",
+    "segment_layout",
 ]
 
 
@@ -197,6 +198,12 @@ def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list
     return plans
 
 
+def segment_layout(spec: Sequence[KVCacheTensorSpec]) -> tuple[tuple[int, int], ...]:
+    """Per buffer, `(num_segments, bytes one block adds to each segment)` as a cache of this
+    spec lays it out: what sizing needs to round a block count to granules before reserving."""
+    return tuple((plans[0].num_segments, plans[0].block_stride_bytes) for plans in _plan(spec, 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # buffers: where the views live
 
@@ -339,6 +346,12 @@ class ExtensibleKVCache:
     def num_segments(self) -> tuple[int, ...]:
         """The segment count of each buffer."""
         return tuple(plans[0].num_segments for plans in self._plans)
+
+    @property
+    def segment_block_bytes(self) -> tuple[int, ...]:
+        """The bytes one block adds to each segment of each buffer (`commit(n)` grows every
+        segment of buffer `i` to `n * segment_block_bytes[i]` bytes)."""
+        return tuple(plans[0].block_stride_bytes for plans in self._plans)
 
     @property
     def buffers(self) -> tuple[ExtensibleTensor, ...]:

@@ -1,0 +1,287 @@
+"""The extensible flow (design.md §5): reserve → warm up and capture → measure → extend.
+
+    flow = KVCacheFlow.reserve(spec, capacity_blocks, "cuda:0")   # one block committed
+    ...warm up, capture CUDA graphs against flow.cache.views...
+    report = flow.extend_to_fit()                                  # the rest of free memory
+
+`reserve` notes free memory, reserves every buffer for the capacity and commits one block, so
+the views the graphs capture exist and their addresses never move. `extend_to_fit` measures
+what warm-up and capture left (`torch.cuda.mem_get_info` on a GPU, after returning torch's
+cached unused blocks; on the host backend a budget the caller gives, or `/proc/meminfo` when
+asked), keeps the safety margin, converts the rest to blocks granule-aware, takes the minimum
+over a process group, commits (zeroing the new blocks on the current stream), logs `Extended
+KV cache to N blocks (X GiB)` on the `extensible_kv` logger and returns an `ExtendReport`.
+Replaying the graphs then uses the new blocks: nothing is re-captured.
+
+`legacy=True` is the same API over a cache committed in full at `reserve` (as engines
+allocate today): `extend_to_fit` measures and reports the same way but has nothing to map.
+Nothing here maps while a stream is capturing a graph (design.md §6): both steps refuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from extensible_kv import sizing
+from extensible_kv.distributed import min_over_group
+from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+__all__ = ["ExtendReport", "KVCacheFlow"]
+
+GIB = 1 << 30
+logger = logging.getLogger("extensible_kv")
+
+
+@dataclass(frozen=True)
+class ExtendReport:
+    """What one `extend_to_fit` did. Bytes are physical (whole granules, every buffer).
+
+    `fit_blocks` is what this rank's budget fits; `blocks_after` is that after the cap and the
+    minimum over ranks. `free_bytes` is the measured free memory (`None` when the caller gave
+    the budget), `budget_source` names where the budget came from. `commit_ms` times the
+    commit alone (mapping and zeroing, synchronised on a GPU), `total_ms` the whole call.
+    Handles are the VMM handles mapped; a legacy cache counts one allocation per buffer.
+    """
+
+    blocks_before: int
+    blocks_after: int
+    capacity_blocks: int
+    fit_blocks: int
+    bytes_before: int
+    bytes_after: int
+    handles_before: int
+    handles_after: int
+    commit_ms: float
+    total_ms: float
+    budget_bytes: int
+    margin_bytes: int
+    free_bytes: int | None
+    non_kv_used_bytes: int | None
+    budget_source: str
+    legacy: bool
+
+    @property
+    def gib_after(self) -> float:
+        return self.bytes_after / GIB
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes this call committed."""
+        return self.bytes_after - self.bytes_before
+
+
+class KVCacheFlow:
+    """An `ExtensibleKVCache` with the flow's two steps; build it with `reserve`."""
+
+    def __init__(
+        self,
+        cache: ExtensibleKVCache,
+        device: str | torch.device,
+        free_at_init_bytes: int | None = None,
+    ) -> None:
+        import torch
+
+        self.cache = cache
+        self.device = torch.device(device)
+        self.free_at_init_bytes = free_at_init_bytes
+
+    @classmethod
+    def reserve(
+        cls,
+        spec: Sequence[KVCacheTensorSpec],
+        capacity_blocks: int,
+        device: str | torch.device = "cpu",
+        *,
+        legacy: bool = False,
+        granularity: int | None = None,
+        initial_blocks: int = 1,
+    ) -> KVCacheFlow:
+        """Step 1: note free memory, reserve every buffer for `capacity_blocks`, commit
+        `initial_blocks` (legacy: allocate and zero everything)."""
+        device = _normalize(device)
+        _refuse_while_capturing(device, "reserve")
+        free_at_init = _free_bytes_or_none(device)
+        cache = ExtensibleKVCache(
+            spec, capacity_blocks, device, legacy=legacy, granularity=granularity
+        )
+        try:
+            cache.commit(initial_blocks)
+        except BaseException:
+            cache.close()
+            raise
+        return cls(cache, device, free_at_init)
+
+    def extend_to_fit(
+        self,
+        *,
+        budget_bytes: int | None = None,
+        host_meminfo: bool = False,
+        margin_bytes: int | None = None,
+        transient_peak_bytes: int | None = None,
+        max_blocks: int | None = None,
+        group: ProcessGroup | None = None,
+    ) -> ExtendReport:
+        """Steps 3 and 4: measure, convert to blocks, agree, commit, log, report.
+
+        `budget_bytes` gives the bytes the cache may still commit and skips the measurement
+        (no margin); it is required on the host backend unless `host_meminfo=True` measures
+        `MemAvailable`. Measured budgets keep `margin_bytes` (default `max(1 GiB, 0.75 *
+        transient_peak_bytes)`; the peak defaults to torch's allocator statistics on a GPU,
+        0 on the host). `max_blocks` caps the commit; `group` (a `torch.distributed` process
+        group, e.g. `group.WORLD`) makes every rank commit the minimum of their counts.
+        """
+        start = time.perf_counter()
+        _refuse_while_capturing(self.device, "extend_to_fit")
+        budget, source = self._budget(
+            budget_bytes, host_meminfo, margin_bytes, transient_peak_bytes
+        )
+        fit = sizing.blocks_within(budget.budget_bytes, self.cache)
+        target = fit if max_blocks is None else min(fit, max_blocks)
+        if group is not None:
+            target = min_over_group(target, group, self.device)
+        (blocks_before, bytes_before, handles_before), commit_ms = self._commit_timed(target)
+        blocks_after, bytes_after, handles_after = self._state()
+        report = ExtendReport(
+            blocks_before=blocks_before,
+            blocks_after=blocks_after,
+            capacity_blocks=self.cache.capacity_blocks,
+            fit_blocks=fit,
+            bytes_before=bytes_before,
+            bytes_after=bytes_after,
+            handles_before=handles_before,
+            handles_after=handles_after,
+            commit_ms=commit_ms,
+            total_ms=(time.perf_counter() - start) * 1e3,
+            budget_bytes=budget.budget_bytes,
+            margin_bytes=budget.margin_bytes,
+            free_bytes=None if source == "given" else budget.free_now_bytes,
+            non_kv_used_bytes=budget.non_kv_used_bytes,
+            budget_source=source,
+            legacy=self.cache.legacy,
+        )
+        _log(report)
+        return report
+
+    def _commit_timed(self, num_blocks: int) -> tuple[tuple[int, int, int], float]:
+        """Commits `num_blocks` (never fewer than are committed); returns the state before and
+        the milliseconds the commit took, finished on the device."""
+        before = self._state()
+        self._synchronize()  # earlier work (warm-up, replays) is not the commit's
+        start = time.perf_counter()
+        self.cache.commit(max(num_blocks, self.cache.committed_blocks))
+        self._synchronize()
+        return before, (time.perf_counter() - start) * 1e3
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def _budget(
+        self,
+        budget_bytes: int | None,
+        host_meminfo: bool,
+        margin_bytes: int | None,
+        transient_peak_bytes: int | None,
+    ) -> tuple[sizing.MemoryBudget, str]:
+        committed = self.cache.physical_bytes
+        if budget_bytes is not None:
+            return sizing.MemoryBudget(budget_bytes, 0, committed), "given"
+        if self.device.type == "cuda":
+            import torch
+
+            # Blocks torch caches but does not use count as free: the margin covers their
+            # coming back (as vLLM measures).
+            torch.cuda.empty_cache()
+            free_now, source = torch.cuda.mem_get_info(self.device)[0], "cuda mem_get_info"
+            if transient_peak_bytes is None:
+                transient_peak_bytes = sizing.cuda_transient_peak_bytes(self.device)
+        elif host_meminfo:
+            free_now, source = sizing.host_available_bytes(), "/proc/meminfo MemAvailable"
+        else:
+            raise ValueError(
+                "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
+                "KV cache may still commit), or host_meminfo=True to use /proc/meminfo"
+            )
+        budget = sizing.measure_budget(
+            free_now,
+            free_at_init_bytes=self.free_at_init_bytes,
+            kv_committed_bytes=committed,
+            transient_peak_bytes=transient_peak_bytes or 0,
+            margin_bytes=margin_bytes,
+        )
+        return budget, source
+
+    def _state(self) -> tuple[int, int, int]:
+        """`(committed blocks, physical bytes, handles)` of the cache."""
+        cache = self.cache
+        if cache.legacy:
+            handles = len(cache.buffer_physical_bytes)
+        else:
+            handles = sum(buffer.num_handles for buffer in cache.buffers)
+        return cache.committed_blocks, cache.physical_bytes, handles
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def __enter__(self) -> KVCacheFlow:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _normalize(device: str | torch.device) -> torch.device:
+    """`cuda` → `cuda:N` with the current device: the index every later call must agree on."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _refuse_while_capturing(device: torch.device, step: str) -> None:
+    """Mapping memory while a stream captures a graph would break the capture (design.md §6)."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    with torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{step} maps memory and cannot run while a stream is capturing a CUDA graph: "
+                "call it after the capture"
+            )
+
+
+def _free_bytes_or_none(device: torch.device) -> int | None:
+    """Free memory before the reservation: the driver's on a GPU, MemAvailable on the host
+    (used only to report `non_kv_used`; `None` where unreadable)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return sizing.host_available_bytes()
+    except (OSError, RuntimeError):
+        return None
+
+
+def _log(report: ExtendReport) -> None:
+    note = " (legacy: committed at reserve)" if report.legacy else ""
+    logger.info(
+        "Extended KV cache to %d blocks (%.2f GiB)%s",
+        report.blocks_after,
+        report.gib_after,
+        note,
+    )

@@ -1,0 +1,215 @@
+"""Sizing the KV cache from measured memory (design.md §5, steps 1 and 3).
+
+After warm-up and graph capture, what is still free can become KV blocks, less a safety
+margin for transient allocations that the warm-up did not hit at their peak (vLLM #56492:
+`max(1 GiB, 0.75 * transient peak)`). `non_kv_used = free_at_init - free_now - kv_committed`
+is what everything but the KV cache took since the reservation (weights, activations, graph
+pools), reported so an operator sees where memory went.
+
+Bytes become blocks granule-aware: a buffer commits whole granules, so committing `n` blocks
+costs the distinct granules that the first `n * segment_block_bytes` bytes of each segment
+touch — rounded up per segment, a granule that two segments share counted once, the granules
+already mapped not counted again. `blocks_within` finds the most blocks whose extra footprint
+fits a budget by binary search over an exact footprint (monotone in `n`). `capacity_blocks_for`
+rounds a first estimate so that every segment ends on a granule boundary, where no granule is
+shared and no block is ever cut by one.
+
+Everything here is integer arithmetic except the three small probes at the bottom.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec, segment_layout
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "MIN_MARGIN_BYTES",
+    "BufferGeometry",
+    "CacheGeometry",
+    "MemoryBudget",
+    "blocks_within",
+    "capacity_blocks_for",
+    "cuda_transient_peak_bytes",
+    "default_margin_bytes",
+    "device_granularity",
+    "host_available_bytes",
+    "measure_budget",
+]
+
+GIB = 1 << 30
+MIN_MARGIN_BYTES = GIB
+
+
+def default_margin_bytes(transient_peak_bytes: int) -> int:
+    """`max(1 GiB, 0.75 * transient_peak_bytes)`, rounded up (vLLM #56492)."""
+    return max(MIN_MARGIN_BYTES, -(-3 * max(transient_peak_bytes, 0) // 4))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """One post-warm-up measurement and the KV budget it leaves.
+
+    `budget_bytes` is what the KV cache may still commit: `free_now - margin`, never negative.
+    `free_at_init_bytes` is `None` where nothing was measured before the reservation.
+    """
+
+    free_now_bytes: int
+    margin_bytes: int
+    kv_committed_bytes: int = 0
+    transient_peak_bytes: int = 0
+    free_at_init_bytes: int | None = None
+
+    @property
+    def budget_bytes(self) -> int:
+        return max(0, self.free_now_bytes - self.margin_bytes)
+
+    @property
+    def non_kv_used_bytes(self) -> int | None:
+        """`free_at_init - free_now - kv_committed`: what the rest of the process took."""
+        if self.free_at_init_bytes is None:
+            return None
+        return self.free_at_init_bytes - self.free_now_bytes - self.kv_committed_bytes
+
+
+def measure_budget(
+    free_now_bytes: int,
+    *,
+    free_at_init_bytes: int | None = None,
+    kv_committed_bytes: int = 0,
+    transient_peak_bytes: int = 0,
+    margin_bytes: int | None = None,
+) -> MemoryBudget:
+    """The budget for `free_now_bytes` free, with the default margin unless one is given."""
+    if margin_bytes is None:
+        margin_bytes = default_margin_bytes(transient_peak_bytes)
+    if margin_bytes < 0:
+        raise ValueError(f"margin_bytes {margin_bytes} must not be negative")
+    return MemoryBudget(
+        free_now_bytes, margin_bytes, kv_committed_bytes, transient_peak_bytes, free_at_init_bytes
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# footprints: blocks → whole granules
+
+
+@dataclass(frozen=True)
+class BufferGeometry:
+    """One buffer as its reservation sees it: where each segment starts (bytes from the
+    granule-aligned base), the bytes a block adds to every segment, the granule size."""
+
+    segment_offsets: tuple[int, ...]
+    segment_block_bytes: int
+    granularity: int
+
+    def footprint_bytes(self, num_blocks: int) -> int:
+        """Physical bytes with `num_blocks` blocks committed: the distinct granules touched by
+        the first `num_blocks * segment_block_bytes` bytes of every segment."""
+        prefix_bytes = num_blocks * self.segment_block_bytes
+        if prefix_bytes <= 0:
+            return 0
+        g = self.granularity
+        num_granules, covered_until = 0, 0  # granules counted so far, and the end of the last
+        for offset in sorted(self.segment_offsets):
+            first, end = offset // g, -(-(offset + prefix_bytes) // g)
+            num_granules += max(0, end - max(first, covered_until))
+            covered_until = max(covered_until, end)
+        return num_granules * g
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Every buffer of a cache, its capacity and its committed block count: all that sizing
+    reads. A legacy cache has no buffers here: it committed everything up front, so no block
+    costs extra bytes."""
+
+    buffers: tuple[BufferGeometry, ...]
+    capacity_blocks: int
+    committed_blocks: int
+
+    @classmethod
+    def of(cls, cache: ExtensibleKVCache) -> CacheGeometry:
+        buffers: tuple[BufferGeometry, ...] = ()
+        if not cache.legacy:
+            pairs = zip(cache.buffers, cache.segment_block_bytes, strict=True)
+            buffers = tuple(
+                BufferGeometry(tuple(t.segment_offsets), block_bytes, t.granularity)
+                for t, block_bytes in pairs
+            )
+        return cls(buffers, cache.capacity_blocks, cache.committed_blocks)
+
+    def footprint_bytes(self, num_blocks: int) -> int:
+        return sum(b.footprint_bytes(num_blocks) for b in self.buffers)
+
+    def extra_bytes(self, num_blocks: int) -> int:
+        """Bytes to commit to go from `committed_blocks` to `num_blocks` (0 below it)."""
+        if num_blocks <= self.committed_blocks:
+            return 0
+        return self.footprint_bytes(num_blocks) - self.footprint_bytes(self.committed_blocks)
+
+
+def blocks_within(budget_bytes: int, cache: ExtensibleKVCache | CacheGeometry) -> int:
+    """The most blocks, from `committed_blocks` up to the capacity, whose extra physical
+    footprint fits `budget_bytes` (never fewer than are committed: a commit never shrinks)."""
+    geometry = cache if isinstance(cache, CacheGeometry) else CacheGeometry.of(cache)
+    fits, too_many = geometry.committed_blocks, geometry.capacity_blocks + 1
+    # The footprint only grows with n: bisect for the last n that fits.
+    while too_many - fits > 1:
+        mid = (fits + too_many) // 2
+        if geometry.extra_bytes(mid) <= budget_bytes:
+            fits = mid
+        else:
+            too_many = mid
+    return fits
+
+
+def capacity_blocks_for(
+    upper_bound_bytes: int, spec: Sequence[KVCacheTensorSpec], granularity: int
+) -> int:
+    """A capacity for `spec` from a first estimate of KV memory (an upper bound): as many
+    blocks as fit in it, rounded up to the smallest count at which every segment of every
+    buffer ends on a granule boundary (at least one such step). Address space is cheap."""
+    if granularity <= 0:
+        raise ValueError(f"granularity {granularity} must be positive")
+    layout = segment_layout(spec)
+    bytes_per_block = sum(segments * block_bytes for segments, block_bytes in layout)
+    step = math.lcm(*(granularity // math.gcd(granularity, b) for _, b in layout))
+    estimate = max(1, upper_bound_bytes // bytes_per_block)
+    return -(-estimate // step) * step
+
+
+# ---------------------------------------------------------------------------------------------
+# probes
+
+
+def device_granularity(device: str | torch.device, granularity: int | None = None) -> int:
+    """The granule a buffer on `device` gets (`granularity` passes through, as it would to
+    `ExtensibleTensor`): read from a one-byte reservation, which maps nothing."""
+    from extensible_kv.tensor import ExtensibleTensor
+
+    with ExtensibleTensor(1, 1, device, granularity=granularity) as probe:
+        return probe.granularity
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """`MemAvailable` from `/proc/meminfo`, in bytes: the host's stand-in for free memory."""
+    with open(meminfo) as lines:
+        for line in lines:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+
+
+def cuda_transient_peak_bytes(device: str | torch.device) -> int:
+    """What the warm-up allocated at its peak beyond what it still holds (torch's allocator
+    statistics; reset them before the warm-up to measure only it)."""
+    import torch
+
+    return max(0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))

@@ -1,0 +1,141 @@
+"""The demo (`python -m extensible_kv demo`): greedy decoding on an extensible cache extended
+after the decode step was captured gives the same tokens as on a legacy cache, for a K/V-split
+layout, block-major layouts and the hybrid model, and uses blocks committed by the extension.
+
+Host runs are in-process and small. On a GPU the decode step is a CUDA graph captured with one
+block committed and replayed after the extension (capped at 65,536 blocks, to keep the suite
+light: the command itself commits the fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import extensible_kv
+import pytest
+import torch
+from extensible_kv import demo
+from extensible_kv.__main__ import main
+from extensible_kv.model import DecodeInputs
+
+SMALL = demo.DemoOptions(
+    device="cpu",
+    num_seqs=3,
+    prompt_len=5,
+    steps=28,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    vocab=128,
+    budget_mib=1,
+    granularity=4096,
+)
+CASES = {
+    "FLASH_ATTN": {},  # K/V split: 2 segments per buffer
+    "FLASHINFER": {"layout": "FLASHINFER"},  # block-major (B, 2, N, H, D): 1 segment
+    "LHBNC": {"layout": "LHBNC", "layers": 3},  # standard vocabulary: L x H segments
+    "hybrid": {"hybrid": True, "layers": 4},  # attention + Mamba-like, pages shared
+}
+
+
+def _check(result: demo.DemoResult) -> None:
+    assert result.identical, (result.extensible.tokens, result.legacy.tokens)
+    assert result.used_new_blocks and result.ok
+    ext, legacy = result.extensible, result.legacy
+    assert ext.report.blocks_before == 1 and ext.report.blocks_after >= result.blocks_needed
+    # Spread from block 1 to the last committed one; most in memory the extension mapped.
+    assert len(ext.blocks_used) == result.blocks_needed - 1
+    assert ext.blocks_used[0] == 1 and ext.blocks_used[-1] == ext.report.blocks_after - 1
+    assert ext.blocks_in_new_memory > len(ext.blocks_used) // 2
+    assert legacy.report.legacy and legacy.capacity_blocks == result.blocks_needed
+    assert legacy.blocks_used == tuple(range(1, result.blocks_needed))
+    assert all(len(seq) == result.options.prompt_len + result.options.steps for seq in ext.tokens)
+    # The prompts were fed, not generated, and the model did not collapse to one token.
+    assert len({token for seq in ext.tokens for token in seq[result.options.prompt_len :]}) > 4
+
+
+@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+def test_host_decode_is_identical(overrides: dict[str, Any]) -> None:
+    result = demo.run(dataclasses.replace(SMALL, **overrides))
+    _check(result)
+    assert not result.extensible.graph_captured
+    if overrides.get("hybrid"):
+        assert result.block_size == 16 and result.extensible.num_segments == (1, 1)
+
+
+def test_layouts_give_their_segments() -> None:
+    kv_split = demo.run(SMALL)
+    assert kv_split.extensible.num_segments == (2, 2)
+    assert kv_split.extensible.report.bytes_before == 4 * 4096  # a granule per segment
+
+
+def test_command_prints_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--device", "cpu", "--num-seqs", "2", "--steps", "20", "--hidden", "64"]
+    assert main([*args, "--budget-mib", "8", "--layout", "FLASHINFER"]) == 0
+    out = capsys.readouterr().out
+    for expected in (
+        "device:    cpu (host backend",
+        "layout:    FLASHINFER, 2 buffer(s), segments per buffer: 1, 1",
+        "graph:     none: eager on the host",
+        "of them in memory the extension mapped",
+    ):
+        assert expected in out
+    assert out.rstrip().endswith("identical: yes")
+
+
+def test_different_tokens_exit_non_zero(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The extensible run's sequences alias each other's blocks: their K/V clobber each other.
+    real_run_path, real_load = demo._run_path, DecodeInputs.load
+
+    def aliased_load(self: DecodeInputs, *args: Any) -> None:
+        tokens, positions, tables, states, block_size = args
+        real_load(self, tokens, positions, [tables[0]] * len(tables), states, block_size)
+
+    def run_path(*args: Any, legacy: bool) -> demo.PathResult:
+        with monkeypatch.context() as patch:
+            if not legacy:
+                patch.setattr(DecodeInputs, "load", aliased_load)
+            return real_run_path(*args, legacy=legacy)
+
+    monkeypatch.setattr(demo, "_run_path", run_path)
+    assert main(["demo", "--device", "cpu", "--num-seqs", "3", "--steps", "20"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("identical: no")
+
+
+def test_too_small_a_budget_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match=r"the cache holds \d+ blocks; this decode needs"):
+        demo.run(dataclasses.replace(SMALL, budget_mib=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the graph is captured before the extension and replayed after it
+
+
+def _cuda_reason() -> str | None:
+    reason = extensible_kv.vmm_unavailable_reason("cuda:0")
+    if reason is None and not torch.cuda.is_available():
+        reason = f"torch {torch.__version__} sees no CUDA device"
+    return reason
+
+
+_CUDA_REASON = _cuda_reason()
+GPU_CASES = {k: v for k, v in CASES.items() if k != "LHBNC"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+@pytest.mark.parametrize("overrides", GPU_CASES.values(), ids=GPU_CASES.keys())
+def test_cuda_graph_replays_into_extended_blocks(overrides: dict[str, Any]) -> None:
+    options = dataclasses.replace(
+        demo.DemoOptions(device="cuda:0", max_blocks=1 << 16, steps=48), **overrides
+    )
+    result = demo.run(options)
+    _check(result)
+    ext, legacy = result.extensible, result.legacy
+    assert ext.graph_captured and legacy.graph_captured
+    assert ext.backend == "cuda" and result.dtype == torch.bfloat16
+    assert ext.report.blocks_after == 1 << 16 and ext.report.budget_source == "cuda mem_get_info"
+    assert ext.replays == options.prompt_len + options.steps - 1

@@ -1,0 +1,82 @@
+"""Several ranks agree on the block count (design.md §5, step 3): two CPU processes over gloo,
+on loopback only, each with its own host budget; both must commit the smaller count."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from extensible_kv.flow import KVCacheFlow
+from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
+
+WORLD_SIZE = 2
+GRANULARITY = 4096
+# 2 KiB per block and segment, 2 segments: each 4 KiB granule pair holds 2 more blocks.
+BUDGETS = (5 * 2 * GRANULARITY, 9 * 2 * GRANULARITY)
+TIMEOUT_S = 60
+
+
+def _spec() -> list[KVCacheTensorSpec]:
+    layer = AttentionLayerSpec("FLASH_ATTN", 16, 2, 32, torch.bfloat16)
+    return [KVCacheTensorSpec(2 * 16 * 2 * 32 * 2, {"attn": layer})]
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    """One rank: join the group, reserve, extend to its own budget with the group, write the
+    report (and a solo fit without the group, for comparison)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    try:
+        with KVCacheFlow.reserve(_spec(), 1000, "cpu", granularity=GRANULARITY) as flow:
+            report = flow.extend_to_fit(budget_bytes=BUDGETS[rank], group=dist.group.WORLD)
+            result = {
+                "fit": report.fit_blocks,
+                "after": report.blocks_after,
+                "committed": flow.cache.committed_blocks,
+            }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_commit_the_minimum(tmp_path: Path) -> None:
+    context = mp.start_processes(
+        _rank_main,
+        args=(_free_loopback_port(), str(tmp_path)),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish in time"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    fits = [r["fit"] for r in results]
+    # Each budget alone fits a different count (1 block mapped: 2 + 2 per granule pair).
+    assert fits == [12, 20]
+    assert [r["after"] for r in results] == [12, 12]
+    assert [r["committed"] for r in results] == [12, 12]

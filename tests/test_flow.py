@@ -1,0 +1,243 @@
+"""The flow (design.md §5): reserve with one block → (warm up, capture) → extend_to_fit.
+
+On the host backend the budget is given (or read from a faked /proc/meminfo); on a GPU it is
+the driver's free memory, and the commit must show up there. Nothing may map while a stream is
+capturing a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import extensible_kv
+import pytest
+import torch
+from extensible_kv import sizing
+from extensible_kv.flow import ExtendReport, KVCacheFlow
+from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
+from extensible_kv.sizing import CacheGeometry, blocks_within
+from kv_helpers import CPU_GRANULARITY
+
+GIB = 1 << 30
+MIB = 1 << 20
+BF16 = torch.bfloat16
+N, H, D = 16, 2, 32
+PAGE = 2 * N * H * D * 2  # 4 KiB: K and V of one bf16 block
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _spec(num_layers: int = 2, backend: str = "FLASH_ATTN") -> list[KVCacheTensorSpec]:
+    layer = AttentionLayerSpec(backend, N, H, D, BF16)
+    return [KVCacheTensorSpec(PAGE, {f"layers.{i}": layer}) for i in range(num_layers)]
+
+
+@pytest.fixture
+def flow() -> Iterator[KVCacheFlow]:
+    with KVCacheFlow.reserve(_spec(), 1000, "cpu", granularity=CPU_GRANULARITY) as flow:
+        yield flow
+
+
+# ---------------------------------------------------------------------------------------------
+# host backend
+
+
+def test_reserve_commits_one_block(flow: KVCacheFlow) -> None:
+    cache = flow.cache
+    assert (cache.capacity_blocks, cache.committed_blocks) == (1000, 1)
+    # One 2 KiB block per segment: one 4 KiB granule per segment, 2 segments, 2 buffers.
+    assert cache.physical_bytes == 4 * CPU_GRANULARITY
+
+
+def test_extend_to_fit_commits_the_budget_and_logs(
+    flow: KVCacheFlow, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = 100_000
+    expected = blocks_within(budget, CacheGeometry.of(flow.cache))
+    kv = flow.cache.views["layers.0"]
+    assert isinstance(kv, torch.Tensor)
+    kv[:, 0].fill_(3)  # block 0 of K and V, written before the extension
+    pointer = kv.data_ptr()
+    with caplog.at_level(logging.INFO, logger="extensible_kv"):
+        report = flow.extend_to_fit(budget_bytes=budget)
+    # 2 KiB per block and segment, 4 segments, 4 KiB granules: 24 more granules fit (98,304
+    # bytes), 6 per segment, 7 with the one mapped: 14 blocks.
+    assert report.blocks_after == expected == flow.cache.committed_blocks == 14
+    assert report.committed_bytes == flow.cache.physical_bytes - 4 * CPU_GRANULARITY <= budget
+    gib = flow.cache.physical_bytes / GIB
+    assert caplog.messages == [f"Extended KV cache to 14 blocks ({gib:.2f} GiB)"]
+    assert caplog.records[0].name == "extensible_kv"
+    assert (report.blocks_before, report.capacity_blocks, report.fit_blocks) == (1, 1000, 14)
+    assert (report.bytes_before, report.bytes_after) == (4 * CPU_GRANULARITY, 28 * 4096)
+    assert report.handles_before == 4 and report.handles_after >= 4
+    assert (report.budget_bytes, report.margin_bytes, report.free_bytes) == (budget, 0, None)
+    assert (report.budget_source, report.legacy, report.non_kv_used_bytes) == ("given", False, None)
+    assert 0 <= report.commit_ms <= report.total_ms
+    # Addresses stayed, block 0 kept its data, the new blocks read zero and take writes.
+    assert kv.data_ptr() == pointer and bool(kv[:, 0].eq(3).all())
+    assert not kv[:, 1:14].any()
+    kv[:, 13].fill_(1)
+
+
+def test_extend_to_fit_caps_never_shrinks_and_stops_at_capacity(flow: KVCacheFlow) -> None:
+    assert flow.extend_to_fit(budget_bytes=GIB, max_blocks=10).blocks_after == 10
+    report = flow.extend_to_fit(budget_bytes=0)
+    assert (report.blocks_before, report.blocks_after, report.committed_bytes) == (10, 10, 0)
+    assert flow.extend_to_fit(budget_bytes=1, max_blocks=3).blocks_after == 10
+    assert flow.extend_to_fit(budget_bytes=GIB).blocks_after == 1000
+
+
+def test_host_backend_needs_a_budget(flow: KVCacheFlow) -> None:
+    with pytest.raises(ValueError, match=r"pass budget_bytes .* or host_meminfo=True"):
+        flow.extend_to_fit()
+    assert flow.cache.committed_blocks == 1
+
+
+def test_host_meminfo_keeps_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    available = iter([GIB + 5 * MIB, GIB + 64 * 1024])  # at reserve, then after "warm-up"
+    monkeypatch.setattr(sizing, "host_available_bytes", lambda: next(available))
+    spec = _spec()
+    with KVCacheFlow.reserve(spec, 1000, "cpu", granularity=CPU_GRANULARITY) as flow:
+        report = flow.extend_to_fit(host_meminfo=True)
+        assert report.budget_source == "/proc/meminfo MemAvailable"
+        assert (report.free_bytes, report.margin_bytes) == (GIB + 64 * 1024, GIB)
+        assert report.budget_bytes == 64 * 1024
+        committed_at_reserve = 4 * CPU_GRANULARITY
+        assert report.non_kv_used_bytes == 5 * MIB - 64 * 1024 - committed_at_reserve
+        assert report.committed_bytes <= 64 * 1024
+        assert report.blocks_after == 10  # 16 more granules: 5 per segment, of 2 blocks each
+
+
+def test_margin_can_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sizing, "host_available_bytes", lambda: 10 * MIB)
+    with KVCacheFlow.reserve(_spec(), 10_000, "cpu", granularity=CPU_GRANULARITY) as flow:
+        report = flow.extend_to_fit(host_meminfo=True, margin_bytes=9 * MIB)
+        assert (report.margin_bytes, report.budget_bytes) == (9 * MIB, MIB)
+        assert report.committed_bytes <= MIB
+
+
+def test_legacy_flow_has_the_same_api(caplog: pytest.LogCaptureFixture) -> None:
+    with KVCacheFlow.reserve(_spec(), 50, "cpu", legacy=True) as flow:
+        assert flow.cache.legacy and flow.cache.physical_bytes == 2 * 50 * PAGE
+        assert flow.cache.committed_blocks == 1
+        with caplog.at_level(logging.INFO, logger="extensible_kv"):
+            report = flow.extend_to_fit(budget_bytes=0, max_blocks=40)
+        assert (report.blocks_before, report.blocks_after, report.fit_blocks) == (1, 40, 50)
+        assert report.bytes_before == report.bytes_after == 2 * 50 * PAGE
+        assert (report.handles_after, report.legacy) == (2, True)
+        assert re.fullmatch(
+            r"Extended KV cache to 40 blocks \(0\.00 GiB\) \(legacy.*\)", caplog.messages[0]
+        )
+
+
+def test_reserve_closes_what_it_built_when_the_first_commit_fails() -> None:
+    with pytest.raises(ValueError, match="cannot commit 2 blocks: capacity is 1 blocks"):
+        KVCacheFlow.reserve(_spec(), 1, "cpu", initial_blocks=2)
+
+
+def test_report_is_frozen(flow: KVCacheFlow) -> None:
+    report = flow.extend_to_fit(budget_bytes=0)
+    assert isinstance(report, ExtendReport)
+    with pytest.raises(AttributeError):
+        report.blocks_after = 5  # type: ignore[misc]
+
+
+def test_readme_flow_example_runs() -> None:
+    (example,) = re.findall(r"```py\n(.*?)```", README.read_text(), flags=re.S)
+    namespace: dict[str, object] = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    report = namespace["report"]
+    assert isinstance(report, ExtendReport) and report.blocks_after > report.blocks_before == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+
+def _cuda_reason() -> str | None:
+    reason = extensible_kv.vmm_unavailable_reason("cuda:0")
+    if reason is None and not torch.cuda.is_available():
+        reason = f"torch {torch.__version__} sees no CUDA device"
+    return reason
+
+
+_CUDA_REASON = _cuda_reason()
+TOLERANCE = 64 * MIB  # free memory moves by a few MiB of the driver's own (page tables)
+
+
+def _settled_free(timeout_s: float = 10.0) -> int:
+    """Free device memory once it stops moving: the driver scrubs released memory in the
+    background before it counts as free again (design.md §2)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(0)  # earlier tests' peaks are no transient of ours
+    deadline = time.monotonic() + timeout_s
+    last = int(torch.cuda.mem_get_info(0)[0])
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = int(torch.cuda.mem_get_info(0)[0])
+        if abs(now - last) <= 4 * MIB:
+            return now
+        last = now
+    return last
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+def test_extend_to_fit_commits_device_memory() -> None:
+    spec = _spec(num_layers=4)
+    granularity = sizing.device_granularity("cuda:0")
+    capacity = sizing.capacity_blocks_for(_settled_free(), spec, granularity)
+    with KVCacheFlow.reserve(spec, capacity, "cuda:0") as flow:
+        assert flow.free_at_init_bytes is not None
+        target = (2 * GIB) // (4 * PAGE)  # about 2 GiB of blocks, capped below the fit
+        free_before = _settled_free()
+        report = flow.extend_to_fit(max_blocks=target)
+        dropped = free_before - _settled_free()
+        assert report.blocks_after == target and report.fit_blocks > target
+        assert report.budget_source == "cuda mem_get_info" and report.free_bytes is not None
+        assert report.margin_bytes >= GIB and report.non_kv_used_bytes is not None
+        assert abs(dropped - report.committed_bytes) <= TOLERANCE
+        kv = flow.cache.views["layers.3"]
+        assert isinstance(kv, torch.Tensor)
+        kv[:, target - 1].fill_(1)  # the last block is real memory
+        assert bool(kv[:, target - 1].eq(1).all())
+        del kv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+def test_extend_to_fit_leaves_only_the_margin() -> None:
+    spec = _spec(num_layers=4)
+    granularity = sizing.device_granularity("cuda:0")
+    capacity = sizing.capacity_blocks_for(_settled_free(), spec, granularity)
+    margin = 2 * GIB
+    with KVCacheFlow.reserve(spec, capacity, "cuda:0") as flow:
+        _settled_free()  # what earlier tests released counts as free before the measurement
+        report = flow.extend_to_fit(margin_bytes=margin)
+        free_after = _settled_free()
+        # One more block would cost at most a granule per segment (4 buffers x 2 segments).
+        assert margin - TOLERANCE <= free_after <= margin + 8 * granularity + TOLERANCE
+        assert report.blocks_after == report.fit_blocks < capacity
+        assert report.committed_bytes > 10 * GIB  # an H200 has over 100 GiB free
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+def test_nothing_maps_while_a_stream_captures() -> None:
+    with KVCacheFlow.reserve(_spec(), 64, "cuda:0") as flow:
+        x = torch.zeros(16, device="cuda:0")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x.add_(1)
+            with pytest.raises(RuntimeError, match=r"extend_to_fit .* capturing a CUDA graph"):
+                flow.extend_to_fit(budget_bytes=GIB)
+            with pytest.raises(RuntimeError, match=r"reserve .* capturing a CUDA graph"):
+                KVCacheFlow.reserve(_spec(), 64, "cuda:0")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert flow.cache.committed_blocks == 1 and int(x[0]) == 1
+        assert flow.extend_to_fit(budget_bytes=GIB).blocks_after == 64
