@@ -224,6 +224,56 @@ def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _profiled_extend(per_segment: int, pause_s: float) -> dict[str, Any]:
+    """One bulk extend of ours with per-call driver timing, then a second zeroing of the same
+    range by cuMemsetD8Async alone (the driver's zeroing floor), then the teardown."""
+    t = ExtensibleTensor(2 * per_segment, 2, device=DEVICE, _profile=True)
+    t.resize_per_segment_(BLOCK)
+    sync()
+    time.sleep(pause_s)
+    t._op_times(reset=True)
+    extend_s = timed(partial(t.resize_per_segment_, per_segment))
+    extend_ops = t._op_times(reset=True)
+    entry: dict[str, Any] = {
+        "extend_ms": extend_s * 1e3,
+        "tb_per_s": tbps(2 * per_segment, extend_s),
+        "handles": t.num_handles,
+        "extend_ops_ms": {op: (n, ns / 1e6) for op, (n, ns) in extend_ops.items()},
+    }
+    try:
+        from cuda.bindings import driver as cu
+
+        starts = [t.base_ptr + offset for offset in t.segment_offsets]
+
+        def memset_again() -> None:
+            for start in starts:
+                (err,) = cu.cuMemsetD8Async(start, 0, per_segment, 0)
+                assert err == cu.CUresult.CUDA_SUCCESS, err
+
+        floor_s = timed(memset_again)
+        entry["driver_memset_ms"] = floor_s * 1e3
+        entry["driver_memset_tb_per_s"] = tbps(2 * per_segment, floor_s)
+    except ImportError as exc:
+        entry["driver_memset_ms"] = f"skipped: {exc}"
+    teardown_s = timed(t.close)
+    entry["teardown_ms"] = teardown_s * 1e3
+    entry["teardown_ops_ms"] = {op: (n, ns / 1e6) for op, (n, ns) in t._op_times().items()}
+    del t
+    gc.collect()
+    return entry
+
+
+def bench_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a bulk extend and its teardown spend their time, call by call: on memory never
+    used before in this process (pristine), after a pause (steady), right after a free."""
+    per_segment = gib_bytes(args.bulk_gib)
+    results: dict[str, Any] = {"gib_per_segment": per_segment / GIB}
+    for case, pause in (("pristine", 0.0), ("steady", args.pause), ("just_freed", 0.0)):
+        results[case] = _profiled_extend(per_segment, pause)
+        log(f"profile {case}: {json.dumps(results[case])}")
+    return results
+
+
 def memset_floor(args: argparse.Namespace) -> dict[str, Any]:
     """torch.empty(...).zero_(): the zeroing every commit pays, with no mapping at all."""
     cleanup()
@@ -627,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     parser.add_argument(
         "--only",
-        default="bulk,incremental,first_pass,overhead",
+        default="profile,bulk,incremental,first_pass,overhead",
         help="comma-separated sections to run (default: all)",
     )
     for name, (full, quick) in SIZES.items():
@@ -689,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     cleanup()
 
     sections = {
+        "profile": bench_profile,
         "bulk": bench_bulk,
         "incremental": bench_incremental,
         "first_pass": bench_first_pass,

@@ -14,6 +14,7 @@
 mod books;
 pub mod faulty;
 pub mod host;
+pub mod timing;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -11,6 +11,7 @@ use pyo3::types::{PyInt, PyList, PyTuple};
 
 use crate::dlpack::StridedLayout;
 use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
+use crate::driver::timing::TimingDriver;
 use crate::driver::{self, DeviceKind};
 use crate::error::{Error, Op};
 use crate::tensor::{ExtensibleTensor, Options};
@@ -136,6 +137,8 @@ fn parse_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
 )]
 pub struct PyExtensibleTensor {
     core: ExtensibleTensor,
+    /// Per-operation call counts and host time, when built with `_profile=True`.
+    timing: Option<Arc<TimingDriver>>,
 }
 
 impl PyExtensibleTensor {
@@ -197,7 +200,7 @@ impl PyExtensibleTensor {
     #[new]
     #[pyo3(signature = (
         max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
-        max_handle_bytes=None, fixed_handle_bytes=None, _fault=None
+        max_handle_bytes=None, fixed_handle_bytes=None, _fault=None, _profile=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -210,6 +213,7 @@ impl PyExtensibleTensor {
         max_handle_bytes: Option<&Bound<'_, PyAny>>,
         fixed_handle_bytes: Option<&Bound<'_, PyAny>>,
         _fault: Option<&Bound<'_, PyAny>>,
+        _profile: bool,
     ) -> PyResult<Self> {
         let max_bytes = to_u64(max_bytes, "max_bytes")?;
         let num_segments = to_u64_opt(num_segments, "num_segments")?;
@@ -234,10 +238,16 @@ impl PyExtensibleTensor {
             .filter(|f| !f.is_none())
             .map(parse_fault)
             .transpose()?;
+        let mut timing = None;
         let build = || -> crate::Result<ExtensibleTensor> {
             let mut driver = driver::open(&device, options.granularity)?;
             if let Some(fault) = fault {
                 driver = Arc::new(FaultyDriver::new(driver, fault));
+            }
+            if _profile {
+                let timed = Arc::new(TimingDriver::new(driver));
+                timing = Some(timed.clone());
+                driver = timed;
             }
             match capacities {
                 Some(caps) => {
@@ -253,7 +263,7 @@ impl PyExtensibleTensor {
             }
         };
         let core = py.detach(build).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyExtensibleTensor { core })
+        Ok(PyExtensibleTensor { core, timing })
     }
 
     /// Grows every segment to `bytes_per_segment` (an int, or one size per segment).
@@ -398,6 +408,24 @@ impl PyExtensibleTensor {
         self.core
             .check_invariants()
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+
+    /// `{op: (calls, host nanoseconds)}` since construction or the last reset, for a tensor
+    /// built with `_profile=True` (else empty).
+    #[pyo3(signature = (reset=false))]
+    fn _op_times(&self, reset: bool) -> std::collections::HashMap<&'static str, (u64, u64)> {
+        let Some(timing) = &self.timing else {
+            return Default::default();
+        };
+        let report = timing
+            .report()
+            .into_iter()
+            .map(|(op, n, ns)| (op.name(), (n, ns)))
+            .collect();
+        if reset {
+            timing.reset();
+        }
+        report
     }
 
     /// Errors that destructors met (a failed unmap or release) since the last call.
