@@ -328,9 +328,20 @@ pub fn plan_grow(
     new: &[u64],
 ) -> GrowPlan {
     let new_ranges = geometry.new_ranges(old, new);
-    let missing = subtract(&granules_of(&new_ranges, geometry.granularity()), mapped);
+    let new_granules = granules_of(&new_ranges, geometry.granularity());
+    plan_new_ranges(new_ranges, &new_granules, mapped, policy)
+}
+
+/// `plan_grow` for a caller that already has the new bytes and their granules
+/// (`granules_of(&new_ranges)`), and looked up only the `mapped` runs that overlap them.
+pub fn plan_new_ranges(
+    new_ranges: Vec<ByteRange>,
+    new_granules: &[Run],
+    mapped: &[Run],
+    policy: HandlePolicy,
+) -> GrowPlan {
     let mut new_handles = Vec::new();
-    for run in missing {
+    for run in subtract(new_granules, mapped) {
         policy.cut(run, &mut new_handles);
     }
     GrowPlan {
@@ -340,7 +351,7 @@ pub fn plan_grow(
 }
 
 /// The granules holding sorted, disjoint byte `ranges`, merged into sorted, disjoint runs.
-fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
+pub fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
     for range in ranges.iter().filter(|r| r.num_bytes > 0) {
         let (first, end) = (

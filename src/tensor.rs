@@ -19,6 +19,7 @@
 //!
 //! Limitations: growth only (shrinking is a later step); `release_physical` drops everything.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -136,8 +137,9 @@ impl Drop for Mapping {
 
 struct State {
     segment_bytes: Vec<u64>,
-    /// Sorted by `run` (invariant 2).
-    mappings: Vec<Mapping>,
+    /// Keyed by first granule, so a grow finds and inserts its neighbours in O(log handles)
+    /// however many handles the tensor holds (invariant 2).
+    mappings: BTreeMap<u64, Mapping>,
     /// `None` once closed.
     reservation: Option<Reservation>,
 }
@@ -249,7 +251,7 @@ impl ExtensibleTensor {
         };
         let state = State {
             segment_bytes: vec![0; geometry.num_segments()],
-            mappings: Vec::new(),
+            mappings: BTreeMap::new(),
             reservation: Some(reservation),
         };
         let inner = Inner {
@@ -318,14 +320,10 @@ impl ExtensibleTensor {
         if state.segment_bytes == segment_bytes {
             return Ok(());
         }
-        let mapped: Vec<Run> = state.mappings.iter().map(|m| m.run).collect();
-        let plan = plan::plan_grow(
-            geometry,
-            &mapped,
-            self.inner.policy,
-            &state.segment_bytes,
-            segment_bytes,
-        );
+        let new_ranges = geometry.new_ranges(&state.segment_bytes, segment_bytes);
+        let new_granules = plan::granules_of(&new_ranges, geometry.granularity());
+        let mapped = mapped_overlapping(&state.mappings, &new_granules);
+        let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, self.inner.policy);
         let mut zeroing = Zeroing::new(zero_new, stream);
         let result = self.map_and_zero(&plan, &mapped, &mut zeroing);
         let fresh = match result {
@@ -339,7 +337,9 @@ impl ExtensibleTensor {
                 return Err(err);
             }
         };
-        merge_sorted(&mut state.mappings, fresh);
+        for mapping in fresh {
+            state.mappings.insert(mapping.run.first_granule, mapping);
+        }
         state.segment_bytes.copy_from_slice(segment_bytes);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
@@ -502,7 +502,7 @@ impl ExtensibleTensor {
 
     /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
     pub fn physical_bytes(&self) -> u64 {
-        self.lock().mappings.iter().map(|m| m.num_bytes).sum()
+        self.lock().mappings.values().map(|m| m.num_bytes).sum()
     }
 
     pub fn num_handles(&self) -> usize {
@@ -511,7 +511,7 @@ impl ExtensibleTensor {
 
     /// The granule runs of the mapped handles, in address order.
     pub fn handle_runs(&self) -> Vec<Run> {
-        self.lock().mappings.iter().map(|m| m.run).collect()
+        self.lock().mappings.values().map(|m| m.run).collect()
     }
 
     pub fn live_views(&self) -> usize {
@@ -538,9 +538,16 @@ impl ExtensibleTensor {
 
 fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
     let geometry = &inner.geometry;
-    let runs: Vec<Run> = state.mappings.iter().map(|m| m.run).collect();
+    let runs: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
     plan::check_runs(&runs, geometry.num_granules())?;
-    for m in &state.mappings {
+    if let Some((key, m)) = state
+        .mappings
+        .iter()
+        .find(|(k, m)| **k != m.run.first_granule)
+    {
+        return Err(format!("mapping {:?} is filed under granule {key}", m.run));
+    }
+    for m in state.mappings.values() {
         let bytes = geometry.run_bytes(m.run);
         if m.va != inner.base + bytes.offset || m.num_bytes != bytes.num_bytes {
             return Err(format!(
@@ -562,19 +569,23 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
     Ok(())
 }
 
-/// Merges sorted, disjoint `fresh` into sorted `mappings`.
-fn merge_sorted(mappings: &mut Vec<Mapping>, fresh: Vec<Mapping>) {
-    if fresh.is_empty() {
-        return;
-    }
-    let mut merged = Vec::with_capacity(mappings.len() + fresh.len());
-    let mut old = std::mem::take(mappings).into_iter().peekable();
-    for m in fresh {
-        while old.peek().is_some_and(|o| o.run < m.run) {
-            merged.extend(old.next());
+/// The runs of the mappings that overlap any of `spans` (sorted, disjoint), in order.
+fn mapped_overlapping(mappings: &BTreeMap<u64, Mapping>, spans: &[Run]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for span in spans {
+        let before = mappings
+            .range(..span.first_granule)
+            .next_back()
+            .map(|(_, m)| m.run);
+        let straddling = before.filter(|run| run.end_granule() > span.first_granule);
+        let inside = mappings
+            .range(span.first_granule..span.end_granule())
+            .map(|(_, m)| m.run);
+        for run in straddling.into_iter().chain(inside) {
+            if runs.last() != Some(&run) {
+                runs.push(run);
+            }
         }
-        merged.push(m);
     }
-    merged.extend(old);
-    *mappings = merged;
+    runs
 }
