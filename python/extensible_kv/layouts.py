@@ -76,10 +76,13 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    return tuple(strides)
+    """Row-major strides in elements; an empty dim counts as 1, as torch counts it."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from extensible_kv import _native
+from extensible_kv.layouts import contiguous_strides
 
 if TYPE_CHECKING:
     import torch
@@ -51,15 +52,6 @@ def _dlpack_code(dtype: torch.dtype) -> tuple[int, int, bool]:
     return 0, dtype.itemsize * 8, False
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class ExtensibleTensor(_native.ExtensibleTensor):
     """One address reservation of `max_bytes`, in `num_segments` segments that grow in lockstep.
 
@@ -83,7 +75,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         from torch.utils.dlpack import from_dlpack
 
         shape = tuple(shape)
-        strides = _contiguous_strides(shape) if strides is None else tuple(strides)
+        strides = contiguous_strides(shape) if strides is None else tuple(strides)
         code, bits, exact = _dlpack_code(dtype)
         view = from_dlpack(self._view_capsule(offset, code, bits, shape, strides))
         # Types DLPack consumers may not know (float8, complex) travel as same-sized ints.
