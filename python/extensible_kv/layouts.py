@@ -70,9 +70,7 @@ class KVCacheBackend(Protocol):
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
