@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use extensible_kv::plan::{self, Geometry, HandlePolicy};
-use extensible_kv::{driver, Driver, ExtensibleTensor, Options};
+use extensible_kv::{driver, Driver, ExtensibleTensor, GrowOptions, Options};
 
 const MIB: u64 = 1 << 20;
 /// One 16-token bf16 block of 8 KV heads of 128 per segment: the flow's first commit.
@@ -37,6 +37,13 @@ fn bulk_bytes_per_segment() -> u64 {
 
 fn stream() -> u64 {
     0
+}
+
+fn zeroed_on(stream: u64) -> GrowOptions {
+    GrowOptions {
+        stream,
+        ..GrowOptions::zeroed()
+    }
 }
 
 fn bulk_commit(c: &mut Criterion) {
@@ -68,12 +75,13 @@ fn bulk_commit(c: &mut Criterion) {
                         options,
                     )
                     .unwrap();
-                    t.resize_per_segment(BLOCK, true, stream()).unwrap();
+                    t.resize_per_segment(BLOCK, zeroed_on(stream())).unwrap();
                     driver.synchronize().unwrap();
                     t
                 },
                 |t| {
-                    t.resize_per_segment(per_segment, true, stream()).unwrap();
+                    t.resize_per_segment(per_segment, zeroed_on(stream()))
+                        .unwrap();
                     driver.synchronize().unwrap();
                     t
                 },
@@ -110,7 +118,7 @@ fn incremental_grow(c: &mut Criterion) {
                 }
                 size += g;
                 let start = std::time::Instant::now();
-                t.resize_per_segment(size, true, stream()).unwrap();
+                t.resize_per_segment(size, zeroed_on(stream())).unwrap();
                 total += start.elapsed();
             }
             total

@@ -257,7 +257,7 @@ mod tests {
 
     use super::*;
     use crate::driver::host::HostDriver;
-    use crate::tensor::{ExtensibleTensor, Options};
+    use crate::tensor::{ExtensibleTensor, GrowOptions, Options};
     use std::sync::Arc;
 
     #[test]
@@ -265,7 +265,9 @@ mod tests {
         let driver = Arc::new(HostDriver::new(4096).unwrap());
         let tensor =
             ExtensibleTensor::with_equal_segments(driver, 8192, 1, Options::default()).unwrap();
-        tensor.resize_per_segment(100, true, 0).unwrap();
+        tensor
+            .resize_per_segment(100, GrowOptions::zeroed())
+            .unwrap();
         let layout = StridedLayout::bytes(50).unwrap();
         let managed = export_versioned(tensor.export(10, 50).unwrap(), layout);
         assert_eq!(tensor.live_views(), 1);

@@ -260,6 +260,8 @@ pub enum HandlePolicy {
     /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
     /// per-granule peers do, kept as a baseline.
     Fixed { handle_granules: u64 },
+    /// One handle per run, however long: what a segment registered for RDMA needs.
+    WholeRuns,
 }
 
 impl HandlePolicy {
@@ -294,6 +296,7 @@ impl HandlePolicy {
                     cap.min(fits).min(aligned)
                 }
                 HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
+                HandlePolicy::WholeRuns => end - cursor,
             };
             out.push(Run::new(cursor, size));
             cursor += size;

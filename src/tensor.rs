@@ -60,6 +60,29 @@ impl Ctx {
     }
 }
 
+/// How one grow runs; `Default` maps with the tensor's policy and zeroes nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrowOptions {
+    /// Zero the new logical bytes of every segment.
+    pub zero_new: bool,
+    /// The stream the zeroing is ordered on (0: the backend's default stream).
+    pub stream: u64,
+    /// Back each run of missing granules by one handle, whatever the policy: after a
+    /// `release_physical`, one such grow backs every granule-aligned segment by a single
+    /// allocation, which RDMA registration of a segment needs (UCX cannot span handles).
+    pub one_handle_per_run: bool,
+}
+
+impl GrowOptions {
+    /// Zero the new bytes on the backend's default stream.
+    pub fn zeroed() -> GrowOptions {
+        GrowOptions {
+            zero_new: true,
+            ..GrowOptions::default()
+        }
+    }
+}
+
 /// Whether a grow zeroes its new bytes, on which stream, and whether it has queued any.
 struct Zeroing {
     enabled: bool,
@@ -285,24 +308,15 @@ impl ExtensibleTensor {
     }
 
     /// Grows every segment to `bytes_per_segment`.
-    pub fn resize_per_segment(
-        &self,
-        bytes_per_segment: u64,
-        zero_new: bool,
-        stream: u64,
-    ) -> Result<()> {
+    pub fn resize_per_segment(&self, bytes_per_segment: u64, options: GrowOptions) -> Result<()> {
         let targets = vec![bytes_per_segment; self.inner.geometry.num_segments()];
-        self.resize_segments(&targets, zero_new, stream)
+        self.resize_segments(&targets, options)
     }
 
     /// Grows segment `i` to `segment_bytes[i]`; zeroes the new bytes `[old_i, new_i)` of each
-    /// segment on `stream` when `zero_new`. All or nothing: on error the tensor is unchanged.
-    pub fn resize_segments(
-        &self,
-        segment_bytes: &[u64],
-        zero_new: bool,
-        stream: u64,
-    ) -> Result<()> {
+    /// segment on `options.stream` when `options.zero_new`. All or nothing: on error the
+    /// tensor is unchanged.
+    pub fn resize_segments(&self, segment_bytes: &[u64], options: GrowOptions) -> Result<()> {
         let mut state = self.lock_open()?;
         let geometry = &self.inner.geometry;
         geometry.check_request(segment_bytes)?;
@@ -323,8 +337,12 @@ impl ExtensibleTensor {
         let new_ranges = geometry.new_ranges(&state.segment_bytes, segment_bytes);
         let new_granules = plan::granules_of(&new_ranges, geometry.granularity());
         let mapped = mapped_overlapping(&state.mappings, &new_granules);
-        let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, self.inner.policy);
-        let mut zeroing = Zeroing::new(zero_new, stream);
+        let policy = match options.one_handle_per_run {
+            true => HandlePolicy::WholeRuns,
+            false => self.inner.policy,
+        };
+        let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
+        let mut zeroing = Zeroing::new(options.zero_new, options.stream);
         let result = self.map_and_zero(&plan, &mapped, &mut zeroing);
         let fresh = match result {
             Ok(fresh) => fresh,

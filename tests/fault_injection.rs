@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{Error, ExtensibleTensor, Op, Options};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options};
 
 const G: u64 = 4096;
 /// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
@@ -28,7 +28,9 @@ fn build(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor)
     let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
     let tensor =
         ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options()).unwrap();
-    tensor.resize_per_segment(FIRST, true, 0).unwrap();
+    tensor
+        .resize_per_segment(FIRST, GrowOptions::zeroed())
+        .unwrap();
     common::write(&tensor, 0, &[0xab; FIRST as usize]);
     common::write(&tensor, SEGMENT, &[0xcd; FIRST as usize]);
     (host, faulty, tensor)
@@ -43,7 +45,9 @@ fn calls_in_second_grow(op: Op) -> u64 {
     };
     let (_, faulty, tensor) = build(never);
     let before = faulty.calls(op);
-    tensor.resize_per_segment(SEGMENT, true, 0).unwrap();
+    tensor
+        .resize_per_segment(SEGMENT, GrowOptions::zeroed())
+        .unwrap();
     faulty.calls(op) - before
 }
 
@@ -74,7 +78,9 @@ fn every_failed_call_leaves_the_tensor_unchanged() {
                     host.live_counts(),
                     common::proc_memfds(&name),
                 );
-                let err = tensor.resize_per_segment(SEGMENT, true, 0).unwrap_err();
+                let err = tensor
+                    .resize_per_segment(SEGMENT, GrowOptions::zeroed())
+                    .unwrap_err();
                 match (kind, &err) {
                     (
                         FaultKind::Driver,
@@ -105,7 +111,9 @@ fn every_failed_call_leaves_the_tensor_unchanged() {
                     vec![0xcd; FIRST as usize]
                 );
                 // Only the nth call fails: the same grow now succeeds.
-                tensor.resize_per_segment(SEGMENT, true, 0).unwrap();
+                tensor
+                    .resize_per_segment(SEGMENT, GrowOptions::zeroed())
+                    .unwrap();
                 assert_eq!(
                     common::read(&tensor, FIRST, SEGMENT - FIRST),
                     vec![0; (SEGMENT - FIRST) as usize]

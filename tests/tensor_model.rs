@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{ExtensibleTensor, Options};
+use extensible_kv::{ExtensibleTensor, GrowOptions, Options};
 use proptest::prelude::*;
 
 const G: u64 = 4096;
@@ -92,7 +92,15 @@ fn run(
                 } else {
                     targets
                 };
-                tensor.resize_segments(&targets, zero_new, 0).unwrap();
+                tensor
+                    .resize_segments(
+                        &targets,
+                        GrowOptions {
+                            zero_new,
+                            ..Default::default()
+                        },
+                    )
+                    .unwrap();
                 for (i, &t) in targets.iter().enumerate() {
                     // Without zero_new, new bytes hold whatever the memory held: zero or
                     // junk from a fresh handle, or stray writes in a granule mapped earlier.
@@ -183,11 +191,15 @@ fn shared_granule_is_mapped_once_and_data_survives() {
     let tensor =
         ExtensibleTensor::with_equal_segments(driver.clone(), 3 * G, 2, Options::default())
             .unwrap();
-    tensor.resize_per_segment(G / 2, true, 0).unwrap();
+    tensor
+        .resize_per_segment(G / 2, GrowOptions::zeroed())
+        .unwrap();
     assert_eq!(tensor.physical_bytes(), 2 * G);
     common::write(&tensor, 0, &pattern(7, (G / 2) as usize));
     common::write(&tensor, 3 * G / 2, &pattern(9, (G / 2) as usize));
-    tensor.resize_per_segment(3 * G / 2, true, 0).unwrap();
+    tensor
+        .resize_per_segment(3 * G / 2, GrowOptions::zeroed())
+        .unwrap();
     assert_eq!(tensor.physical_bytes(), 3 * G);
     assert_eq!(driver.live_counts().0, tensor.num_handles());
     assert_eq!(
@@ -209,7 +221,7 @@ fn views_keep_memory_alive() {
     let tensor =
         ExtensibleTensor::with_equal_segments(driver.clone(), 4 * G, 1, Options::default())
             .unwrap();
-    tensor.resize_per_segment(G, true, 0).unwrap();
+    tensor.resize_per_segment(G, GrowOptions::zeroed()).unwrap();
     common::write(&tensor, 0, b"alive");
     let region = tensor.export(0, G).unwrap();
     assert!(matches!(

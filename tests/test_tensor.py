@@ -1033,6 +1033,24 @@ def test_adaptive_policy_uses_few_handles(make_tensor: MakeTensor, g: int) -> No
     check(capped)
 
 
+def test_one_handle_per_run_backs_each_segment_by_one_handle(
+    make_tensor: MakeTensor, g: int
+) -> None:
+    # Three granule-aligned segments, a 4-granule cap that would cut each of them in pieces.
+    t = make_tensor(3 * 11 * g, 3, max_handle_bytes=4 * g)
+    t.resize_per_segment_(g // 2)
+    t.resize_per_segment_(9 * g)
+    assert t.num_handles > 3  # the policy's cut
+    t.release_physical()
+    t.resize_per_segment_(9 * g, one_handle_per_run=True)
+    assert t.handle_runs() == [(0, 9), (11, 9), (22, 9)]
+    check(t)
+    # A later grow goes back to the policy; the runs it adds are new handles.
+    t.resize_per_segment_(10 * g)
+    assert t.handle_runs() == [(0, 9), (9, 1), (11, 9), (20, 1), (22, 9), (31, 1)]
+    check(t)
+
+
 # --------------------------------------------------------------------------------------------
 # sizes that cannot be reserved
 

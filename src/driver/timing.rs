@@ -118,7 +118,7 @@ impl Driver for TimingDriver {
 mod tests {
     use super::*;
     use crate::driver::host::HostDriver;
-    use crate::tensor::{ExtensibleTensor, Options};
+    use crate::tensor::{ExtensibleTensor, GrowOptions, Options};
 
     #[test]
     fn counts_every_call_of_a_grow() {
@@ -129,7 +129,8 @@ mod tests {
         };
         let t =
             ExtensibleTensor::with_equal_segments(timing.clone(), 8 * 4096, 2, options).unwrap();
-        t.resize_per_segment(3 * 4096, true, 0).unwrap();
+        t.resize_per_segment(3 * 4096, GrowOptions::zeroed())
+            .unwrap();
         let calls: Vec<(Op, u64)> = timing.report().iter().map(|&(op, n, _)| (op, n)).collect();
         assert_eq!(
             calls,

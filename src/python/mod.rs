@@ -14,7 +14,7 @@ use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use crate::driver::timing::TimingDriver;
 use crate::driver::{self, DeviceKind};
 use crate::error::{Error, Op};
-use crate::tensor::{ExtensibleTensor, Options};
+use crate::tensor::{ExtensibleTensor, GrowOptions, Options};
 
 pyo3::create_exception!(
     _native,
@@ -178,19 +178,19 @@ impl PyExtensibleTensor {
         &self,
         py: Python<'_>,
         targets: Vec<u64>,
-        zero_new: bool,
+        mut options: GrowOptions,
         stream: Option<u64>,
     ) -> PyResult<()> {
         if !self.core.needs_grow(&targets) {
             // The no-op fast path: validated, nothing to map, no GIL release.
             return self
                 .core
-                .resize_segments(&targets, zero_new, 0)
+                .resize_segments(&targets, options)
                 .map_err(|e| to_pyerr(py, e));
         }
-        let stream = self.resolve_stream(py, stream)?;
+        options.stream = self.resolve_stream(py, stream)?;
         let core = &self.core;
-        py.detach(|| core.resize_segments(&targets, zero_new, stream))
+        py.detach(|| core.resize_segments(&targets, options))
             .map_err(|e| to_pyerr(py, e))
     }
 }
@@ -267,26 +267,33 @@ impl PyExtensibleTensor {
     }
 
     /// Grows every segment to `bytes_per_segment` (an int, or one size per segment).
-    #[pyo3(signature = (bytes_per_segment, zero_new=true, stream=None))]
+    #[pyo3(signature = (bytes_per_segment, zero_new=true, stream=None, *, one_handle_per_run=false))]
     fn resize_per_segment_(
         slf: &Bound<'_, Self>,
         bytes_per_segment: &Bound<'_, PyAny>,
         zero_new: bool,
         stream: Option<u64>,
+        one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
         let this = slf.get();
         let targets = this.segment_targets(bytes_per_segment)?;
-        this.grow(slf.py(), targets, zero_new, stream)?;
+        let options = GrowOptions {
+            zero_new,
+            stream: 0,
+            one_handle_per_run,
+        };
+        this.grow(slf.py(), targets, options, stream)?;
         Ok(slf.clone().unbind())
     }
 
     /// Grows a one-segment tensor to `num_bytes`.
-    #[pyo3(signature = (num_bytes, zero_new=true, stream=None))]
+    #[pyo3(signature = (num_bytes, zero_new=true, stream=None, *, one_handle_per_run=false))]
     fn resize_(
         slf: &Bound<'_, Self>,
         num_bytes: &Bound<'_, PyAny>,
         zero_new: bool,
         stream: Option<u64>,
+        one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
         let this = slf.get();
         let n = this.core.num_segments();
@@ -295,12 +302,13 @@ impl PyExtensibleTensor {
                 "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
             )));
         }
-        this.grow(
-            slf.py(),
-            vec![to_u64(num_bytes, "num_bytes")?],
+        let options = GrowOptions {
             zero_new,
-            stream,
-        )?;
+            stream: 0,
+            one_handle_per_run,
+        };
+        let targets = vec![to_u64(num_bytes, "num_bytes")?];
+        this.grow(slf.py(), targets, options, stream)?;
         Ok(slf.clone().unbind())
     }
 
