@@ -260,6 +260,10 @@ pub enum HandlePolicy {
     /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
     /// per-granule peers do, kept as a baseline.
     Fixed { handle_granules: u64 },
+    /// Cut at the multiples of `max_handle_granules` in the reservation's granule index, and
+    /// nowhere else: a run costs at most `len / max + 2` handles, whatever granule it starts
+    /// at, while interior handles stay aligned to the cap.
+    CapAligned { max_handle_granules: u64 },
     /// One handle per run, however long: what a segment registered for RDMA needs.
     WholeRuns,
 }
@@ -296,6 +300,12 @@ impl HandlePolicy {
                     cap.min(fits).min(aligned)
                 }
                 HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
+                HandlePolicy::CapAligned {
+                    max_handle_granules,
+                } => {
+                    let cap = max_handle_granules.max(1);
+                    (cap - cursor % cap).min(end - cursor)
+                }
                 HandlePolicy::WholeRuns => end - cursor,
             };
             out.push(Run::new(cursor, size));
@@ -453,6 +463,24 @@ mod tests {
                 Run::new(10, 1)
             ]
         );
+    }
+
+    #[test]
+    fn cap_aligned_cuts_only_at_cap_multiples() {
+        let mut out = Vec::new();
+        let policy = HandlePolicy::CapAligned {
+            max_handle_granules: 8,
+        };
+        // From one granule past a segment start to past two cap boundaries: 3 handles, where
+        // aligned powers of two take 1 + 2 + 4 + 8 + 2.
+        policy.cut(Run::new(3, 16), &mut out);
+        assert_eq!(out, vec![Run::new(3, 5), Run::new(8, 8), Run::new(16, 3)]);
+        out.clear();
+        policy.cut(Run::new(5, 1), &mut out);
+        assert_eq!(out, vec![Run::new(5, 1)]);
+        out.clear();
+        HandlePolicy::WholeRuns.cut(Run::new(3, 1 << 40), &mut out);
+        assert_eq!(out, vec![Run::new(3, 1 << 40)]);
     }
 
     /// The bound: growing 2 segments from one block to 64 GiB each.

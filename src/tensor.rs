@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::driver::{DeviceKind, Driver, HandleId};
-use crate::error::{Error, Result};
+use crate::error::{Error, Op, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
 /// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
@@ -40,6 +40,37 @@ pub struct Options {
     pub max_handle_bytes: Option<u64>,
     /// Fixed-size handles instead of the adaptive policy: the per-granule peers' baseline.
     pub fixed_handle_bytes: Option<u64>,
+    /// How runs are cut below the cap (ignored with `fixed_handle_bytes`).
+    pub cut: Cut,
+    /// The order of driver calls in a grow.
+    pub schedule: Schedule,
+}
+
+/// The order of a grow's driver calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Schedule {
+    /// One thread: create, map, grant access, zero, handle after handle.
+    #[default]
+    Interleaved,
+    /// A second thread creates the handles ahead of the one that maps them.
+    CreateAhead,
+}
+
+/// Below this many handles a grow creates them itself: a thread costs more than it hides.
+const CREATE_AHEAD_MIN_HANDLES: usize = 4;
+/// Handles created and not yet mapped, at most: enough to hide a create's wait.
+const CREATE_AHEAD_DEPTH: usize = 8;
+
+/// The ways of cutting a run of granules into handles of at most the cap; see `HandlePolicy`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cut {
+    /// Aligned powers of two (`HandlePolicy::Adaptive`).
+    #[default]
+    AlignedPowersOfTwo,
+    /// At the multiples of the cap only (`HandlePolicy::CapAligned`).
+    AtCapMultiples,
+    /// Not at all: one handle per run (`HandlePolicy::WholeRuns`).
+    WholeRuns,
 }
 
 /// What the destructors of driver resources share: the driver, and the errors they could not
@@ -134,14 +165,20 @@ struct Mapping {
     handle: PhysicalHandle,
 }
 
-impl Mapping {
-    fn create(ctx: &Arc<Ctx>, run: Run, va: u64, num_bytes: u64) -> Result<Mapping> {
+impl PhysicalHandle {
+    fn create(ctx: &Arc<Ctx>, num_bytes: u64) -> Result<PhysicalHandle> {
         let id = ctx.driver.create(num_bytes)?;
-        let handle = PhysicalHandle {
+        Ok(PhysicalHandle {
             ctx: Arc::clone(ctx),
             id,
-        };
-        ctx.driver.map(va, num_bytes, handle.id)?;
+        })
+    }
+}
+
+impl Mapping {
+    /// Maps all of `handle` (`num_bytes` long) over `run` at `va`.
+    fn map(handle: PhysicalHandle, run: Run, va: u64, num_bytes: u64) -> Result<Mapping> {
+        handle.ctx.driver.map(va, num_bytes, handle.id)?;
         Ok(Mapping {
             run,
             va,
@@ -171,6 +208,7 @@ struct Inner {
     ctx: Arc<Ctx>,
     geometry: Geometry,
     policy: HandlePolicy,
+    schedule: Schedule,
     base: u64,
     state: Mutex<State>,
     live_views: AtomicUsize,
@@ -259,7 +297,14 @@ impl ExtensibleTensor {
             }
             (None, max) => {
                 let max = max.unwrap_or(DEFAULT_MAX_HANDLE_BYTES.max(granularity));
-                HandlePolicy::adaptive(max, granularity)?
+                let adaptive = HandlePolicy::adaptive(max, granularity)?;
+                match options.cut {
+                    Cut::AlignedPowersOfTwo => adaptive,
+                    Cut::AtCapMultiples => HandlePolicy::CapAligned {
+                        max_handle_granules: max / granularity,
+                    },
+                    Cut::WholeRuns => HandlePolicy::WholeRuns,
+                }
             }
         };
         let ctx = Arc::new(Ctx {
@@ -281,6 +326,7 @@ impl ExtensibleTensor {
             ctx,
             geometry,
             policy,
+            schedule: options.schedule,
             base: va,
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
@@ -367,11 +413,61 @@ impl ExtensibleTensor {
     /// logical bytes. A handle's bytes are zeroed as soon as it is accessible, so on a device
     /// the memsets run while the host maps the next handles. On error, the mappings made so
     /// far are dropped (unmapped, released) by the caller's `?` — after the caller's fence.
+    ///
+    /// With `Schedule::CreateAhead` and enough handles, a second thread creates the handles
+    /// in plan order while this one maps them: `cuMemCreate` waits for the driver's scrub of
+    /// recently freed memory, and that wait then overlaps the mapping and access calls.
+    /// Handles created past a failure drop (release) with the channel.
     fn map_and_zero(
         &self,
         plan: &plan::GrowPlan,
         mapped: &[Run],
         zeroing: &mut Zeroing,
+    ) -> Result<Vec<Mapping>> {
+        let ctx = &self.inner.ctx;
+        let geometry = &self.inner.geometry;
+        let sizes = plan
+            .new_handles
+            .iter()
+            .map(move |&run| geometry.run_bytes(run).num_bytes);
+        let ahead = self.inner.schedule == Schedule::CreateAhead
+            && plan.new_handles.len() >= CREATE_AHEAD_MIN_HANDLES;
+        if !ahead {
+            let mut sizes = sizes;
+            let mut next = || PhysicalHandle::create(ctx, sizes.next().unwrap_or(0));
+            return self.map_each(plan, mapped, zeroing, &mut next);
+        }
+        std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::sync_channel(CREATE_AHEAD_DEPTH);
+            scope.spawn(move || {
+                for num_bytes in sizes {
+                    let created = PhysicalHandle::create(ctx, num_bytes);
+                    let failed = created.is_err();
+                    if tx.send(created).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+            let mut next = || {
+                rx.recv().unwrap_or_else(|_| {
+                    Err(Error::Driver {
+                        op: Op::Create,
+                        code: "CREATOR_EXITED".into(),
+                        detail: "the thread creating handles stopped early".into(),
+                    })
+                })
+            };
+            self.map_each(plan, mapped, zeroing, &mut next)
+        })
+    }
+
+    /// `map_and_zero`'s mapping loop; `next_handle` yields the handle for each planned run.
+    fn map_each(
+        &self,
+        plan: &plan::GrowPlan,
+        mapped: &[Run],
+        zeroing: &mut Zeroing,
+        next_handle: &mut dyn FnMut() -> Result<PhysicalHandle>,
     ) -> Result<Vec<Mapping>> {
         let inner = &*self.inner;
         let g = inner.geometry.granularity();
@@ -385,13 +481,9 @@ impl ExtensibleTensor {
         let mut fresh = Vec::with_capacity(plan.new_handles.len());
         for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
-            let mapping =
-                Mapping::create(&inner.ctx, run, inner.base + bytes.offset, bytes.num_bytes)?;
-            fresh.push(mapping);
-            inner
-                .ctx
-                .driver
-                .set_access(inner.base + bytes.offset, bytes.num_bytes)?;
+            let va = inner.base + bytes.offset;
+            fresh.push(Mapping::map(next_handle()?, run, va, bytes.num_bytes)?);
+            inner.ctx.driver.set_access(va, bytes.num_bytes)?;
             while let Some(piece) = pending.next_if(|p| p.offset < bytes.end()) {
                 self.zero(piece, zeroing)?;
             }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options, Schedule};
 
 const G: u64 = 4096;
 /// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
@@ -15,19 +15,25 @@ const G: u64 = 4096;
 const SEGMENT: u64 = 7 * G / 2;
 const FIRST: u64 = G / 2;
 
-fn options() -> Options {
-    // One-granule handles: the second grow needs several of every call.
+fn options(schedule: Schedule) -> Options {
+    // One-granule handles: the second grow needs several of every call (enough for the
+    // create-ahead schedule to start its thread).
     Options {
         max_handle_bytes: Some(G),
+        schedule,
         ..Options::default()
     }
 }
 
-fn build(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
+fn build(
+    fault: Fault,
+    schedule: Schedule,
+) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
     let host = Arc::new(HostDriver::new(G).unwrap());
     let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
     let tensor =
-        ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options()).unwrap();
+        ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options(schedule))
+            .unwrap();
     tensor
         .resize_per_segment(FIRST, GrowOptions::zeroed())
         .unwrap();
@@ -37,13 +43,13 @@ fn build(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor)
 }
 
 /// How many calls of `op` the second grow makes.
-fn calls_in_second_grow(op: Op) -> u64 {
+fn calls_in_second_grow(op: Op, schedule: Schedule) -> u64 {
     let never = Fault {
         op,
         nth: u64::MAX,
         kind: FaultKind::Driver,
     };
-    let (_, faulty, tensor) = build(never);
+    let (_, faulty, tensor) = build(never, schedule);
     let before = faulty.calls(op);
     tensor
         .resize_per_segment(SEGMENT, GrowOptions::zeroed())
@@ -53,9 +59,18 @@ fn calls_in_second_grow(op: Op) -> u64 {
 
 #[test]
 fn every_failed_call_leaves_the_tensor_unchanged() {
+    every_failed_call_leaves_the_tensor_unchanged_with(Schedule::Interleaved);
+}
+
+#[test]
+fn every_failed_call_leaves_the_tensor_unchanged_when_creating_ahead() {
+    every_failed_call_leaves_the_tensor_unchanged_with(Schedule::CreateAhead);
+}
+
+fn every_failed_call_leaves_the_tensor_unchanged_with(schedule: Schedule) {
     let mut injected = 0;
     for op in [Op::Create, Op::Map, Op::SetAccess, Op::Memset] {
-        let calls = calls_in_second_grow(op);
+        let calls = calls_in_second_grow(op, schedule);
         assert!(
             calls >= 2 || op == Op::SetAccess,
             "{op}: only {calls} calls to fail"
@@ -67,9 +82,9 @@ fn every_failed_call_leaves_the_tensor_unchanged() {
                     nth: u64::MAX,
                     kind,
                 };
-                let (_, counter, _) = build(probe);
+                let (_, counter, _) = build(probe, schedule);
                 let nth = counter.calls(op) + k;
-                let (host, _, tensor) = build(Fault { op, nth, kind });
+                let (host, _, tensor) = build(Fault { op, nth, kind }, schedule);
                 let name = host.memfd_name().to_string();
                 let before = (
                     tensor.segment_bytes(),
@@ -139,7 +154,8 @@ fn a_failed_reserve_is_a_typed_error() {
             kind: FaultKind::Driver,
         },
     ));
-    let result = ExtensibleTensor::with_equal_segments(faulty, 4 * G, 1, options());
+    let result =
+        ExtensibleTensor::with_equal_segments(faulty, 4 * G, 1, options(Schedule::Interleaved));
     assert!(matches!(
         result,
         Err(Error::Driver {
@@ -153,11 +169,12 @@ fn a_failed_reserve_is_a_typed_error() {
 /// A failed unmap during release is reported, not swallowed, and never panics.
 #[test]
 fn destructor_errors_are_reported() {
-    let (_, _, tensor) = build(Fault {
+    let fault = Fault {
         op: Op::Unmap,
         nth: 1,
         kind: FaultKind::Driver,
-    });
+    };
+    let (_, _, tensor) = build(fault, Schedule::Interleaved);
     let err = tensor.release_physical().unwrap_err();
     assert!(
         matches!(err, Error::Driver { op: Op::Unmap, .. }),

@@ -53,6 +53,8 @@ class ExtensibleTensor:
         granularity: int | None = None,
         max_handle_bytes: int | None = None,
         fixed_handle_bytes: int | None = None,
+        _cut: str | None = None,
+        _schedule: str | None = None,
         _fault: tuple[str, int, str] | None = None,
         _profile: bool = False,
     ) -> Self: ...
