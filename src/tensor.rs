@@ -389,18 +389,17 @@ impl ExtensibleTensor {
         };
         let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
         let mut zeroing = Zeroing::new(options.zero_new, options.stream);
-        let result = self.map_and_zero(&plan, &mapped, &mut zeroing);
-        let fresh = match result {
-            Ok(fresh) => fresh,
-            Err(err) => {
-                if zeroing.queued {
-                    // Queued memsets may still write to the fresh mappings, which unmap as
-                    // they drop: fence first.
-                    self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
-                }
-                return Err(err);
+        // Owned here, not in `map_and_zero`, so that on error the mappings unmap (as `fresh`
+        // drops) only after the fence below.
+        let mut fresh = Vec::with_capacity(plan.new_handles.len());
+        if let Err(err) = self.map_and_zero(&plan, &mapped, &mut zeroing, &mut fresh) {
+            if zeroing.queued {
+                // Queued memsets may still write to the fresh mappings: fence first.
+                self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
             }
-        };
+            drop(fresh);
+            return Err(err);
+        }
         for mapping in fresh {
             state.mappings.insert(mapping.run.first_granule, mapping);
         }
@@ -410,9 +409,10 @@ impl ExtensibleTensor {
     }
 
     /// Creates, maps and grants access to one handle per planned run, and zeroes the new
-    /// logical bytes. A handle's bytes are zeroed as soon as it is accessible, so on a device
-    /// the memsets run while the host maps the next handles. On error, the mappings made so
-    /// far are dropped (unmapped, released) by the caller's `?` — after the caller's fence.
+    /// logical bytes, pushing each mapping into `fresh` as soon as it exists. A handle's bytes
+    /// are zeroed as soon as it is accessible, so on a device the memsets run while the host
+    /// maps the next handles. On error, the caller fences, then drops `fresh` (unmapping and
+    /// releasing what this call made).
     ///
     /// With `Schedule::CreateAhead` and enough handles, a second thread creates the handles
     /// in plan order while this one maps them: `cuMemCreate` waits for the driver's scrub of
@@ -423,7 +423,8 @@ impl ExtensibleTensor {
         plan: &plan::GrowPlan,
         mapped: &[Run],
         zeroing: &mut Zeroing,
-    ) -> Result<Vec<Mapping>> {
+        fresh: &mut Vec<Mapping>,
+    ) -> Result<()> {
         let ctx = &self.inner.ctx;
         let geometry = &self.inner.geometry;
         let sizes = plan
@@ -435,7 +436,7 @@ impl ExtensibleTensor {
         if !ahead {
             let mut sizes = sizes;
             let mut next = || PhysicalHandle::create(ctx, sizes.next().unwrap_or(0));
-            return self.map_each(plan, mapped, zeroing, &mut next);
+            return self.map_each(plan, mapped, zeroing, &mut next, fresh);
         }
         std::thread::scope(|scope| {
             let (tx, rx) = std::sync::mpsc::sync_channel(CREATE_AHEAD_DEPTH);
@@ -457,7 +458,7 @@ impl ExtensibleTensor {
                     })
                 })
             };
-            self.map_each(plan, mapped, zeroing, &mut next)
+            self.map_each(plan, mapped, zeroing, &mut next, fresh)
         })
     }
 
@@ -468,7 +469,8 @@ impl ExtensibleTensor {
         mapped: &[Run],
         zeroing: &mut Zeroing,
         next_handle: &mut dyn FnMut() -> Result<PhysicalHandle>,
-    ) -> Result<Vec<Mapping>> {
+        fresh: &mut Vec<Mapping>,
+    ) -> Result<()> {
         let inner = &*self.inner;
         let g = inner.geometry.granularity();
         let fresh_is_zero = inner.ctx.driver.fresh_memory_is_zeroed();
@@ -478,7 +480,6 @@ impl ExtensibleTensor {
             false => Vec::new(),
         };
         let mut pending = in_fresh.iter().peekable();
-        let mut fresh = Vec::with_capacity(plan.new_handles.len());
         for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
             let va = inner.base + bytes.offset;
@@ -495,7 +496,7 @@ impl ExtensibleTensor {
                 self.zero(&piece, zeroing)?;
             }
         }
-        Ok(fresh)
+        Ok(())
     }
 
     fn zero(&self, piece: &ByteRange, zeroing: &mut Zeroing) -> Result<()> {

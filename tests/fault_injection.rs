@@ -182,3 +182,38 @@ fn destructor_errors_are_reported() {
     );
     assert_eq!(tensor.num_handles(), 0);
 }
+
+/// A grow that fails after queuing memsets fences before it unmaps what it mapped: on a
+/// device the memsets may still be writing there (invariant 5).
+#[test]
+fn a_failed_grow_fences_before_unmapping() {
+    for schedule in [Schedule::Interleaved, Schedule::CreateAhead] {
+        // Dirty fresh memory: every new handle gets a memset, as on CUDA.
+        let host = Arc::new(HostDriver::new_dirty(G).unwrap());
+        let fault = Fault {
+            op: Op::SetAccess,
+            nth: 4,
+            kind: FaultKind::Driver,
+        };
+        let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
+        let tensor = ExtensibleTensor::with_equal_segments(
+            faulty.clone(),
+            2 * SEGMENT,
+            2,
+            options(schedule),
+        )
+        .unwrap();
+        tensor
+            .resize_per_segment(SEGMENT, GrowOptions::zeroed())
+            .unwrap_err();
+        let log = faulty.log();
+        let last_memset = log.iter().rposition(|&op| op == Op::Memset).unwrap();
+        let first_unmap = log.iter().position(|&op| op == Op::Unmap).unwrap();
+        assert!(last_memset < first_unmap, "{log:?}");
+        assert!(
+            log[last_memset..first_unmap].contains(&Op::Synchronize),
+            "{schedule:?}: unmapped without a fence after the memsets: {log:?}"
+        );
+        assert_eq!(host.live_counts(), (0, 0, 1));
+    }
+}

@@ -32,7 +32,7 @@ use crate::error::{Error, Op, Result};
 const _: () = assert!(usize::BITS == u64::BITS);
 
 /// Every libcuda symbol this backend calls: cudarc panics on the first call of a missing one.
-const REQUIRED_SYMBOLS: [&str; 20] = [
+const REQUIRED_SYMBOLS: [&str; 21] = [
     "cuInit",
     "cuGetErrorName",
     "cuDeviceGetCount",
@@ -53,6 +53,7 @@ const REQUIRED_SYMBOLS: [&str; 20] = [
     "cuMemUnmap",
     "cuMemSetAccess",
     "cuMemsetD8Async",
+    "cuMemcpyDtoDAsync_v2",
 ];
 
 /// The result layer: one wrapper per VMM call, status → `Result`, in cudarc's shape.
@@ -177,6 +178,20 @@ mod vmm {
     ) -> Result<(), DriverError> {
         // SAFETY: the caller vouches for the range and the stream.
         unsafe { sys::cuMemsetD8Async(va, 0, num_bytes, stream) }.result()
+    }
+
+    /// # Safety
+    /// `[dst, dst + num_bytes)` and `[src, src + num_bytes)` must be covered by live read-write
+    /// mappings and must not overlap, and `stream` must be null or a live stream of the bound
+    /// context.
+    pub unsafe fn copy(
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        num_bytes: usize,
+        stream: sys::CUstream,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the caller vouches for both ranges and the stream.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, num_bytes, stream) }.result()
     }
 }
 
@@ -560,6 +575,28 @@ impl Driver for CudaDriver {
             .on(Op::Memset, || {
                 format!("{num_bytes} bytes at {va:#x}, stream {stream:#x}")
             })
+    }
+
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: u64) -> Result<()> {
+        if num_bytes == 0 {
+            return Ok(());
+        }
+        let _bound = self.bind(Op::Copy)?;
+        let books = self.books();
+        for va in [dst, src] {
+            if !books.accessible(va, num_bytes) {
+                return Err(refused(Op::Copy, va, num_bytes, "is not mapped read-write"));
+            }
+        }
+        if dst.abs_diff(src) < num_bytes {
+            return Err(refused(Op::Copy, dst, num_bytes, "overlaps the source"));
+        }
+        let stream_ptr = stream as usize as sys::CUstream;
+        // SAFETY: accessible, disjoint mappings of ours cover both ranges, and the lock held
+        // until the enqueue returns keeps any unmap out; `stream` is the caller's.
+        unsafe { vmm::copy(dst, src, num_bytes as usize, stream_ptr) }.on(Op::Copy, || {
+            format!("{num_bytes} bytes {src:#x} -> {dst:#x}, stream {stream:#x}")
+        })
     }
 
     fn synchronize(&self) -> Result<()> {

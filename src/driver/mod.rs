@@ -86,6 +86,10 @@ pub trait Driver: Send + Sync + 'static {
     /// default stream; ignored by the host backend, which zeroes before returning).
     fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()>;
 
+    /// Copies `num_bytes` from `src` to `dst`, both mapped and accessible and not overlapping,
+    /// ordered on `stream` (the host backend copies before returning).
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: u64) -> Result<()>;
+
     /// Waits for all work the device may still do on memory of this driver.
     fn synchronize(&self) -> Result<()>;
 

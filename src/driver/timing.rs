@@ -105,6 +105,10 @@ impl Driver for TimingDriver {
         self.time(Op::Memset, || self.inner.memset_zero(va, num_bytes, stream))
     }
 
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: u64) -> Result<()> {
+        self.time(Op::Copy, || self.inner.copy(dst, src, num_bytes, stream))
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.time(Op::Synchronize, || self.inner.synchronize())
     }
