@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::driver::{DeviceKind, Driver, HandleId};
-use crate::error::{Error, Op, Result};
+use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
 /// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
@@ -42,32 +42,20 @@ pub struct Options {
     pub fixed_handle_bytes: Option<u64>,
     /// How runs are cut below the cap (ignored with `fixed_handle_bytes`).
     pub cut: Cut,
-    /// The order of driver calls in a grow.
-    pub schedule: Schedule,
 }
-
-/// The order of a grow's driver calls.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Schedule {
-    /// One thread: create, map, grant access, zero, handle after handle.
-    #[default]
-    Interleaved,
-    /// A second thread creates the handles ahead of the one that maps them.
-    CreateAhead,
-}
-
-/// Below this many handles a grow creates them itself: a thread costs more than it hides.
-const CREATE_AHEAD_MIN_HANDLES: usize = 4;
-/// Handles created and not yet mapped, at most: enough to hide a create's wait.
-const CREATE_AHEAD_DEPTH: usize = 8;
 
 /// The ways of cutting a run of granules into handles of at most the cap; see `HandlePolicy`.
+///
+/// The default cuts only at cap multiples: on vLLM 0.34's layouts (a segment per layer, each
+/// grown from its first block, so every run starts one granule past a boundary) aligned
+/// powers of two cost 3x the handles, and each handle's create and set-access calls cost
+/// 40-60 us of host time whatever its size (docs/benchmarks.md).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Cut {
     /// Aligned powers of two (`HandlePolicy::Adaptive`).
-    #[default]
     AlignedPowersOfTwo,
     /// At the multiples of the cap only (`HandlePolicy::CapAligned`).
+    #[default]
     AtCapMultiples,
     /// Not at all: one handle per run (`HandlePolicy::WholeRuns`).
     WholeRuns,
@@ -208,7 +196,6 @@ struct Inner {
     ctx: Arc<Ctx>,
     geometry: Geometry,
     policy: HandlePolicy,
-    schedule: Schedule,
     base: u64,
     state: Mutex<State>,
     live_views: AtomicUsize,
@@ -326,7 +313,6 @@ impl ExtensibleTensor {
             ctx,
             geometry,
             policy,
-            schedule: options.schedule,
             base: va,
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
@@ -414,61 +400,13 @@ impl ExtensibleTensor {
     /// maps the next handles. On error, the caller fences, then drops `fresh` (unmapping and
     /// releasing what this call made).
     ///
-    /// With `Schedule::CreateAhead` and enough handles, a second thread creates the handles
-    /// in plan order while this one maps them: `cuMemCreate` waits for the driver's scrub of
-    /// recently freed memory, and that wait then overlaps the mapping and access calls.
-    /// Handles created past a failure drop (release) with the channel.
+    /// (A second thread creating handles ahead of the mapping one was tried on the H200: the
+    /// driver serialises the calls, and creates took 1.5-1.9x longer; docs/benchmarks.md.)
     fn map_and_zero(
         &self,
         plan: &plan::GrowPlan,
         mapped: &[Run],
         zeroing: &mut Zeroing,
-        fresh: &mut Vec<Mapping>,
-    ) -> Result<()> {
-        let ctx = &self.inner.ctx;
-        let geometry = &self.inner.geometry;
-        let sizes = plan
-            .new_handles
-            .iter()
-            .map(move |&run| geometry.run_bytes(run).num_bytes);
-        let ahead = self.inner.schedule == Schedule::CreateAhead
-            && plan.new_handles.len() >= CREATE_AHEAD_MIN_HANDLES;
-        if !ahead {
-            let mut sizes = sizes;
-            let mut next = || PhysicalHandle::create(ctx, sizes.next().unwrap_or(0));
-            return self.map_each(plan, mapped, zeroing, &mut next, fresh);
-        }
-        std::thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::sync_channel(CREATE_AHEAD_DEPTH);
-            scope.spawn(move || {
-                for num_bytes in sizes {
-                    let created = PhysicalHandle::create(ctx, num_bytes);
-                    let failed = created.is_err();
-                    if tx.send(created).is_err() || failed {
-                        return;
-                    }
-                }
-            });
-            let mut next = || {
-                rx.recv().unwrap_or_else(|_| {
-                    Err(Error::Driver {
-                        op: Op::Create,
-                        code: "CREATOR_EXITED".into(),
-                        detail: "the thread creating handles stopped early".into(),
-                    })
-                })
-            };
-            self.map_each(plan, mapped, zeroing, &mut next, fresh)
-        })
-    }
-
-    /// `map_and_zero`'s mapping loop; `next_handle` yields the handle for each planned run.
-    fn map_each(
-        &self,
-        plan: &plan::GrowPlan,
-        mapped: &[Run],
-        zeroing: &mut Zeroing,
-        next_handle: &mut dyn FnMut() -> Result<PhysicalHandle>,
         fresh: &mut Vec<Mapping>,
     ) -> Result<()> {
         let inner = &*self.inner;
@@ -483,7 +421,8 @@ impl ExtensibleTensor {
         for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
             let va = inner.base + bytes.offset;
-            fresh.push(Mapping::map(next_handle()?, run, va, bytes.num_bytes)?);
+            let handle = PhysicalHandle::create(&inner.ctx, bytes.num_bytes)?;
+            fresh.push(Mapping::map(handle, run, va, bytes.num_bytes)?);
             inner.ctx.driver.set_access(va, bytes.num_bytes)?;
             while let Some(piece) = pending.next_if(|p| p.offset < bytes.end()) {
                 self.zero(piece, zeroing)?;

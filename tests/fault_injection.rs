@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options, Schedule};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options};
 
 const G: u64 = 4096;
 /// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
@@ -15,25 +15,19 @@ const G: u64 = 4096;
 const SEGMENT: u64 = 7 * G / 2;
 const FIRST: u64 = G / 2;
 
-fn options(schedule: Schedule) -> Options {
-    // One-granule handles: the second grow needs several of every call (enough for the
-    // create-ahead schedule to start its thread).
+fn options() -> Options {
+    // One-granule handles: the second grow needs several of every call.
     Options {
         max_handle_bytes: Some(G),
-        schedule,
         ..Options::default()
     }
 }
 
-fn build(
-    fault: Fault,
-    schedule: Schedule,
-) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
+fn build(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
     let host = Arc::new(HostDriver::new(G).unwrap());
     let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
     let tensor =
-        ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options(schedule))
-            .unwrap();
+        ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options()).unwrap();
     tensor
         .resize_per_segment(FIRST, GrowOptions::zeroed())
         .unwrap();
@@ -43,13 +37,13 @@ fn build(
 }
 
 /// How many calls of `op` the second grow makes.
-fn calls_in_second_grow(op: Op, schedule: Schedule) -> u64 {
+fn calls_in_second_grow(op: Op) -> u64 {
     let never = Fault {
         op,
         nth: u64::MAX,
         kind: FaultKind::Driver,
     };
-    let (_, faulty, tensor) = build(never, schedule);
+    let (_, faulty, tensor) = build(never);
     let before = faulty.calls(op);
     tensor
         .resize_per_segment(SEGMENT, GrowOptions::zeroed())
@@ -59,18 +53,9 @@ fn calls_in_second_grow(op: Op, schedule: Schedule) -> u64 {
 
 #[test]
 fn every_failed_call_leaves_the_tensor_unchanged() {
-    every_failed_call_leaves_the_tensor_unchanged_with(Schedule::Interleaved);
-}
-
-#[test]
-fn every_failed_call_leaves_the_tensor_unchanged_when_creating_ahead() {
-    every_failed_call_leaves_the_tensor_unchanged_with(Schedule::CreateAhead);
-}
-
-fn every_failed_call_leaves_the_tensor_unchanged_with(schedule: Schedule) {
     let mut injected = 0;
     for op in [Op::Create, Op::Map, Op::SetAccess, Op::Memset] {
-        let calls = calls_in_second_grow(op, schedule);
+        let calls = calls_in_second_grow(op);
         assert!(
             calls >= 2 || op == Op::SetAccess,
             "{op}: only {calls} calls to fail"
@@ -82,9 +67,9 @@ fn every_failed_call_leaves_the_tensor_unchanged_with(schedule: Schedule) {
                     nth: u64::MAX,
                     kind,
                 };
-                let (_, counter, _) = build(probe, schedule);
+                let (_, counter, _) = build(probe);
                 let nth = counter.calls(op) + k;
-                let (host, _, tensor) = build(Fault { op, nth, kind }, schedule);
+                let (host, _, tensor) = build(Fault { op, nth, kind });
                 let name = host.memfd_name().to_string();
                 let before = (
                     tensor.segment_bytes(),
@@ -154,8 +139,7 @@ fn a_failed_reserve_is_a_typed_error() {
             kind: FaultKind::Driver,
         },
     ));
-    let result =
-        ExtensibleTensor::with_equal_segments(faulty, 4 * G, 1, options(Schedule::Interleaved));
+    let result = ExtensibleTensor::with_equal_segments(faulty, 4 * G, 1, options());
     assert!(matches!(
         result,
         Err(Error::Driver {
@@ -174,7 +158,7 @@ fn destructor_errors_are_reported() {
         nth: 1,
         kind: FaultKind::Driver,
     };
-    let (_, _, tensor) = build(fault, Schedule::Interleaved);
+    let (_, _, tensor) = build(fault);
     let err = tensor.release_physical().unwrap_err();
     assert!(
         matches!(err, Error::Driver { op: Op::Unmap, .. }),
@@ -187,7 +171,7 @@ fn destructor_errors_are_reported() {
 /// device the memsets may still be writing there (invariant 5).
 #[test]
 fn a_failed_grow_fences_before_unmapping() {
-    for schedule in [Schedule::Interleaved, Schedule::CreateAhead] {
+    {
         // Dirty fresh memory: every new handle gets a memset, as on CUDA.
         let host = Arc::new(HostDriver::new_dirty(G).unwrap());
         let fault = Fault {
@@ -196,13 +180,9 @@ fn a_failed_grow_fences_before_unmapping() {
             kind: FaultKind::Driver,
         };
         let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
-        let tensor = ExtensibleTensor::with_equal_segments(
-            faulty.clone(),
-            2 * SEGMENT,
-            2,
-            options(schedule),
-        )
-        .unwrap();
+        let tensor =
+            ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options())
+                .unwrap();
         tensor
             .resize_per_segment(SEGMENT, GrowOptions::zeroed())
             .unwrap_err();
@@ -212,7 +192,7 @@ fn a_failed_grow_fences_before_unmapping() {
         assert!(last_memset < first_unmap, "{log:?}");
         assert!(
             log[last_memset..first_unmap].contains(&Op::Synchronize),
-            "{schedule:?}: unmapped without a fence after the memsets: {log:?}"
+            "unmapped without a fence after the memsets: {log:?}"
         );
         assert_eq!(host.live_counts(), (0, 0, 1));
     }

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{Cut, ExtensibleTensor, GrowOptions, Options, Schedule};
+use extensible_kv::{Cut, ExtensibleTensor, GrowOptions, Options};
 use proptest::prelude::*;
 
 const G: u64 = 4096;
@@ -174,16 +174,13 @@ proptest! {
         adaptive_cap in 1u64..8,
         fixed in prop::option::of(1u64..3),
         cut in prop::sample::select(vec![Cut::AlignedPowersOfTwo, Cut::AtCapMultiples, Cut::WholeRuns]),
-        ahead in any::<bool>(),
         steps in prop::collection::vec(step(), 1..12),
     ) {
-        let schedule = if ahead { Schedule::CreateAhead } else { Schedule::Interleaved };
         let options = Options {
             granularity: None,
             max_handle_bytes: Some(adaptive_cap * G),
             fixed_handle_bytes: fixed.map(|f| f * G),
             cut,
-            schedule,
         };
         run(caps, equal, dirty, options, steps)?;
     }

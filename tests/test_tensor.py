@@ -1007,9 +1007,10 @@ def test_fixed_handle_bytes_gives_one_handle_per_granule(make_tensor: MakeTensor
     check(t2)
 
 
-def test_adaptive_policy_uses_few_handles(make_tensor: MakeTensor, g: int) -> None:
+def test_aligned_powers_of_two_use_few_handles(make_tensor: MakeTensor, g: int) -> None:
     granules = 32  # per segment
-    t = make_tensor(2 * granules * g, 2)
+    aligned = {"_cut": "aligned_powers_of_two"}
+    t = make_tensor(2 * granules * g, 2, **aligned)
     t.resize_per_segment_(512)  # one block per segment
     assert t.num_handles == 2
     t.resize_per_segment_(granules * g)
@@ -1023,14 +1024,33 @@ def test_adaptive_policy_uses_few_handles(make_tensor: MakeTensor, g: int) -> No
         assert 0 < len(inside) <= bound, (segment, runs)
     assert sum(n for _, n in runs) == 2 * granules
 
-    bulk = make_tensor(2 * granules * g, 2)
+    bulk = make_tensor(2 * granules * g, 2, **aligned)
     bulk.resize_per_segment_(granules * g)  # from empty: one aligned power-of-two run
     assert bulk.handle_runs() == [(0, 2 * granules)]
 
-    capped = make_tensor(16 * g, max_handle_bytes=4 * g)
+    capped = make_tensor(16 * g, max_handle_bytes=4 * g, **aligned)
     capped.resize_(11 * g)
     assert capped.handle_runs() == [(0, 4), (4, 4), (8, 2), (10, 1)]
     check(capped)
+
+
+def test_default_cuts_runs_only_at_cap_multiples(make_tensor: MakeTensor, g: int) -> None:
+    # vLLM's layer-outermost layout: segments a granule apart, each grown from its first
+    # block. Every run then starts one granule past a cap multiple: the default cuts it there
+    # and at the cap multiples inside it, nowhere else.
+    t = make_tensor(3 * 10 * g, 3, max_handle_bytes=4 * g)
+    t.resize_per_segment_(512)
+    t.resize_per_segment_(9 * g)
+    check(t)
+    assert t.handle_runs() == [
+        (0, 1), (1, 3), (4, 4), (8, 1),
+        (10, 1), (11, 1), (12, 4), (16, 3),
+        (20, 1), (21, 3), (24, 4), (28, 1),
+    ]  # fmt: skip
+    # A one-granule grow is one handle per segment.
+    t.resize_per_segment_(10 * g)
+    assert t.num_handles == 15
+    check(t)
 
 
 def test_one_handle_per_run_backs_each_segment_by_one_handle(

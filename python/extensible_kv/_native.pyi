@@ -54,7 +54,6 @@ class ExtensibleTensor:
         max_handle_bytes: int | None = None,
         fixed_handle_bytes: int | None = None,
         _cut: str | None = None,
-        _schedule: str | None = None,
         _fault: tuple[str, int, str] | None = None,
         _profile: bool = False,
     ) -> Self: ...

@@ -14,7 +14,7 @@ use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use crate::driver::timing::TimingDriver;
 use crate::driver::{self, DeviceKind};
 use crate::error::{Error, Op};
-use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Schedule};
+use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options};
 
 pyo3::create_exception!(
     _native,
@@ -200,7 +200,7 @@ impl PyExtensibleTensor {
     #[new]
     #[pyo3(signature = (
         max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
-        max_handle_bytes=None, fixed_handle_bytes=None, _cut=None, _schedule=None, _fault=None, _profile=false
+        max_handle_bytes=None, fixed_handle_bytes=None, _cut=None, _fault=None, _profile=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -213,7 +213,6 @@ impl PyExtensibleTensor {
         max_handle_bytes: Option<&Bound<'_, PyAny>>,
         fixed_handle_bytes: Option<&Bound<'_, PyAny>>,
         _cut: Option<&str>,
-        _schedule: Option<&str>,
         _fault: Option<&Bound<'_, PyAny>>,
         _profile: bool,
     ) -> PyResult<Self> {
@@ -228,22 +227,13 @@ impl PyExtensibleTensor {
             max_handle_bytes: to_u64_opt(max_handle_bytes, "max_handle_bytes")?,
             fixed_handle_bytes: to_u64_opt(fixed_handle_bytes, "fixed_handle_bytes")?,
             cut: match _cut {
-                None | Some("aligned_powers_of_two") => Cut::AlignedPowersOfTwo,
-                Some("at_cap_multiples") => Cut::AtCapMultiples,
+                None | Some("at_cap_multiples") => Cut::AtCapMultiples,
+                Some("aligned_powers_of_two") => Cut::AlignedPowersOfTwo,
                 Some("whole_runs") => Cut::WholeRuns,
                 Some(other) => {
                     return Err(PyValueError::new_err(format!(
                         "_cut must be 'aligned_powers_of_two', 'at_cap_multiples' or \
                          'whole_runs', not {other:?}"
-                    )))
-                }
-            },
-            schedule: match _schedule {
-                None | Some("interleaved") => Schedule::Interleaved,
-                Some("create_ahead") => Schedule::CreateAhead,
-                Some(other) => {
-                    return Err(PyValueError::new_err(format!(
-                        "_schedule must be 'interleaved' or 'create_ahead', not {other:?}"
                     )))
                 }
             },
