@@ -17,4 +17,4 @@ mod python;
 pub use driver::{DeviceKind, Driver};
 pub use error::{Error, Op, Result};
 pub use plan::{Geometry, HandlePolicy, Run};
-pub use tensor::{Cut, ExtensibleTensor, GrowOptions, Options};
+pub use tensor::{Cut, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};

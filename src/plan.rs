@@ -363,6 +363,97 @@ pub fn plan_new_ranges(
     }
 }
 
+/// The parts of `run` inside `runs` (sorted, disjoint), in order.
+pub fn intersect_run(run: Run, runs: &[Run]) -> Vec<Run> {
+    let first = runs.partition_point(|r| r.end_granule() <= run.first_granule);
+    runs[first..]
+        .iter()
+        .take_while(|r| r.first_granule < run.end_granule())
+        .map(|r| {
+            let start = r.first_granule.max(run.first_granule);
+            Run::new(start, r.end_granule().min(run.end_granule()) - start)
+        })
+        .collect()
+}
+
+/// What a shrink does to the mapped handles, given the granules the new sizes still need.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShrinkPlan {
+    /// Handles holding no needed granule: unmapped and released.
+    pub dead: Vec<Run>,
+    /// Handles holding needed and unneeded granules, each with the runs of needed granules it
+    /// holds: an exact shrink replaces it by one handle per such run.
+    pub straddling: Vec<(Run, Vec<Run>)>,
+}
+
+/// Sorts the `mapped` handles (sorted, disjoint) against the `needed` granules (sorted,
+/// disjoint runs): dead, straddling, or (not listed) wholly needed.
+pub fn plan_shrink(mapped: &[Run], needed: &[Run]) -> ShrinkPlan {
+    let mut plan = ShrinkPlan::default();
+    for &handle in mapped {
+        let live = intersect_run(handle, needed);
+        if live.is_empty() {
+            plan.dead.push(handle);
+        } else if live != [handle] {
+            plan.straddling.push((handle, live));
+        }
+    }
+    plan
+}
+
+/// One all-or-nothing step of a consolidation: the handles over the `old` runs give way to one
+/// new handle per `new` run, holding the same bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Regroup {
+    pub old: Vec<Run>,
+    pub new: Vec<Run>,
+}
+
+/// The steps that back every maximal run of `needed` granules by one handle, given the
+/// `mapped` handles (sorted, disjoint, covering `needed`). Needed runs that share a handle are
+/// one step (the shared handle goes as a whole). Steps come largest first, so that when the
+/// first one fits in memory the rest do too (each step gives back what it takes); handles that
+/// hold no needed granule go in a last step with nothing new. Runs already backed by exactly
+/// one handle are left alone.
+pub fn plan_consolidate(mapped: &[Run], needed: &[Run]) -> Vec<Regroup> {
+    let mut groups: Vec<(std::ops::Range<usize>, Vec<Run>)> = Vec::new();
+    for &run in needed {
+        let lo = mapped.partition_point(|m| m.end_granule() <= run.first_granule);
+        let hi = mapped.partition_point(|m| m.first_granule < run.end_granule());
+        match groups.last_mut() {
+            // The previous run's last handle also holds this run's first granules.
+            Some((handles, runs)) if handles.end > lo => {
+                handles.end = hi;
+                runs.push(run);
+            }
+            _ => groups.push((lo..hi, vec![run])),
+        }
+    }
+    let mut used = vec![false; mapped.len()];
+    let mut steps: Vec<Regroup> = Vec::new();
+    for (handles, runs) in groups {
+        used[handles.clone()].fill(true);
+        let old = mapped[handles].to_vec();
+        if old != runs {
+            steps.push(Regroup { old, new: runs });
+        }
+    }
+    steps.sort_by_key(|s| std::cmp::Reverse(s.new.iter().map(|r| r.num_granules).sum::<u64>()));
+    let dead: Vec<Run> = mapped
+        .iter()
+        .zip(&used)
+        .filter(|(_, &used)| !used)
+        .map(|(&run, _)| run)
+        .collect();
+    if !dead.is_empty() {
+        steps.push(Regroup {
+            old: dead,
+            new: Vec::new(),
+        });
+    }
+    steps
+}
+
 /// The granules holding sorted, disjoint byte `ranges`, merged into sorted, disjoint runs.
 pub fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
@@ -625,6 +716,61 @@ mod tests {
             let expect: Vec<u64> = ranges.iter().flat_map(|r| r.offset..r.end())
                 .filter(|b| granules.contains(&(b / g))).collect();
             prop_assert_eq!(got, expect);
+        }
+
+        /// Random handles (adjacent or not) and a random subset of their granules as needed:
+        /// shrink and consolidate plans against a per-granule model.
+        #[test]
+        fn shrink_and_consolidate_plans_match_a_per_granule_model(
+            handles in prop::collection::vec((0u64..3, 1u64..5), 1..8),
+            keep in prop::collection::vec(any::<bool>(), 40),
+        ) {
+            let mapped: Vec<Run> = handles.into_iter().scan(0, |cursor, (gap, n)| {
+                let r = Run::new(*cursor + gap, n);
+                *cursor = r.end_granule();
+                Some(r)
+            }).collect();
+            let needed_set: Vec<u64> = granule_set(&mapped).into_iter()
+                .filter(|&g| keep[g as usize % keep.len()]).collect();
+            let needed: Vec<Run> = needed_set.iter().fold(Vec::<Run>::new(), |mut runs, &g| {
+                match runs.last_mut() {
+                    Some(last) if last.end_granule() == g => last.num_granules += 1,
+                    _ => runs.push(Run::new(g, 1)),
+                }
+                runs
+            });
+            let is_needed = |g: u64| needed_set.contains(&g);
+            let plan = plan_shrink(&mapped, &needed);
+            for handle in &mapped {
+                let live: Vec<u64> = (handle.first_granule..handle.end_granule())
+                    .filter(|&g| is_needed(g)).collect();
+                let straddling = plan.straddling.iter().find(|(h, _)| h == handle);
+                prop_assert_eq!(plan.dead.contains(handle), live.is_empty());
+                let whole = live.len() as u64 == handle.num_granules;
+                prop_assert_eq!(straddling.is_some(), !live.is_empty() && !whole);
+                if let Some((_, runs)) = straddling {
+                    prop_assert_eq!(granule_set(runs).into_iter().collect::<Vec<_>>(), live);
+                }
+            }
+            // Consolidating: every needed granule ends in exactly one new handle, which is a
+            // maximal needed run; every old handle goes at most once; nothing else changes.
+            let steps = plan_consolidate(&mapped, &needed);
+            let new: Vec<Run> = steps.iter().flat_map(|s| s.new.clone()).collect();
+            let old: Vec<Run> = steps.iter().flat_map(|s| s.old.clone()).collect();
+            let mut kept: Vec<Run> = mapped.iter().filter(|h| !old.contains(h)).copied().collect();
+            prop_assert_eq!(old.len(), granule_set(&old).len().min(old.len()));
+            let mut after = new.clone();
+            after.append(&mut kept);
+            after.sort();
+            prop_assert_eq!(after, needed.clone());
+            for step in &steps {
+                let old_granules = granule_set(&step.old);
+                prop_assert!(step.new.iter().all(|r| (r.first_granule..r.end_granule())
+                    .all(|g| old_granules.contains(&g))));
+            }
+            let sizes: Vec<u64> = steps.iter().filter(|s| !s.new.is_empty())
+                .map(|s| s.new.iter().map(|r| r.num_granules).sum()).collect();
+            prop_assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "largest first: {:?}", sizes);
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use crate::driver::timing::TimingDriver;
 use crate::driver::{self, DeviceKind};
 use crate::error::{Error, Op};
-use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options};
+use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
 
 pyo3::create_exception!(
     _native,
@@ -195,6 +195,24 @@ impl PyExtensibleTensor {
     }
 }
 
+impl PyExtensibleTensor {
+    fn shrink(
+        &self,
+        py: Python<'_>,
+        targets: Vec<u64>,
+        exact: bool,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = ShrinkOptions {
+            exact,
+            stream: self.resolve_stream(py, stream)?,
+        };
+        let core = &self.core;
+        py.detach(|| core.shrink_segments(&targets, options))
+            .map_err(|e| to_pyerr(py, e))
+    }
+}
+
 #[pymethods]
 impl PyExtensibleTensor {
     #[new]
@@ -322,6 +340,49 @@ impl PyExtensibleTensor {
         let targets = vec![to_u64(num_bytes, "num_bytes")?];
         this.grow(slf.py(), targets, options, stream)?;
         Ok(slf.clone().unbind())
+    }
+
+    /// Shrinks every segment to `bytes_per_segment` (an int, or one size per segment), keeping
+    /// the bytes below; `exact` also trims the handles that straddle the new frontier.
+    #[pyo3(signature = (bytes_per_segment, *, exact=false, stream=None))]
+    fn shrink_per_segment_(
+        slf: &Bound<'_, Self>,
+        bytes_per_segment: &Bound<'_, PyAny>,
+        exact: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Py<Self>> {
+        let this = slf.get();
+        let targets = this.segment_targets(bytes_per_segment)?;
+        this.shrink(slf.py(), targets, exact, stream)?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
+    #[pyo3(signature = (num_bytes, *, exact=false, stream=None))]
+    fn shrink_(
+        slf: &Bound<'_, Self>,
+        num_bytes: &Bound<'_, PyAny>,
+        exact: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Py<Self>> {
+        let this = slf.get();
+        let n = this.core.num_segments();
+        if n != 1 {
+            return Err(PyValueError::new_err(format!(
+                "shrink_ is for one segment; this tensor has {n}: use shrink_per_segment_"
+            )));
+        }
+        let targets = vec![to_u64(num_bytes, "num_bytes")?];
+        this.shrink(slf.py(), targets, exact, stream)?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// Backs every run of committed granules by one handle, keeping every byte and address.
+    #[pyo3(signature = (*, stream=None))]
+    fn consolidate(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        let stream = self.resolve_stream(py, stream)?;
+        py.detach(|| self.core.consolidate(stream))
+            .map_err(|e| to_pyerr(py, e))
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
