@@ -233,9 +233,10 @@ def test_every_failed_call_leaves_the_tensor_unchanged(
                 nth = setup_calls.get(op, 0) + k
                 t = _setup(make_tensor, g, _fault=(op, nth, kind))
                 before = _snapshot(t)
+                error: type[Exception] = OutOfMemoryError if kind == "oom" else DriverError
                 try:
                     run(t, g)
-                except OutOfMemoryError if kind == "oom" else DriverError:
+                except error:
                     assert _snapshot(t) == before, f"{op} call {k} ({kind})"
                     assert t.take_deferred_errors() == []
                     t._check_invariants()
