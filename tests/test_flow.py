@@ -90,6 +90,25 @@ def test_extend_to_fit_caps_never_shrinks_and_stops_at_capacity(flow: KVCacheFlo
     assert flow.extend_to_fit(budget_bytes=GIB).blocks_after == 1000
 
 
+def test_shrink_to_gives_memory_back_and_keeps_the_blocks_below(
+    flow: KVCacheFlow, caplog: pytest.LogCaptureFixture
+) -> None:
+    flow.extend_to_fit(budget_bytes=GIB, max_blocks=40)
+    kv = flow.cache.views["layers.0"]
+    assert isinstance(kv, torch.Tensor)
+    kv[:, :10].fill_(5)
+    before = flow.cache.physical_bytes
+    with caplog.at_level(logging.INFO, logger="extensible_kv"):
+        flow.shrink_to(10, exact=True)
+    gib = flow.cache.physical_bytes / GIB
+    assert caplog.messages == [f"Shrank KV cache to 10 blocks ({gib:.2f} GiB)"]
+    # 2 KiB per block and segment: 10 blocks are 5 granules a segment, 4 segments.
+    assert flow.cache.physical_bytes == 4 * 5 * CPU_GRANULARITY < before
+    assert bool(kv[:, :10].eq(5).all())
+    report = flow.extend_to_fit(budget_bytes=GIB, max_blocks=40)
+    assert report.blocks_after == 40 and not kv[:, 10:40].any()
+
+
 def test_host_backend_needs_a_budget(flow: KVCacheFlow) -> None:
     with pytest.raises(ValueError, match=r"pass budget_bytes .* or host_meminfo=True"):
         flow.extend_to_fit()

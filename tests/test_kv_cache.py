@@ -160,6 +160,32 @@ def test_data_survives_growth_and_new_blocks_read_zero(case: Case, make_cache: M
     check_blocks(cache, CAPACITY - 1, 1, seed=9)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+def test_shrink_keeps_the_kept_blocks_and_regrown_ones_read_zero(
+    case: Case, make_cache: MakeCache, exact: bool
+) -> None:
+    cache = make_cache(case.spec, CAPACITY)
+    cache.commit(CAPACITY)
+    write_blocks(cache, 0, 3, seed=3)
+    write_blocks(cache, 3, CAPACITY - 3, seed=4)
+    ptrs = {name: view.data_ptr() for name, _, view in layer_views(cache)}
+    before = cache.physical_bytes
+    cache.shrink_to(3, exact=exact)
+    assert cache.committed_blocks == 3
+    # A plain shrink may keep a handle that straddles block 3 whole; an exact one may not.
+    assert cache.physical_bytes < before if exact else cache.physical_bytes <= before
+    check_blocks(cache, 0, 3, seed=3)
+    cache.consolidate()
+    check_blocks(cache, 0, 3, seed=3)
+    cache.commit(CAPACITY)
+    assert {name: view.data_ptr() for name, _, view in layer_views(cache)} == ptrs
+    check_blocks(cache, 0, 3, seed=3)
+    for _, block_dim, view in layer_views(cache):
+        assert not blocks(view, block_dim, 3, CAPACITY - 3).any()
+    cache.shrink_to(CAPACITY)  # at or above the count: nothing to do
+    assert cache.committed_blocks == CAPACITY
+
+
 def test_committed_views_have_exactly_committed_storage(case: Case, make_cache: MakeCache) -> None:
     cache = make_cache(case.spec, CAPACITY)
     cache.commit(3)

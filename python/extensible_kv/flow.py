@@ -230,6 +230,19 @@ class KVCacheFlow:
             handles = sum(buffer.num_handles for buffer in cache.buffers)
         return cache.committed_blocks, cache.physical_bytes, handles
 
+    def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None:
+        """Gives back the memory of the blocks at and past `num_blocks`, keeping the contents
+        of those below (e.g. to lend memory to another model on the GPU); logs `Shrank KV cache
+        to N blocks (X GiB)`. `extend_to_fit` or `cache.commit` grows it again, zeroed. Like
+        any unmap, not while a stream is capturing a graph."""
+        _refuse_while_capturing(self.device, "shrink_to")
+        self.cache.shrink_to(num_blocks, exact=exact)
+        logger.info(
+            "Shrank KV cache to %d blocks (%.2f GiB)",
+            self.cache.committed_blocks,
+            self.cache.physical_bytes / GIB,
+        )
+
     def close(self) -> None:
         self.cache.close()
 

@@ -214,6 +214,8 @@ class _Buffer(Protocol):
 
     def view(self, geometry: ViewGeometry) -> torch.Tensor: ...
     def grow(self, bytes_per_segment: int) -> None: ...
+    def shrink(self, bytes_per_segment: int, exact: bool) -> None: ...
+    def consolidate(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -231,6 +233,12 @@ class _ExtensibleBuffer:
 
     def grow(self, bytes_per_segment: int) -> None:
         self.tensor.resize_per_segment_(bytes_per_segment)
+
+    def shrink(self, bytes_per_segment: int, exact: bool) -> None:
+        self.tensor.shrink_per_segment_(bytes_per_segment, exact=exact)
+
+    def consolidate(self) -> None:
+        self.tensor.consolidate()
 
     def close(self) -> None:
         self.tensor.close()
@@ -255,6 +263,12 @@ class _LegacyBuffer:
 
     def grow(self, bytes_per_segment: int) -> None:
         pass
+
+    def shrink(self, bytes_per_segment: int, exact: bool) -> None:
+        pass  # allocated in full: nothing to give back
+
+    def consolidate(self) -> None:
+        pass  # one allocation already
 
     def close(self) -> None:
         self.data = None
@@ -383,6 +397,38 @@ class ExtensibleKVCache:
         for buffer, plans in zip(self._buffers, self._plans, strict=True):
             buffer.grow(num_blocks * plans[0].block_stride_bytes)
         self._committed_blocks = num_blocks
+
+    def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None:
+        """Shrinks every buffer to `num_blocks` blocks, keeping the contents of blocks below it
+        (their addresses, views and CUDA graphs stay valid); a no-op at or above
+        `committed_blocks`. Whole handles past the new last block are released; `exact` also
+        trims the handles that straddle it (copying their live part), so the physical bytes are
+        the granule-rounded footprint. Growing again with `commit` zeroes the blocks it adds.
+
+        Each buffer shrinks all or nothing. If one fails, the error is raised with
+        `committed_blocks` at `num_blocks` all the same (every buffer still holds at least
+        that many blocks); the buffers that did not shrink keep their blocks past it, and a
+        later `commit` does not zero those."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        if num_blocks < 0:
+            raise ValueError(f"cannot shrink to {num_blocks} blocks")
+        if num_blocks >= self._committed_blocks:
+            return
+        try:
+            for buffer, plans in zip(self._buffers, self._plans, strict=True):
+                buffer.shrink(num_blocks * plans[0].block_stride_bytes, exact)
+        finally:
+            self._committed_blocks = num_blocks
+
+    def consolidate(self) -> None:
+        """Backs each buffer's committed blocks by as few physical allocations as its layout
+        allows (one per segment when segments share no granule), keeping every byte and
+        address; registrations of the old pages (RDMA) must be renewed."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        for buffer in self._buffers:
+            buffer.consolidate()
 
     def committed_views(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         """Views of exactly the committed blocks, each with storage of exactly the bytes it
