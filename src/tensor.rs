@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
 /// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
-/// small enough to avoid the outliers of giant handles (design.md §2).
+/// small enough to avoid the outliers of giant handles (docs/design.md §2).
 pub const DEFAULT_MAX_HANDLE_BYTES: u64 = 1 << 30;
 
 /// Construction options; `Default` gives the driver's granularity and the adaptive policy.

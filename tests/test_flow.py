@@ -1,4 +1,4 @@
-"""The flow (design.md §5): reserve with one block → (warm up, capture) → extend_to_fit.
+"""The flow (docs/design.md §5): reserve with one block → (warm up, capture) → extend_to_fit.
 
 On the host backend the budget is given (or read from a faked /proc/meminfo); on a GPU it is
 the driver's free memory, and the commit must show up there. Nothing may map while a stream is
@@ -170,7 +170,7 @@ TOLERANCE = 64 * MIB  # free memory moves by a few MiB of the driver's own (page
 
 def _settled_free(timeout_s: float = 10.0) -> int:
     """Free device memory once it stops moving: the driver scrubs released memory in the
-    background before it counts as free again (design.md §2)."""
+    background before it counts as free again (docs/design.md §2)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(0)  # earlier tests' peaks are no transient of ours

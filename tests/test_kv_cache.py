@@ -1,5 +1,5 @@
 """`ExtensibleKVCache` on every preset and standard layout, hybrid models, the legacy mode, and
-two real-looking models (design.md §4-§6).
+two real-looking models (docs/design.md §4-§6).
 
 Only blocks below the committed count are touched: on the host backend anything else is a
 SIGSEGV, so a passing write is proof that the block's bytes were committed.
@@ -51,7 +51,7 @@ def make_cache(device: str) -> Iterator[MakeCache]:
 
 @dataclass(frozen=True)
 class Case:
-    """One buffer in one layout, and the segment count design.md's table gives it."""
+    """One buffer in one layout, and the segment count docs/design.md's table gives it."""
 
     name: str
     spec: tuple[KVCacheTensorSpec, ...]

@@ -1,4 +1,4 @@
-"""Layouts → segments (design.md §4): block-dim probing, segment counts of every preset and
+"""Layouts → segments (docs/design.md §4): block-dim probing, segment counts of every preset and
 standard layout, the strides they give, and their agreement with `ExtensibleTensor` segments."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kv_helpers import DEVICES, cache_kwargs, pattern
 
 B, N, H, D = 6, 16, 4, 32
 
-# design.md's table: preset → (logical shape for B blocks, block dim, segments)
+# docs/design.md's table: preset → (logical shape for B blocks, block dim, segments)
 PRESET_TABLE = {
     "FLASH_ATTN": ((2, B, N, H, D), 1, 2),
     "FLASH_ATTN_HND": ((2, B, N, H, D), 1, 2),

@@ -1,4 +1,4 @@
-"""Mamba state pages (design.md §4): states packed back to back in one page per block, one
+"""Mamba state pages (docs/design.md §4): states packed back to back in one page per block, one
 segment per layer buffer, each layer growing on its own buffer."""
 
 from __future__ import annotations

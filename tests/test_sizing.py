@@ -1,4 +1,4 @@
-"""Sizing (design.md §5): the budget from a measurement, blocks within a budget granule-aware,
+"""Sizing (docs/design.md §5): the budget from a measurement, blocks within a budget granule-aware,
 granule-aligned capacities. Footprints are checked against a brute force that lists every
 granule a segment prefix touches, and against what real caches map on the host backend."""
 

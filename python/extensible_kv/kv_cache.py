@@ -6,7 +6,7 @@ buffer when their blocks are handed out disjointly (one layer of each KV cache g
 views the whole buffer; the layers of an `[L, B, H, N, C]` buffer each view their slice.
 
 Every buffer is an `ExtensibleTensor` of `capacity_blocks` pages in as many segments as its
-layout has (design.md §4); every layer gets one view in its backend's logical shape with the
+layout has (docs/design.md §4); every layer gets one view in its backend's logical shape with the
 physical strides, spanning the capacity, whose address never changes. `commit(n)` grows every
 buffer to `n` blocks, zeroing the new ones. A model with any Mamba layer is hybrid: its
 attention layouts are made block-major so that every buffer has one segment and a page means

@@ -1,4 +1,4 @@
-"""KV cache layouts → segments (design.md §4).
+"""KV cache layouts → segments (docs/design.md §4).
 
 A backend describes one layer's cache by its logical shape, `get_kv_cache_shape(num_blocks,
 block_size, num_kv_heads, head_size, cache_dtype_str)`, and optionally its physical order,

@@ -1,4 +1,4 @@
-"""Mamba / linear-attention state pages (design.md §4).
+"""Mamba / linear-attention state pages (docs/design.md §4).
 
 A recurrent layer keeps a few state arrays per sequence (Mamba2: a conv window and an SSM
 state). Each block of the layer's buffer is one page holding every state back to back, each

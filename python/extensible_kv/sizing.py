@@ -1,4 +1,4 @@
-"""Sizing the KV cache from measured memory (design.md §5, steps 1 and 3).
+"""Sizing the KV cache from measured memory (docs/design.md §5, steps 1 and 3).
 
 After warm-up and graph capture, what is still free can become KV blocks, less a safety
 margin for transient allocations that the warm-up did not hit at their peak (vLLM #56492:

@@ -138,7 +138,7 @@ mod vmm {
         handle: Handle,
     ) -> Result<(), DriverError> {
         // SAFETY: the caller guarantees a live handle of this size over free reserved space;
-        // offset 0 because the driver refuses partial maps anyway (design.md §2).
+        // offset 0 because the driver refuses partial maps anyway (docs/design.md §2).
         unsafe { sys::cuMemMap(va, num_bytes, 0, handle, 0) }.result()
     }
 
