@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::driver::{DeviceKind, Driver, HandleId};
+use crate::driver::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
@@ -65,8 +65,8 @@ impl Ctx {
 pub struct GrowOptions {
     /// Zero the new logical bytes of every segment.
     pub zero_new: bool,
-    /// The stream the zeroing is ordered on (0: the backend's default stream).
-    pub stream: u64,
+    /// The stream the zeroing is ordered on.
+    pub stream: Stream,
     /// Back each run of missing granules by one handle, whatever the policy: after a
     /// `release_physical`, one such grow backs every granule-aligned segment by a single
     /// allocation, which RDMA registration of a segment needs (UCX cannot span handles).
@@ -86,12 +86,12 @@ impl GrowOptions {
 /// Whether a grow zeroes its new bytes, on which stream, and whether it has queued any.
 struct Zeroing {
     enabled: bool,
-    stream: u64,
+    stream: Stream,
     queued: bool,
 }
 
 impl Zeroing {
-    fn new(enabled: bool, stream: u64) -> Zeroing {
+    fn new(enabled: bool, stream: Stream) -> Zeroing {
         Zeroing {
             enabled,
             stream,
@@ -195,7 +195,7 @@ pub struct ExtensibleTensor {
 }
 
 /// Keeps a tensor's memory alive for one exported view; counts towards `live_views`.
-pub struct ViewGuard {
+struct ViewGuard {
     inner: Arc<Inner>,
 }
 
@@ -206,11 +206,33 @@ impl Drop for ViewGuard {
 }
 
 /// A byte range of a tensor handed to a consumer (DLPack), with the guard that keeps it valid.
+/// Only `ExtensibleTensor::export` makes one, after checking the range against the capacity,
+/// so its pointer can be trusted: the fields are private, and nothing can forge one.
+///
+/// ```compile_fail,E0451
+/// use extensible_kv::{tensor::ExportedRegion, DeviceKind};
+/// let forged = ExportedRegion { ptr: 0xdead, num_bytes: 1, device: DeviceKind::Cpu, _guard: todo!() };
+/// ```
 pub struct ExportedRegion {
-    pub ptr: u64,
-    pub num_bytes: u64,
-    pub device: DeviceKind,
-    pub guard: ViewGuard,
+    ptr: u64,
+    num_bytes: u64,
+    device: DeviceKind,
+    _guard: ViewGuard,
+}
+
+impl ExportedRegion {
+    /// The first byte's address; `num_bytes` from it lie in the tensor's reservation.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn num_bytes(&self) -> u64 {
+        self.num_bytes
+    }
+
+    pub fn device(&self) -> DeviceKind {
+        self.device
+    }
 }
 
 impl ExtensibleTensor {
@@ -475,7 +497,7 @@ impl ExtensibleTensor {
             ptr: self.inner.base + offset,
             num_bytes,
             device: self.inner.ctx.driver.device(),
-            guard: ViewGuard {
+            _guard: ViewGuard {
                 inner: Arc::clone(&self.inner),
             },
         })

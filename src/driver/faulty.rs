@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 /// How the injected failure looks to the caller.
@@ -117,7 +117,7 @@ impl Driver for FaultyDriver {
         self.inner.set_access(va, num_bytes)
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         self.check(Op::Memset, num_bytes)?;
         self.inner.memset_zero(va, num_bytes, stream)
     }

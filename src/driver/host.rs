@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::books::Books;
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 /// What fresh memory of a `new_dirty` driver reads as.
@@ -399,7 +399,7 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, _stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, _stream: Stream) -> Result<()> {
         if num_bytes == 0 {
             return Ok(());
         }

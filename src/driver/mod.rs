@@ -4,7 +4,10 @@
 //! knows nothing of CUDA or Linux. Every method is safe to call with any arguments: each backend
 //! checks that an address range lies inside a reservation it made (and, where touching memory,
 //! that it is mapped) before it reaches the OS or the driver, so a bad call is an error, never
-//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`.
+//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`. The one thing
+//! no backend can check is whether a stream is live, so a `Stream` other than the default can
+//! only be made through an `unsafe` constructor, by whoever vouches for it (the bindings, for
+//! a stream torch made).
 //!
 //! Semantics follow CUDA's VMM API: `reserve` takes address space only; `create` takes physical
 //! memory as a handle; `map` places a whole handle at an address (no partial maps);
@@ -24,6 +27,49 @@ use crate::error::Result;
 /// An opaque physical-memory handle: a CUDA `CUmemGenericAllocationHandle`, or a host memfd id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HandleId(pub u64);
+
+/// The stream device work is ordered on: a CUDA `CUstream` as an integer, 0 being the legacy
+/// default stream. The host backend ignores it (it zeroes before returning).
+///
+/// ```
+/// use extensible_kv::driver::Stream;
+/// assert_eq!(Stream::default(), Stream::DEFAULT);
+/// // SAFETY: 0 names the legacy default stream, which every context has.
+/// assert_eq!(unsafe { Stream::from_raw(0) }, Stream::DEFAULT);
+/// ```
+///
+/// Safe code cannot name any other stream, neither by the field nor by `from_raw`:
+///
+/// ```compile_fail,E0603
+/// let stream = extensible_kv::driver::Stream(0x5555);
+/// ```
+///
+/// ```compile_fail,E0133
+/// let stream = extensible_kv::driver::Stream::from_raw(0x5555);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Stream(u64);
+
+impl Stream {
+    /// CUDA's legacy default stream, which every context has and which never dies.
+    pub const DEFAULT: Stream = Stream(0);
+
+    /// A stream named by its raw handle.
+    ///
+    /// # Safety
+    /// `raw` must be 0 or a `CUstream` of the primary context of the device whose driver is
+    /// given the stream (torch's streams are), and that stream must not be destroyed before
+    /// the calls given it have returned: the CUDA backend enqueues work on it, and libcuda
+    /// does not promise to reject a dead or foreign stream.
+    #[allow(unsafe_code)]
+    pub const unsafe fn from_raw(raw: u64) -> Stream {
+        Stream(raw)
+    }
+
+    pub const fn as_raw(self) -> u64 {
+        self.0
+    }
+}
 
 /// Where memory lives, in DLPack's terms (`kDLCPU` = 1, `kDLCUDA` = 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,9 +128,9 @@ pub trait Driver: Send + Sync + 'static {
     /// Grants read-write access to mapped `[va, va + num_bytes)`.
     fn set_access(&self, va: u64, num_bytes: u64) -> Result<()>;
 
-    /// Zeroes mapped, accessible `[va, va + num_bytes)`, ordered on `stream` (0: the backend's
-    /// default stream; ignored by the host backend, which zeroes before returning).
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()>;
+    /// Zeroes mapped, accessible `[va, va + num_bytes)`, ordered on `stream` (ignored by the
+    /// host backend, which zeroes before returning).
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()>;
 
     /// Waits for all work the device may still do on memory of this driver.
     fn synchronize(&self) -> Result<()>;

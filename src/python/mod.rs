@@ -12,7 +12,7 @@ use pyo3::types::{PyInt, PyList, PyTuple};
 use crate::dlpack::StridedLayout;
 use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use crate::driver::timing::TimingDriver;
-use crate::driver::{self, DeviceKind};
+use crate::driver::{self, DeviceKind, Stream};
 use crate::error::{Error, Op};
 use crate::tensor::{ExtensibleTensor, GrowOptions, Options};
 
@@ -161,17 +161,22 @@ impl PyExtensibleTensor {
     }
 
     /// The stream to zero on: the caller's, else torch's current stream for a CUDA device.
-    fn resolve_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<u64> {
-        match (stream, self.core.device()) {
-            (Some(s), _) => Ok(s),
-            (None, DeviceKind::Cpu) => Ok(0),
+    #[allow(unsafe_code)]
+    fn resolve_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<Stream> {
+        let raw = match (stream, self.core.device()) {
+            (Some(s), _) => s,
+            (None, DeviceKind::Cpu) => return Ok(Stream::DEFAULT),
             (None, DeviceKind::Cuda(ordinal)) => py
                 .import("torch")?
                 .getattr("cuda")?
                 .call_method1("current_stream", (ordinal,))?
                 .getattr("cuda_stream")?
-                .extract(),
-        }
+                .extract()?,
+        };
+        // SAFETY: torch's current stream of the tensor's device is live in its primary context
+        // while this call runs; a stream a Python caller names is vouched for by that caller,
+        // as any raw stream handed to torch is (`torch.cuda.ExternalStream`).
+        Ok(unsafe { Stream::from_raw(raw) })
     }
 
     fn grow(
@@ -279,7 +284,7 @@ impl PyExtensibleTensor {
         let targets = this.segment_targets(bytes_per_segment)?;
         let options = GrowOptions {
             zero_new,
-            stream: 0,
+            stream: Stream::DEFAULT,
             one_handle_per_run,
         };
         this.grow(slf.py(), targets, options, stream)?;
@@ -304,7 +309,7 @@ impl PyExtensibleTensor {
         }
         let options = GrowOptions {
             zero_new,
-            stream: 0,
+            stream: Stream::DEFAULT,
             one_handle_per_run,
         };
         let targets = vec![to_u64(num_bytes, "num_bytes")?];
@@ -334,11 +339,7 @@ impl PyExtensibleTensor {
     ) -> PyResult<Py<PyAny>> {
         let (offset, num_bytes) = (to_u64(offset, "offset")?, to_u64(num_bytes, "num_bytes")?);
         let layout = StridedLayout::bytes(num_bytes).map_err(|e| to_pyerr(py, e))?;
-        let region = self
-            .core
-            .export(offset, num_bytes)
-            .map_err(|e| to_pyerr(py, e))?;
-        capsule::new(py, region, layout, versioned)
+        capsule::new(py, &self.core, offset, layout, versioned)
     }
 
     /// A DLPack capsule of a strided view: element type `(code, bits)` in DLPack's terms,
@@ -360,18 +361,8 @@ impl PyExtensibleTensor {
             bits,
             lanes: 1,
         };
-        let export = || -> crate::Result<(crate::tensor::ExportedRegion, StridedLayout)> {
-            let layout = StridedLayout::new(dtype, shape, strides)?;
-            if offset % layout.itemsize() != 0 {
-                return Err(Error::invalid(format!(
-                    "offset {offset} must be a multiple of the {}-byte item size",
-                    layout.itemsize()
-                )));
-            }
-            Ok((self.core.export(offset, layout.extent_bytes()?)?, layout))
-        };
-        let (region, layout) = export().map_err(|e| to_pyerr(py, e))?;
-        capsule::new(py, region, layout, true)
+        let layout = StridedLayout::new(dtype, shape, strides).map_err(|e| to_pyerr(py, e))?;
+        capsule::new(py, &self.core, offset, layout, true)
     }
 
     /// The DLPack protocol: the whole capacity as a 1-D uint8 tensor.
@@ -400,11 +391,10 @@ impl PyExtensibleTensor {
                 )));
             }
         }
-        let capacity = self.core.capacity_bytes();
-        let layout = StridedLayout::bytes(capacity).map_err(|e| to_pyerr(py, e))?;
-        let region = self.core.export(0, capacity).map_err(|e| to_pyerr(py, e))?;
+        let layout =
+            StridedLayout::bytes(self.core.capacity_bytes()).map_err(|e| to_pyerr(py, e))?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        capsule::new(py, region, layout, versioned)
+        capsule::new(py, &self.core, 0, layout, versioned)
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {

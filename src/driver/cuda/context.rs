@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 use super::{code_name, vmm};
 
 /// Every libcuda symbol this backend calls: cudarc panics on the first call of a missing one.
-pub(super) const REQUIRED_SYMBOLS: [&str; 20] = [
+const REQUIRED_SYMBOLS: [&str; 20] = [
     "cuInit",
     "cuGetErrorName",
     "cuDeviceGetCount",

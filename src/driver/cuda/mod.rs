@@ -11,7 +11,8 @@
 //! every library in the process, and an unknown allocation handle is not documented to be
 //! caught. So, as in the host backend, every range and handle is checked against this driver's
 //! books (live reservations, mappings and handles) before it reaches libcuda. The one argument
-//! taken on trust is `memset_zero`'s stream, which only its creator (torch) can vouch for.
+//! taken on trust is `memset_zero`'s stream, which only its creator (torch) can vouch for:
+//! hence `Stream::from_raw` is `unsafe`.
 #![allow(unsafe_code)]
 
 mod context;
@@ -25,7 +26,7 @@ use cudarc::driver::sys;
 pub use self::context::vmm_unavailable_reason;
 use self::context::{Bound, PrimaryContext};
 use super::books::Books;
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 // Sizes cross the trait as u64 and libcuda as usize; the casts below rely on equal widths.
@@ -241,7 +242,7 @@ impl Driver for CudaDriver {
         Ok(())
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         if num_bytes == 0 {
             return Ok(());
         }
@@ -255,11 +256,13 @@ impl Driver for CudaDriver {
                 "is not mapped read-write",
             ));
         }
+        let raw_stream = stream.as_raw();
         // SAFETY: accessible mappings of ours cover the range, and the lock held until the
-        // enqueue returns keeps any unmap out; `stream` is the caller's (0: legacy default).
-        unsafe { vmm::memset_zero(va, num_bytes as usize, stream as usize as sys::CUstream) }
+        // enqueue returns keeps any unmap out; `stream` is the legacy default or a live stream
+        // of this device's primary context, as whoever made it with `Stream::from_raw` vouched.
+        unsafe { vmm::memset_zero(va, num_bytes as usize, raw_stream as usize as sys::CUstream) }
             .on(Op::Memset, || {
-                format!("{num_bytes} bytes at {va:#x}, stream {stream:#x}")
+                format!("{num_bytes} bytes at {va:#x}, stream {raw_stream:#x}")
             })
     }
 
@@ -394,7 +397,9 @@ mod tests {
         driver.set_access(va, num_bytes).unwrap();
         fill(&driver, va, num_bytes, 0xab);
         // Unaligned at both ends: zeroing must stop exactly at the range, not at a word.
-        driver.memset_zero(va + 1, num_bytes - 3, 0).unwrap();
+        driver
+            .memset_zero(va + 1, num_bytes - 3, Stream::DEFAULT)
+            .unwrap();
         driver.synchronize().unwrap();
         let bytes = read_back(&driver, va, num_bytes);
         let n = num_bytes as usize;
@@ -417,9 +422,9 @@ mod tests {
             Op::Map,
         );
         assert_refused(driver.map(va, granularity, HandleId(handle.0 ^ 1)), Op::Map);
-        assert_refused(driver.memset_zero(va, 4, 0), Op::Memset);
+        assert_refused(driver.memset_zero(va, 4, Stream::DEFAULT), Op::Memset);
         driver.map(va, granularity, handle).unwrap();
-        assert_refused(driver.memset_zero(va, 4, 0), Op::Memset);
+        assert_refused(driver.memset_zero(va, 4, Stream::DEFAULT), Op::Memset);
         assert_refused(driver.set_access(va, 2 * granularity), Op::SetAccess);
         assert_refused(
             driver.free_reservation(va, 2 * granularity),
@@ -481,7 +486,9 @@ mod tests {
         let handle = driver.create(granularity).unwrap();
         driver.map(va, granularity, handle).unwrap();
         driver.set_access(va, granularity).unwrap();
-        driver.memset_zero(va, granularity, 0).unwrap();
+        driver
+            .memset_zero(va, granularity, Stream::DEFAULT)
+            .unwrap();
         drop(driver); // unmaps, releases and frees without a synchronize by the caller
         let again = CudaDriver::new(0).unwrap();
         again
