@@ -29,6 +29,14 @@ impl Run {
     pub fn end_granule(self) -> u64 {
         self.first_granule + self.num_granules
     }
+
+    /// The bytes of these granules, relative to the reservation's start.
+    pub fn bytes(self, granularity: u64) -> ByteRange {
+        ByteRange {
+            offset: self.first_granule * granularity,
+            num_bytes: self.num_granules * granularity,
+        }
+    }
 }
 
 /// A half-open byte range `[offset, offset + num_bytes)` relative to the reservation's start.
@@ -199,10 +207,7 @@ impl Geometry {
     }
 
     pub fn run_bytes(&self, run: Run) -> ByteRange {
-        ByteRange {
-            offset: run.first_granule * self.granularity,
-            num_bytes: run.num_granules * self.granularity,
-        }
+        run.bytes(self.granularity)
     }
 }
 

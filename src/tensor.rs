@@ -42,14 +42,25 @@ pub struct Options {
     pub fixed_handle_bytes: Option<u64>,
 }
 
-/// What the destructors of driver resources share: the driver, and the errors they could not
-/// return (a destructor never panics; `take_deferred_errors` reports them later).
+/// What the destructors of driver resources share: the driver, where the reservation starts
+/// and its granularity (a mapping's addresses follow from its granule run), and the errors they
+/// could not return (a destructor never panics; `take_deferred_errors` reports them later).
 struct Ctx {
     driver: Arc<dyn Driver>,
+    /// The reservation's first address, for the tensor's whole life.
+    base: u64,
+    /// The geometry's granularity, which never changes either.
+    granularity: u64,
     deferred: Mutex<Vec<Error>>,
 }
 
 impl Ctx {
+    /// `(va, num_bytes)` of granule `run`.
+    fn span(&self, run: Run) -> (u64, u64) {
+        let bytes = run.bytes(self.granularity);
+        (self.base + bytes.offset, bytes.num_bytes)
+    }
+
     fn defer(&self, result: Result<()>) {
         if let Err(err) = result {
             self.deferred
@@ -100,17 +111,19 @@ impl Zeroing {
     }
 }
 
-/// Owns an address reservation; frees it on drop.
+/// Owns the address reservation that starts at `ctx.base`; frees it on drop.
 struct Reservation {
     ctx: Arc<Ctx>,
-    va: u64,
     num_bytes: u64,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.ctx
-            .defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
+        self.ctx.defer(
+            self.ctx
+                .driver
+                .free_reservation(self.ctx.base, self.num_bytes),
+        );
     }
 }
 
@@ -129,32 +142,31 @@ impl Drop for PhysicalHandle {
 /// Owns the mapping of one whole handle over `run`; unmaps on drop, then releases the handle.
 struct Mapping {
     run: Run,
-    va: u64,
-    num_bytes: u64,
     handle: PhysicalHandle,
 }
 
 impl Mapping {
-    fn create(ctx: &Arc<Ctx>, run: Run, va: u64, num_bytes: u64) -> Result<Mapping> {
+    fn create(ctx: &Arc<Ctx>, run: Run) -> Result<Mapping> {
+        let (va, num_bytes) = ctx.span(run);
         let id = ctx.driver.create(num_bytes)?;
         let handle = PhysicalHandle {
             ctx: Arc::clone(ctx),
             id,
         };
         ctx.driver.map(va, num_bytes, handle.id)?;
-        Ok(Mapping {
-            run,
-            va,
-            num_bytes,
-            handle,
-        })
+        Ok(Mapping { run, handle })
+    }
+
+    fn num_bytes(&self) -> u64 {
+        self.handle.ctx.span(self.run).1
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
         let ctx = &self.handle.ctx;
-        ctx.defer(ctx.driver.unmap(self.va, self.num_bytes));
+        let (va, num_bytes) = ctx.span(self.run);
+        ctx.defer(ctx.driver.unmap(va, num_bytes));
     }
 }
 
@@ -171,7 +183,6 @@ struct Inner {
     ctx: Arc<Ctx>,
     geometry: Geometry,
     policy: HandlePolicy,
-    base: u64,
     state: Mutex<State>,
     live_views: AtomicUsize,
 }
@@ -284,14 +295,15 @@ impl ExtensibleTensor {
                 HandlePolicy::adaptive(max, granularity)?
             }
         };
+        let base = driver.reserve(geometry.reserved_bytes())?;
         let ctx = Arc::new(Ctx {
             driver,
+            base,
+            granularity,
             deferred: Mutex::new(Vec::new()),
         });
-        let va = ctx.driver.reserve(geometry.reserved_bytes())?;
         let reservation = Reservation {
             ctx: Arc::clone(&ctx),
-            va,
             num_bytes: geometry.reserved_bytes(),
         };
         let state = State {
@@ -303,7 +315,6 @@ impl ExtensibleTensor {
             ctx,
             geometry,
             policy,
-            base: va,
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
         };
@@ -407,13 +418,11 @@ impl ExtensibleTensor {
         let mut fresh = Vec::with_capacity(plan.new_handles.len());
         for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
-            let mapping =
-                Mapping::create(&inner.ctx, run, inner.base + bytes.offset, bytes.num_bytes)?;
-            fresh.push(mapping);
+            fresh.push(Mapping::create(&inner.ctx, run)?);
             inner
                 .ctx
                 .driver
-                .set_access(inner.base + bytes.offset, bytes.num_bytes)?;
+                .set_access(inner.ctx.base + bytes.offset, bytes.num_bytes)?;
             while let Some(piece) = pending.next_if(|p| p.offset < bytes.end()) {
                 self.zero(piece, zeroing)?;
             }
@@ -429,7 +438,7 @@ impl ExtensibleTensor {
     }
 
     fn zero(&self, piece: &ByteRange, zeroing: &mut Zeroing) -> Result<()> {
-        let va = self.inner.base + piece.offset;
+        let va = self.inner.ctx.base + piece.offset;
         zeroing.queued = true;
         self.inner
             .ctx
@@ -494,7 +503,7 @@ impl ExtensibleTensor {
         }
         self.inner.live_views.fetch_add(1, Ordering::AcqRel);
         Ok(ExportedRegion {
-            ptr: self.inner.base + offset,
+            ptr: self.inner.ctx.base + offset,
             num_bytes,
             device: self.inner.ctx.driver.device(),
             _guard: ViewGuard {
@@ -504,7 +513,7 @@ impl ExtensibleTensor {
     }
 
     pub fn base_ptr(&self) -> Result<u64> {
-        self.lock_open().map(|_| self.inner.base)
+        self.lock_open().map(|_| self.inner.ctx.base)
     }
 
     pub fn geometry(&self) -> &Geometry {
@@ -542,7 +551,7 @@ impl ExtensibleTensor {
 
     /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
     pub fn physical_bytes(&self) -> u64 {
-        self.lock().mappings.values().map(|m| m.num_bytes).sum()
+        self.lock().mappings.values().map(Mapping::num_bytes).sum()
     }
 
     pub fn num_handles(&self) -> usize {
@@ -586,15 +595,6 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
         .find(|(k, m)| **k != m.run.first_granule)
     {
         return Err(format!("mapping {:?} is filed under granule {key}", m.run));
-    }
-    for m in state.mappings.values() {
-        let bytes = geometry.run_bytes(m.run);
-        if m.va != inner.base + bytes.offset || m.num_bytes != bytes.num_bytes {
-            return Err(format!(
-                "mapping {:?} is at {:#x}+{:#x}",
-                m.run, m.va, m.num_bytes
-            ));
-        }
     }
     geometry
         .check_request(&state.segment_bytes)
