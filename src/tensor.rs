@@ -42,6 +42,46 @@ pub struct Options {
     pub fixed_handle_bytes: Option<u64>,
 }
 
+/// How a tensor's capacity is cut into segments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Segments {
+    /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
+    Equal { max_bytes: u64, num_segments: u64 },
+    /// Segments of these capacities, back to back.
+    Capacities(Vec<u64>),
+}
+
+impl Segments {
+    /// What a caller means who states the total and, optionally, the count and the capacities:
+    /// without capacities, equal segments (one by default); with them, those, which must sum
+    /// to `max_bytes` and, if a count is given too, be that many.
+    pub fn stated(
+        max_bytes: u64,
+        num_segments: Option<u64>,
+        capacities: Option<Vec<u64>>,
+    ) -> Result<Segments> {
+        let Some(capacities) = capacities else {
+            return Ok(Segments::Equal {
+                max_bytes,
+                num_segments: num_segments.unwrap_or(1),
+            });
+        };
+        let total: u128 = capacities.iter().map(|&c| u128::from(c)).sum();
+        if total != u128::from(max_bytes) {
+            return Err(Error::invalid(format!(
+                "segment_capacities sum to {total} bytes, but max_bytes is {max_bytes}"
+            )));
+        }
+        match num_segments {
+            Some(n) if n != capacities.len() as u64 => Err(Error::invalid(format!(
+                "num_segments is {n} but segment_capacities has {} entries",
+                capacities.len()
+            ))),
+            _ => Ok(Segments::Capacities(capacities)),
+        }
+    }
+}
+
 /// What the destructors of driver resources share: the driver, where the reservation starts
 /// and its granularity (a mapping's addresses follow from its granule run), and the errors they
 /// could not return (a destructor never panics; `take_deferred_errors` reports them later).
@@ -247,6 +287,23 @@ impl ExportedRegion {
 }
 
 impl ExtensibleTensor {
+    /// Reserves address space for `segments` on `driver`; commits nothing.
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        segments: Segments,
+        options: Options,
+    ) -> Result<ExtensibleTensor> {
+        let granularity = options.granularity.unwrap_or(driver.granularity());
+        let geometry = match segments {
+            Segments::Equal {
+                max_bytes,
+                num_segments,
+            } => Geometry::equal(max_bytes, num_segments, granularity)?,
+            Segments::Capacities(capacities) => Geometry::new(capacities, granularity)?,
+        };
+        ExtensibleTensor::from_geometry(driver, geometry, options)
+    }
+
     /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
     pub fn with_equal_segments(
         driver: Arc<dyn Driver>,
@@ -254,9 +311,11 @@ impl ExtensibleTensor {
         num_segments: u64,
         options: Options,
     ) -> Result<ExtensibleTensor> {
-        let granularity = options.granularity.unwrap_or(driver.granularity());
-        let geometry = Geometry::equal(max_bytes, num_segments, granularity)?;
-        ExtensibleTensor::from_geometry(driver, geometry, options)
+        let segments = Segments::Equal {
+            max_bytes,
+            num_segments,
+        };
+        ExtensibleTensor::new(driver, segments, options)
     }
 
     /// Segments of the given capacities, back to back.
@@ -265,9 +324,8 @@ impl ExtensibleTensor {
         segment_capacities: Vec<u64>,
         options: Options,
     ) -> Result<ExtensibleTensor> {
-        let granularity = options.granularity.unwrap_or(driver.granularity());
-        let geometry = Geometry::new(segment_capacities, granularity)?;
-        ExtensibleTensor::from_geometry(driver, geometry, options)
+        let segments = Segments::Capacities(segment_capacities);
+        ExtensibleTensor::new(driver, segments, options)
     }
 
     fn from_geometry(
@@ -335,9 +393,22 @@ impl ExtensibleTensor {
         }
     }
 
-    /// Whether `segment_bytes` differs from what is committed (a resize would do work or fail).
-    pub fn needs_grow(&self, segment_bytes: &[u64]) -> bool {
-        self.lock().segment_bytes != segment_bytes
+    /// Whether resizing to `segment_bytes` would do nothing and succeed: the tensor is open and
+    /// holds exactly that much. (A resize that is not a no-op grows, or fails.)
+    pub fn is_noop_resize(&self, segment_bytes: &[u64]) -> bool {
+        let state = self.lock();
+        state.reservation.is_some() && state.segment_bytes == segment_bytes
+    }
+
+    /// Grows a one-segment tensor to `num_bytes`.
+    pub fn resize(&self, num_bytes: u64, options: GrowOptions) -> Result<()> {
+        let n = self.num_segments();
+        if n != 1 {
+            return Err(Error::invalid(format!(
+                "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
+            )));
+        }
+        self.resize_segments(&[num_bytes], options)
     }
 
     /// Grows every segment to `bytes_per_segment`.
@@ -549,6 +620,16 @@ impl ExtensibleTensor {
         self.lock().segment_bytes.clone()
     }
 
+    /// The capacity every segment has; an error when they differ (see `segment_capacities`).
+    pub fn segment_capacity_bytes(&self) -> Result<u64> {
+        uniform(self.geometry().segment_capacities(), "segment_capacities")
+    }
+
+    /// The bytes every segment has committed; an error when they differ (see `segment_bytes`).
+    pub fn bytes_per_segment(&self) -> Result<u64> {
+        uniform(&self.segment_bytes(), "segment_bytes")
+    }
+
     /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
     pub fn physical_bytes(&self) -> u64 {
         self.lock().mappings.values().map(Mapping::num_bytes).sum()
@@ -582,6 +663,16 @@ impl ExtensibleTensor {
     /// Checks the invariants listed at the top of this module.
     pub fn check_invariants(&self) -> Result<(), String> {
         check_state(&self.inner, &self.lock())
+    }
+}
+
+/// The one value all of `values` share, else an error naming the per-segment accessor.
+fn uniform(values: &[u64], plural: &str) -> Result<u64> {
+    match values.split_first() {
+        Some((first, rest)) if rest.iter().all(|v| v == first) => Ok(*first),
+        _ => Err(Error::invalid(format!(
+            "segments differ: use {plural} ({values:?})"
+        ))),
     }
 }
 
@@ -628,4 +719,67 @@ fn mapped_overlapping(mappings: &BTreeMap<u64, Mapping>, spans: &[Run]) -> Vec<R
         }
     }
     runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::host::HostDriver;
+
+    #[test]
+    fn stated_segments_must_agree_with_the_total_and_count() {
+        let equal = Segments::Equal {
+            max_bytes: 8,
+            num_segments: 1,
+        };
+        assert_eq!(Segments::stated(8, None, None).unwrap(), equal);
+        let caps = Segments::Capacities(vec![3, 5]);
+        assert_eq!(Segments::stated(8, None, Some(vec![3, 5])).unwrap(), caps);
+        assert_eq!(
+            Segments::stated(8, Some(2), Some(vec![3, 5])).unwrap(),
+            caps
+        );
+        for (num_segments, capacities, fragment) in [
+            (None, vec![3, 4], "sum to 7 bytes"),
+            (Some(3), vec![3, 5], "num_segments is 3"),
+            (None, vec![u64::MAX, 9], "sum to"),
+        ] {
+            let err = Segments::stated(8, num_segments, Some(capacities)).unwrap_err();
+            assert!(err.to_string().contains(fragment), "{err}");
+        }
+    }
+
+    #[test]
+    fn noop_resize_is_an_open_tensor_holding_exactly_the_request() {
+        let driver = Arc::new(HostDriver::new(4096).unwrap());
+        let tensor = ExtensibleTensor::new(
+            driver,
+            Segments::Capacities(vec![4096, 8192]),
+            Options::default(),
+        )
+        .unwrap();
+        tensor
+            .resize_segments(&[10, 20], GrowOptions::zeroed())
+            .unwrap();
+        assert!(tensor.is_noop_resize(&[10, 20]));
+        assert!(!tensor.is_noop_resize(&[10, 21]) && !tensor.is_noop_resize(&[10]));
+        assert!(matches!(
+            tensor.resize(10, GrowOptions::default()),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            tensor.segment_capacity_bytes(),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(tensor.bytes_per_segment().is_err());
+        tensor
+            .resize_segments(&[20, 20], GrowOptions::zeroed())
+            .unwrap();
+        assert_eq!(tensor.bytes_per_segment().unwrap(), 20);
+        tensor.close().unwrap();
+        assert!(
+            !tensor.is_noop_resize(&[0, 0]),
+            "a closed tensor refuses every resize"
+        );
+    }
 }

@@ -16,6 +16,17 @@ pub enum FaultKind {
     OutOfMemory,
 }
 
+impl FaultKind {
+    /// `driver` or `oom`.
+    pub fn from_name(name: &str) -> Option<FaultKind> {
+        match name {
+            "driver" => Some(FaultKind::Driver),
+            "oom" => Some(FaultKind::OutOfMemory),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fault {
     pub op: Op,

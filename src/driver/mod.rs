@@ -22,6 +22,8 @@ pub mod timing;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use std::sync::Arc;
+
 use crate::error::Result;
 
 /// An opaque physical-memory handle: a CUDA `CUmemGenericAllocationHandle`, or a host memfd id.
@@ -164,19 +166,52 @@ pub fn parse_device(device: &str) -> Result<DeviceKind> {
 /// A driver for `device`. The host backend takes `granularity` as its own; CUDA has a fixed
 /// granularity per device (a coarser one is applied by the tensor's geometry) and one shared
 /// driver per device.
-pub fn open(device: &str, granularity: Option<u64>) -> Result<std::sync::Arc<dyn Driver>> {
+pub fn open(device: &str, granularity: Option<u64>) -> Result<Arc<dyn Driver>> {
     match parse_device(device)? {
-        DeviceKind::Cpu => Ok(std::sync::Arc::new(host::HostDriver::new(
+        DeviceKind::Cpu => Ok(Arc::new(host::HostDriver::new(
             granularity.unwrap_or(host::DEFAULT_GRANULARITY),
         )?)),
         DeviceKind::Cuda(ordinal) => open_cuda(ordinal),
     }
 }
 
+/// What `open_with` opens: the granularity `open` takes, and the wrappers that tests and
+/// profiling put around the driver.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenOptions {
+    pub granularity: Option<u64>,
+    /// Fail one call (`FaultyDriver`), for fault-injection tests.
+    pub fault: Option<faulty::Fault>,
+    /// Count calls and host time per operation (`TimingDriver`).
+    pub profile: bool,
+}
+
+/// A driver from `open_with`, and its timing wrapper when profiling, to read the counts from.
+pub struct Opened {
+    pub driver: Arc<dyn Driver>,
+    pub timing: Option<Arc<timing::TimingDriver>>,
+}
+
+/// `open`, then the wrappers `options` asks for: the fault innermost, so that timing sees the
+/// injected failures as calls too.
+pub fn open_with(device: &str, options: OpenOptions) -> Result<Opened> {
+    let mut driver = open(device, options.granularity)?;
+    if let Some(fault) = options.fault {
+        driver = Arc::new(faulty::FaultyDriver::new(driver, fault));
+    }
+    let mut timing = None;
+    if options.profile {
+        let timed = Arc::new(timing::TimingDriver::new(driver));
+        timing = Some(Arc::clone(&timed));
+        driver = timed;
+    }
+    Ok(Opened { driver, timing })
+}
+
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
+fn open_cuda(ordinal: i32) -> Result<Arc<dyn Driver>> {
     use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::{Mutex, OnceLock};
     static DRIVERS: OnceLock<Mutex<HashMap<i32, Arc<cuda::CudaDriver>>>> = OnceLock::new();
     let mut drivers = DRIVERS
         .get_or_init(Default::default)
@@ -191,7 +226,7 @@ fn open_cuda(ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
+fn open_cuda(_ordinal: i32) -> Result<Arc<dyn Driver>> {
     Err(crate::error::Error::Unsupported(NO_CUDA_BUILD.into()))
 }
 

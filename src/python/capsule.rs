@@ -23,9 +23,8 @@ pub fn new(
     layout: StridedLayout,
     versioned: bool,
 ) -> PyResult<Py<PyAny>> {
-    let to_pyerr = |err| super::to_pyerr(py, err);
     if versioned {
-        let managed = dlpack::export_versioned(tensor, offset, layout).map_err(to_pyerr)?;
+        let managed = dlpack::export_versioned(tensor, offset, layout)?;
         // SAFETY: `managed` is a live export we own; `wrap` hands it to the capsule or, on
         // failure, deletes it once through the closure.
         unsafe {
@@ -34,7 +33,7 @@ pub fn new(
             })
         }
     } else {
-        let managed = dlpack::export_legacy(tensor, offset, layout).map_err(to_pyerr)?;
+        let managed = dlpack::export_legacy(tensor, offset, layout)?;
         // SAFETY: as above, for the legacy struct.
         unsafe {
             wrap(py, managed.cast(), LEGACY, destroy_legacy, || {
