@@ -47,16 +47,7 @@ impl StridedLayout {
     /// Checks that sizes and strides are non-negative, agree in length, and that the item
     /// size is a whole number of bytes.
     pub fn new(dtype: DLDataType, shape: Vec<i64>, strides: Vec<i64>) -> Result<StridedLayout> {
-        if shape.len() != strides.len() {
-            return Err(Error::invalid(format!(
-                "shape {shape:?} and strides {strides:?} differ in length"
-            )));
-        }
-        if shape.iter().chain(&strides).any(|&v| v < 0) {
-            return Err(Error::invalid(format!(
-                "shape {shape:?} and strides {strides:?} must be non-negative"
-            )));
-        }
+        check_dims(&shape, &strides)?;
         if dtype.bits == 0 || dtype.bits % 8 != 0 || dtype.lanes != 1 {
             return Err(Error::invalid(format!(
                 "unsupported element type {dtype:?}"
@@ -75,21 +66,42 @@ impl StridedLayout {
 
     /// The bytes the view can address, from its first element: 0 if any dim is empty.
     pub fn extent_bytes(&self) -> Result<u64> {
-        if self.shape.contains(&0) {
-            return Ok(0);
-        }
-        let overflow = || Error::invalid(format!("a view of shape {:?} is too large", self.shape));
-        let mut last: u64 = 0;
-        for (&n, &stride) in self.shape.iter().zip(&self.strides) {
-            let step = ((n - 1) as u64)
-                .checked_mul(stride as u64)
-                .ok_or_else(overflow)?;
-            last = last.checked_add(step).ok_or_else(overflow)?;
-        }
-        last.checked_add(1)
-            .and_then(|e| e.checked_mul(self.itemsize()))
-            .ok_or_else(overflow)
+        extent_bytes(&self.shape, &self.strides, self.itemsize())
     }
+}
+
+fn check_dims(shape: &[i64], strides: &[i64]) -> Result<()> {
+    if shape.len() != strides.len() {
+        return Err(Error::invalid(format!(
+            "shape {shape:?} and strides {strides:?} differ in length"
+        )));
+    }
+    if shape.iter().chain(strides).any(|&v| v < 0) {
+        return Err(Error::invalid(format!(
+            "shape {shape:?} and strides {strides:?} must be non-negative"
+        )));
+    }
+    Ok(())
+}
+
+/// The bytes a view of `shape` and `strides` (in items of `itemsize` bytes) can address, from
+/// its first element: 0 if any dim is empty. Sizes and strides must be non-negative.
+pub fn extent_bytes(shape: &[i64], strides: &[i64], itemsize: u64) -> Result<u64> {
+    check_dims(shape, strides)?;
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    let overflow = || Error::invalid(format!("a view of shape {shape:?} is too large"));
+    let mut last: u64 = 0;
+    for (&n, &stride) in shape.iter().zip(strides) {
+        let step = ((n - 1) as u64)
+            .checked_mul(stride as u64)
+            .ok_or_else(overflow)?;
+        last = last.checked_add(step).ok_or_else(overflow)?;
+    }
+    last.checked_add(1)
+        .and_then(|e| e.checked_mul(itemsize))
+        .ok_or_else(overflow)
 }
 
 #[repr(C)]

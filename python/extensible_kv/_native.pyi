@@ -13,6 +13,9 @@ __all__ = [
     "ExtensibleTensor",
     "OutOfMemoryError",
     "UnsupportedError",
+    "extent_bytes",
+    "footprint_bytes",
+    "host_mem_info",
     "vmm_unavailable_reason",
 ]
 
@@ -40,6 +43,9 @@ class ClosedError(ValueError):
     """The tensor was closed."""
 
 def vmm_unavailable_reason(device: object) -> str | None: ...
+def footprint_bytes(segment_offsets: Sequence[int], prefix_bytes: int, granularity: int) -> int: ...
+def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int: ...
+def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
 
 @disjoint_base
 class ExtensibleTensor:

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from extensible_kv import _native
+
 if TYPE_CHECKING:
     import torch
 
@@ -98,11 +100,9 @@ class ViewGeometry:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes from the first addressable element through the last one."""
-        if 0 in self.shape:
-            return 0
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
-        return (last + 1) * itemsize(self.dtype)
+        """Bytes from the first addressable element through the last one (what the export
+        checks against the capacity: `dlpack::extent_bytes`)."""
+        return _native.extent_bytes(self.shape, self.strides, itemsize(self.dtype))
 
     @property
     def block_stride_bytes(self) -> int:

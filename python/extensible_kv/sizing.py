@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from extensible_kv import _native
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec, segment_layout
 
 if TYPE_CHECKING:
@@ -111,17 +112,12 @@ class BufferGeometry:
 
     def footprint_bytes(self, num_blocks: int) -> int:
         """Physical bytes with `num_blocks` blocks committed: the distinct granules touched by
-        the first `num_blocks * segment_block_bytes` bytes of every segment."""
+        the first `num_blocks * segment_block_bytes` bytes of every segment (the planner's own
+        rounding, `plan::footprint_bytes`)."""
         prefix_bytes = num_blocks * self.segment_block_bytes
         if prefix_bytes <= 0:
             return 0
-        g = self.granularity
-        num_granules, covered_until = 0, 0  # granules counted so far, and the end of the last
-        for offset in sorted(self.segment_offsets):
-            first, end = offset // g, -(-(offset + prefix_bytes) // g)
-            num_granules += max(0, end - max(first, covered_until))
-            covered_until = max(covered_until, end)
-        return num_granules * g
+        return _native.footprint_bytes(self.segment_offsets, prefix_bytes, self.granularity)
 
 
 @dataclass(frozen=True)
@@ -199,12 +195,9 @@ def device_granularity(device: str | torch.device, granularity: int | None = Non
 
 
 def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """`MemAvailable` from `/proc/meminfo`, in bytes: the host's stand-in for free memory."""
-    with open(meminfo) as lines:
-        for line in lines:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+    """`MemAvailable` from `/proc/meminfo`, in bytes: the host's stand-in for free memory, as
+    the host backend reads it (`DriverError` when the file is unreadable or lacks it)."""
+    return _native.host_mem_info(meminfo)[0]
 
 
 def cuda_transient_peak_bytes(device: str | torch.device) -> int:

@@ -423,6 +423,34 @@ impl PyExtensibleTensor {
     }
 }
 
+/// The physical bytes that committing `prefix_bytes` of every segment maps (`plan.rs`).
+#[pyfunction]
+fn footprint_bytes(
+    segment_offsets: Vec<u64>,
+    prefix_bytes: u64,
+    granularity: u64,
+) -> PyResult<u64> {
+    Ok(crate::plan::footprint_bytes(
+        &segment_offsets,
+        prefix_bytes,
+        granularity,
+    )?)
+}
+
+/// The bytes a strided view can address from its first element (`dlpack.rs`).
+#[pyfunction]
+fn extent_bytes(shape: Vec<i64>, strides: Vec<i64>, itemsize: u64) -> PyResult<u64> {
+    Ok(crate::dlpack::extent_bytes(&shape, &strides, itemsize)?)
+}
+
+/// `(available_bytes, total_bytes)` of host memory from a file in `/proc/meminfo`'s format,
+/// as the host backend reads it.
+#[pyfunction]
+#[pyo3(signature = (meminfo=driver::host::MEMINFO), text_signature = "(meminfo='/proc/meminfo')")]
+fn host_mem_info(meminfo: &str) -> PyResult<(u64, u64)> {
+    Ok(driver::host::mem_info_from(meminfo)?)
+}
+
 /// None when `device` can map memory through the VMM API, else the reason it cannot.
 #[pyfunction]
 fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
@@ -433,6 +461,9 @@ fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>>
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExtensibleTensor>()?;
     m.add_function(wrap_pyfunction!(vmm_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(footprint_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(extent_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(host_mem_info, m)?)?;
     errors::add_to(m)?;
     m.add(
         "DEFAULT_MAX_HANDLE_BYTES",
