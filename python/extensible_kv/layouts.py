@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_PRESETS",
+    "KV_LAYOUTS",
     "STANDARD_LAYOUTS",
     "BlockLayout",
     "FlashAttentionHNDLayout",
@@ -458,6 +459,13 @@ BACKEND_PRESETS: Mapping[str, KVCacheBackend] = {
     "FLASHMLA_SPARSE": FlashMLASparseLayout,
     "KV_SPLIT_BLOCK_MAJOR": KVSplitBlockMajorLayout,
 }
+
+
+# Layouts that store a K and a V for every token: the presets but MLA's, and the standard orders.
+KV_LAYOUTS = (
+    *(name for name in BACKEND_PRESETS if "MLA" not in name),
+    *STANDARD_LAYOUTS,
+)
 
 
 def resolve_backend(backend: KVCacheBackend | str) -> KVCacheBackend:

@@ -36,14 +36,13 @@ from extensible_kv.kv_cache import (
     MambaLayerSpec,
     StandardLayerSpec,
 )
-from extensible_kv.layouts import BACKEND_PRESETS, STANDARD_LAYOUTS, itemsize
+from extensible_kv.layouts import KV_LAYOUTS, STANDARD_LAYOUTS, itemsize
 from extensible_kv.mamba import MambaStateSpec, mamba2_state_spec
 
 if TYPE_CHECKING:
     from extensible_kv.kv_cache import ExtensibleKVCache
 
 __all__ = [
-    "KV_LAYOUTS",
     "AttentionCache",
     "DecodeInputs",
     "DecoderModel",
@@ -51,11 +50,6 @@ __all__ = [
     "ModelConfig",
 ]
 
-# Layouts that store K and V of every token: the presets but MLA, and the standard orders.
-KV_LAYOUTS = (
-    *(name for name in BACKEND_PRESETS if "MLA" not in name),
-    *STANDARD_LAYOUTS,
-)
 _NORM_EPS = 1e-6
 
 

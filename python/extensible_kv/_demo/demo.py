@@ -1,6 +1,6 @@
 """The main job, `python -m extensible_kv demo`: the extensible flow end to end, checked.
 
-A small decoder-only transformer (`extensible_kv.model`, seeded random weights, paged
+A small decoder-only transformer (`extensible_kv._demo.model`, seeded random weights, paged
 attention in plain torch) greedy-decodes a few sequences twice, with the same inputs:
 
 1. on an extensible cache: reserve a capacity from an estimate, commit one block, warm up and
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv import sizing, vmm_unavailable_reason
+from extensible_kv._demo.model import DecodeInputs, DecoderModel, LayerCache, ModelConfig
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import KVCacheTensorSpec
-from extensible_kv.model import DecodeInputs, DecoderModel, LayerCache, ModelConfig
 
 __all__ = ["DemoOptions", "DemoResult", "PathResult", "format_report", "pick_device", "run"]
 
