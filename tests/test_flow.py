@@ -19,7 +19,7 @@ import torch
 from extensible_kv import sizing
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
-from extensible_kv.sizing import CacheGeometry, blocks_within
+from extensible_kv.sizing import CacheFootprint, blocks_within
 from kv_helpers import CPU_GRANULARITY
 
 GIB = 1 << 30
@@ -56,7 +56,7 @@ def test_extend_to_fit_commits_the_budget_and_logs(
     flow: KVCacheFlow, caplog: pytest.LogCaptureFixture
 ) -> None:
     budget = 100_000
-    expected = blocks_within(budget, CacheGeometry.of(flow.cache))
+    expected = blocks_within(budget, CacheFootprint.of(flow.cache))
     kv = flow.cache.views["layers.0"]
     assert isinstance(kv, torch.Tensor)
     kv[:, 0].fill_(3)  # block 0 of K and V, written before the extension

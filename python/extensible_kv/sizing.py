@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_MARGIN_BYTES",
-    "BufferGeometry",
-    "CacheGeometry",
+    "BufferFootprint",
+    "CacheFootprint",
     "MemoryBudget",
     "blocks_within",
     "capacity_blocks_for",
@@ -102,7 +102,7 @@ def measure_budget(
 
 
 @dataclass(frozen=True)
-class BufferGeometry:
+class BufferFootprint:
     """One buffer as its reservation sees it: where each segment starts (bytes from the
     granule-aligned base), the bytes a block adds to every segment, the granule size."""
 
@@ -121,22 +121,22 @@ class BufferGeometry:
 
 
 @dataclass(frozen=True)
-class CacheGeometry:
+class CacheFootprint:
     """Every buffer of a cache, its capacity and its committed block count: all that sizing
     reads. A legacy cache has no buffers here: it committed everything up front, so no block
     costs extra bytes."""
 
-    buffers: tuple[BufferGeometry, ...]
+    buffers: tuple[BufferFootprint, ...]
     capacity_blocks: int
     committed_blocks: int
 
     @classmethod
-    def of(cls, cache: ExtensibleKVCache) -> CacheGeometry:
-        buffers: tuple[BufferGeometry, ...] = ()
+    def of(cls, cache: ExtensibleKVCache) -> CacheFootprint:
+        buffers: tuple[BufferFootprint, ...] = ()
         if not cache.legacy:
             pairs = zip(cache.buffers, cache.segment_block_bytes, strict=True)
             buffers = tuple(
-                BufferGeometry(tuple(t.segment_offsets), block_bytes, t.granularity)
+                BufferFootprint(tuple(t.segment_offsets), block_bytes, t.granularity)
                 for t, block_bytes in pairs
             )
         return cls(buffers, cache.capacity_blocks, cache.committed_blocks)
@@ -151,15 +151,15 @@ class CacheGeometry:
         return self.footprint_bytes(num_blocks) - self.footprint_bytes(self.committed_blocks)
 
 
-def blocks_within(budget_bytes: int, cache: ExtensibleKVCache | CacheGeometry) -> int:
+def blocks_within(budget_bytes: int, cache: ExtensibleKVCache | CacheFootprint) -> int:
     """The most blocks, from `committed_blocks` up to the capacity, whose extra physical
     footprint fits `budget_bytes` (never fewer than are committed: a commit never shrinks)."""
-    geometry = cache if isinstance(cache, CacheGeometry) else CacheGeometry.of(cache)
-    fits, too_many = geometry.committed_blocks, geometry.capacity_blocks + 1
+    footprint = cache if isinstance(cache, CacheFootprint) else CacheFootprint.of(cache)
+    fits, too_many = footprint.committed_blocks, footprint.capacity_blocks + 1
     # The footprint only grows with n: bisect for the last n that fits.
     while too_many - fits > 1:
         mid = (fits + too_many) // 2
-        if geometry.extra_bytes(mid) <= budget_bytes:
+        if footprint.extra_bytes(mid) <= budget_bytes:
             fits = mid
         else:
             too_many = mid
@@ -175,9 +175,9 @@ def capacity_blocks_for(
     if granularity <= 0:
         raise ValueError(f"granularity {granularity} must be positive")
     layout = segment_layout(spec)
-    bytes_per_block = sum(segments * block_bytes for segments, block_bytes in layout)
+    block_bytes = sum(segments * segment_block_bytes for segments, segment_block_bytes in layout)
     step = math.lcm(*(granularity // math.gcd(granularity, b) for _, b in layout))
-    estimate = max(1, upper_bound_bytes // bytes_per_block)
+    estimate = max(1, upper_bound_bytes // block_bytes)
     return -(-estimate // step) * step
 
 

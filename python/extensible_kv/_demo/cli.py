@@ -25,7 +25,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="LAYOUT",
         help=f"KV cache layout, one of {', '.join(KV_LAYOUTS)} (default FLASH_ATTN, K/V split)",
     )
-    demo.add_argument("--hybrid", action="store_true", help="odd layers Mamba-like (state pages)")
+    demo.add_argument("--hybrid", action="store_true", help="odd layers Mamba-like (in blocks)")
     demo.add_argument("--num-seqs", type=int, default=4, help="sequences decoded together")
     demo.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence")
     demo.add_argument("--steps", type=int, default=40, help="tokens generated per sequence")
