@@ -196,17 +196,34 @@ fn dl_tensor(region: &ExportedRegion, layout: &StridedLayout) -> DLTensor {
     }
 }
 
-/// Boxes `holder` and points its tensor's shape and strides into the box.
-fn into_raw<M>(holder: Holder<M>, tensor: impl Fn(&mut M) -> &mut DLTensor) -> *mut M {
+/// The export both forms share: the region `layout` at `offset` addresses (checked), the
+/// managed struct `managed` builds around its `DLTensor`, boxed with the arrays that tensor
+/// points into and the region's guard. `tensor_of` finds the `DLTensor` in the managed struct.
+fn export<M>(
+    tensor: &ExtensibleTensor,
+    offset: u64,
+    layout: StridedLayout,
+    managed: impl FnOnce(DLTensor) -> M,
+    tensor_of: impl Fn(&mut M) -> &mut DLTensor,
+) -> Result<*mut M> {
+    let region = region(tensor, offset, &layout)?;
+    let managed = managed(dl_tensor(&region, &layout));
+    let StridedLayout { shape, strides, .. } = layout;
+    let holder = Holder {
+        managed,
+        shape,
+        strides,
+        _region: region,
+    };
     let raw = Box::into_raw(Box::new(holder));
     // SAFETY: `raw` comes from Box::into_raw just above, so it is valid and unaliased; the
     // shape and strides pointers point into the same allocation, which lives until the deleter.
     unsafe {
-        let t = tensor(&mut (*raw).managed);
+        let t = tensor_of(&mut (*raw).managed);
         t.shape = (*raw).shape.as_mut_ptr();
         t.strides = (*raw).strides.as_mut_ptr();
     }
-    raw.cast::<M>()
+    Ok(raw.cast::<M>())
 }
 
 /// A DLPack 1.x managed tensor of `layout` at byte `offset` of `tensor` (a multiple of the
@@ -217,8 +234,7 @@ pub fn export_versioned(
     offset: u64,
     layout: StridedLayout,
 ) -> Result<*mut DLManagedTensorVersioned> {
-    let region = region(tensor, offset, &layout)?;
-    let managed = DLManagedTensorVersioned {
+    let managed = |dl_tensor| DLManagedTensorVersioned {
         version: DLPackVersion {
             major: DLPACK_MAJOR,
             minor: DLPACK_MINOR,
@@ -226,16 +242,9 @@ pub fn export_versioned(
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_versioned),
         flags: 0,
-        dl_tensor: dl_tensor(&region, &layout),
+        dl_tensor,
     };
-    let StridedLayout { shape, strides, .. } = layout;
-    let holder = Holder {
-        managed,
-        shape,
-        strides,
-        _region: region,
-    };
-    Ok(into_raw(holder, |m| &mut m.dl_tensor))
+    export(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
 }
 
 /// A legacy (pre-1.0) managed tensor, under the same rules as `export_versioned`.
@@ -244,20 +253,12 @@ pub fn export_legacy(
     offset: u64,
     layout: StridedLayout,
 ) -> Result<*mut DLManagedTensor> {
-    let region = region(tensor, offset, &layout)?;
-    let managed = DLManagedTensor {
-        dl_tensor: dl_tensor(&region, &layout),
+    let managed = |dl_tensor| DLManagedTensor {
+        dl_tensor,
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_legacy),
     };
-    let StridedLayout { shape, strides, .. } = layout;
-    let holder = Holder {
-        managed,
-        shape,
-        strides,
-        _region: region,
-    };
-    Ok(into_raw(holder, |m| &mut m.dl_tensor))
+    export(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
 }
 
 /// # Safety
