@@ -29,6 +29,14 @@ impl Run {
     pub fn end_granule(self) -> u64 {
         self.first_granule + self.num_granules
     }
+
+    /// The bytes of these granules, relative to the reservation's start.
+    pub fn bytes(self, granularity: u64) -> ByteRange {
+        ByteRange {
+            offset: self.first_granule * granularity,
+            num_bytes: self.num_granules * granularity,
+        }
+    }
 }
 
 /// A half-open byte range `[offset, offset + num_bytes)` relative to the reservation's start.
@@ -199,11 +207,40 @@ impl Geometry {
     }
 
     pub fn run_bytes(&self, run: Run) -> ByteRange {
-        ByteRange {
-            offset: run.first_granule * self.granularity,
-            num_bytes: run.num_granules * self.granularity,
-        }
+        run.bytes(self.granularity)
     }
+}
+
+/// The physical bytes that committing the first `prefix_bytes` of every segment maps, the
+/// segments starting at `segment_offsets` (in any order): whole granules, a granule that two
+/// segments share counted once. What sizing converts a budget into blocks with.
+pub fn footprint_bytes(
+    segment_offsets: &[u64],
+    prefix_bytes: u64,
+    granularity: u64,
+) -> Result<u64> {
+    if granularity == 0 {
+        return Err(Error::invalid("granularity must be positive"));
+    }
+    let mut offsets = segment_offsets.to_vec();
+    offsets.sort_unstable();
+    let prefixes = offsets
+        .into_iter()
+        .map(|offset| match offset.checked_add(prefix_bytes) {
+            Some(_) => Ok(ByteRange {
+                offset,
+                num_bytes: prefix_bytes,
+            }),
+            None => Err(Error::invalid(format!(
+                "{prefix_bytes} bytes at offset {offset} overflow 64 bits"
+            ))),
+        })
+        .collect::<Result<Vec<ByteRange>>>()?;
+    let num_granules: u64 = granules_of(&prefixes, granularity)
+        .iter()
+        .map(|run| run.num_granules)
+        .sum();
+    Ok(num_granules * granularity)
 }
 
 /// `needed` minus `mapped`; both sorted and disjoint. The result is sorted and disjoint.
@@ -524,6 +561,23 @@ mod tests {
             &[3 * G / 2, 3 * G / 2],
         );
         assert_eq!(plan.new_handles, vec![Run::new(2, 1)]);
+    }
+
+    #[test]
+    fn footprint_counts_shared_granules_once() {
+        // Segments at 0 and 300 (granule 512): 100 bytes each lie in granule 0 alone.
+        assert_eq!(footprint_bytes(&[0, 300], 100, 512).unwrap(), 512);
+        assert_eq!(footprint_bytes(&[300, 0], 300, 512).unwrap(), 1024);
+        assert_eq!(footprint_bytes(&[0, 300], 0, 512).unwrap(), 0);
+        assert!(footprint_bytes(&[0], 1, 0).is_err());
+        assert!(footprint_bytes(&[u64::MAX], 1, 512).is_err());
+        let geometry = Geometry::equal(3 * G, 2, G).unwrap();
+        let needed = geometry.needed_runs(&[G, G]);
+        let mapped: u64 = needed.iter().map(|r| r.num_granules * G).sum();
+        assert_eq!(
+            footprint_bytes(geometry.segment_offsets(), G, G).unwrap(),
+            mapped
+        );
     }
 
     #[test]

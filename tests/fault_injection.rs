@@ -212,7 +212,7 @@ fn shrink_plain(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
 }
 
 fn consolidate(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
-    tensor.consolidate(0)
+    tensor.consolidate(extensible_kv::Stream::DEFAULT)
 }
 
 type Operation = fn(&ExtensibleTensor) -> extensible_kv::Result<()>;

@@ -163,7 +163,7 @@ fn run(
                 exact_footprint = exact;
             }
             Step::Consolidate => {
-                tensor.consolidate(0).unwrap();
+                tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
                 exact_footprint = true;
                 // One handle per maximal run of needed granules.
                 let committed: Vec<u64> = model.iter().map(|m| m.len() as u64).collect();

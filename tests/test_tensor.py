@@ -370,6 +370,26 @@ def test_equal_size_resize_is_a_noop(make_tensor: MakeTensor, g: int) -> None:
     check(t)
 
 
+def test_noop_check_matches_what_a_resize_would_do(make_tensor: MakeTensor, g: int) -> None:
+    # The facade skips the native call (and the torch stream lookup) when this says a resize
+    # would change nothing: it must never say so for a resize that grows or raises.
+    t = make_tensor(8 * g, 2)
+    t.resize_per_segment_(g)
+    assert t._is_noop_resize(g) and t._is_noop_resize([g, g]) and t._is_noop_resize((g, g))
+    for refused_or_growing in (g + 1, [g, g + 1], [g], [g, g, g], g // 2, -1, 1.5, None, "x"):
+        assert not t._is_noop_resize(refused_or_growing), refused_or_growing
+    assert t.resize_per_segment_(g) is t
+    single = make_tensor(4 * g)
+    assert single._is_noop_resize([0]) and not single._is_noop_resize([0, 0])
+    assert not t._is_noop_resize([0])  # resize_ on two segments raises instead
+    with pytest.raises(ValueError, match="resize_per_segment_"):
+        t.resize_(g)
+    single.close()
+    assert not single._is_noop_resize([0])  # closed: the resize raises ClosedError
+    with pytest.raises(ClosedError):
+        single.resize_(0)
+
+
 def test_lockstep_growth(make_tensor: MakeTensor, g: int) -> None:
     # 3 segments of 2.5 granules: segments 0/1 and 1/2 share a granule.
     capacity = 2 * g + g // 2

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 /// How the injected failure looks to the caller.
@@ -14,6 +14,17 @@ pub enum FaultKind {
     Driver,
     /// `Error::OutOfMemory` with code `INJECTED_OOM`.
     OutOfMemory,
+}
+
+impl FaultKind {
+    /// `driver` or `oom`.
+    pub fn from_name(name: &str) -> Option<FaultKind> {
+        match name {
+            "driver" => Some(FaultKind::Driver),
+            "oom" => Some(FaultKind::OutOfMemory),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,12 +137,12 @@ impl Driver for FaultyDriver {
         self.inner.set_access(va, num_bytes)
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         self.check(Op::Memset, num_bytes)?;
         self.inner.memset_zero(va, num_bytes, stream)
     }
 
-    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         self.check(Op::Copy, num_bytes)?;
         self.inner.copy(dst, src, num_bytes, stream)
     }
