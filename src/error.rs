@@ -17,10 +17,12 @@ pub enum Op {
     Copy,
     Synchronize,
     MemInfo,
+    Export,
+    Import,
 }
 
 impl Op {
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 13] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -32,6 +34,8 @@ impl Op {
         Op::Copy,
         Op::Synchronize,
         Op::MemInfo,
+        Op::Export,
+        Op::Import,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +51,8 @@ impl Op {
             Op::Copy => "copy",
             Op::Synchronize => "synchronize",
             Op::MemInfo => "mem_info",
+            Op::Export => "export",
+            Op::Import => "import",
         }
     }
 

@@ -8,6 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
+use extensible_kv::driver::ExportTypes;
 use extensible_kv::{Cut, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
 use proptest::prelude::*;
 
@@ -31,6 +32,8 @@ enum Step {
         exact: bool,
     },
     Consolidate,
+    /// An importer (made on the first one) follows the tensor: same handles, same bytes.
+    Refresh,
     Release,
 }
 
@@ -42,6 +45,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (prop::collection::vec(0.0f64..=1.0, 5), any::<bool>())
             .prop_map(|(fractions, exact)| Step::Shrink { fractions, exact }),
         1 => Just(Step::Consolidate),
+        1 => Just(Step::Refresh),
         1 => Just(Step::Release),
     ]
 }
@@ -78,6 +82,7 @@ fn run(
     let mut model: Vec<Vec<u8>> = vec![Vec::new(); n];
     // Whether exactly the needed granules are mapped (no slack left by a plain shrink).
     let mut exact_footprint = true;
+    let mut importer: Option<ExtensibleTensor> = None;
     for step in steps {
         match step {
             Step::Grow {
@@ -169,6 +174,24 @@ fn run(
                 let committed: Vec<u64> = model.iter().map(|m| m.len() as u64).collect();
                 prop_assert_eq!(tensor.handle_runs(), geometry.needed_runs(&committed));
             }
+            Step::Refresh => {
+                let description = tensor.share().unwrap();
+                match &importer {
+                    Some(imported) => imported.refresh(&description, None).unwrap(),
+                    None => {
+                        let own = Arc::new(HostDriver::new(G).unwrap());
+                        importer = Some(ExtensibleTensor::import(own, &description, None).unwrap());
+                    }
+                }
+                let imported = importer.as_ref().expect("made above");
+                imported.check_invariants().map_err(TestCaseError::fail)?;
+                prop_assert_eq!(imported.handle_runs(), tensor.handle_runs());
+                prop_assert_eq!(imported.segment_bytes(), tensor.segment_bytes());
+                for (i, bytes) in model.iter().enumerate() {
+                    let seen = common::read(imported, offsets[i], bytes.len() as u64);
+                    prop_assert_eq!(&seen, bytes);
+                }
+            }
             Step::Release => {
                 tensor.release_physical().unwrap();
                 model.iter_mut().for_each(Vec::clear);
@@ -202,6 +225,9 @@ fn run(
     }
     tensor.close().unwrap();
     prop_assert_eq!(driver.live_counts(), (0, 0, 0));
+    if let Some(imported) = importer {
+        imported.close().unwrap();
+    }
     Ok(())
 }
 
@@ -223,6 +249,7 @@ proptest! {
             max_handle_bytes: Some(adaptive_cap * G),
             fixed_handle_bytes: fixed.map(|f| f * G),
             cut,
+            export_types: ExportTypes::POSIX_FD,
         };
         run(caps, equal, dirty, options, steps)?;
     }

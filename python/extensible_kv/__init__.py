@@ -16,6 +16,7 @@ from extensible_kv._native import (
 )
 from extensible_kv.distributed import min_over_group
 from extensible_kv.flow import ExtendReport, KVCacheFlow
+from extensible_kv.ipc import SharedHandle, SharedTensor, recv_shared, send_shared
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     ExtensibleKVCache,
@@ -44,6 +45,8 @@ __all__ = [
     "MambaLayerSpec",
     "MambaStateSpec",
     "OutOfMemoryError",
+    "SharedHandle",
+    "SharedTensor",
     "StandardLayerSpec",
     "UnsupportedError",
     "blocks_within",
@@ -52,6 +55,8 @@ __all__ = [
     "mamba2_state_spec",
     "measure_budget",
     "min_over_group",
+    "recv_shared",
+    "send_shared",
     "vmm_unavailable_reason",
 ]
 __version__ = "0.1.0"

@@ -11,10 +11,12 @@ prefix, for consumers that register memory.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from extensible_kv import _native
+from extensible_kv.ipc import FABRIC, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
 if TYPE_CHECKING:
@@ -60,8 +62,61 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     `ExtensibleTensor(max_bytes, num_segments=1, device="cpu", *, segment_capacities=None,
     granularity=None, max_handle_bytes=None)`: `device` is `"cpu"` (host backend), `"cuda"`,
     `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal segments (summing to
-    `max_bytes`). Use as a context manager to `close()` on exit.
+    `max_bytes`). `export_handle_types` (`"posix_fd"`, `"fabric"`, CUDA's bits, or a list)
+    makes the memory shareable with other processes (`share`, `from_shared`); fabric is
+    dropped, with a warning, where the device does not support it. Use as a context manager
+    to `close()` on exit.
     """
+
+    def __new__(
+        cls,
+        max_bytes: int,
+        num_segments: int | None = None,
+        device: object = None,
+        *,
+        export_handle_types: int | str | list[int | str] | tuple[int | str, ...] = 0,
+        **kwargs: Any,
+    ) -> Self:
+        bits = export_handle_types_bits(export_handle_types)
+        tensor = super().__new__(
+            cls, max_bytes, num_segments, device, export_handle_types=bits, **kwargs
+        )
+        if bits & FABRIC and not tensor.export_handle_types & FABRIC:
+            logging.getLogger("extensible_kv").warning(
+                "%s cannot export fabric handles; the memory is exportable as %s only",
+                tensor.device,
+                "POSIX fds" if tensor.export_handle_types else "nothing",
+            )
+        return tensor
+
+    def share(self) -> SharedTensor:
+        """A picklable description of this tensor's memory for other processes (see
+        `extensible_kv.ipc`); each handle is exported once, on the first call that needs it."""
+        return SharedTensor._from_native(self._share())
+
+    @classmethod
+    def from_shared(cls, description: SharedTensor, device: object = None) -> Self:
+        """The memory `description` describes, mapped in this process at the same offsets of a
+        reservation of its own (on `device`, by default the owner's). Views keep it alive,
+        whatever the owner does. It cannot grow, shrink or release the owner's memory:
+        `refresh` follows the owner instead. All or nothing: a failure maps nothing and keeps
+        no fd or handle."""
+        target = description.device if device is None else device
+        return super().__new__(
+            cls,
+            0,
+            None,
+            target,
+            granularity=description.granularity,  # the host backend's is its own to pick
+            _shared=description._to_native(),
+            _fds=description._take_fds(),
+        )
+
+    def refresh(self, description: SharedTensor) -> None:
+        """Follows the owner to a newer `description` of its memory: maps what it grew, unmaps
+        (after the device is done with it) what it released; the committed sizes become the
+        description's. All or nothing."""
+        self._refresh(description._to_native(), description._take_fds())
 
     def resize_per_segment_(
         self,

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{DeviceKind, Driver, HandleId, Stream};
+use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
 /// How the injected failure looks to the caller.
@@ -112,9 +112,23 @@ impl Driver for FaultyDriver {
         self.inner.free_reservation(va, num_bytes)
     }
 
-    fn create(&self, num_bytes: u64) -> Result<HandleId> {
+    fn supported_export_types(&self) -> ExportTypes {
+        self.inner.supported_export_types()
+    }
+
+    fn create(&self, num_bytes: u64, export: ExportTypes) -> Result<HandleId> {
         self.check(Op::Create, num_bytes)?;
-        self.inner.create(num_bytes)
+        self.inner.create(num_bytes, export)
+    }
+
+    fn export(&self, handle: HandleId, kind: ExportTypes) -> Result<Exported> {
+        self.check(Op::Export, 0)?;
+        self.inner.export(handle, kind)
+    }
+
+    fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId> {
+        self.check(Op::Import, num_bytes)?;
+        self.inner.import(source, num_bytes)
     }
 
     fn release(&self, handle: HandleId) -> Result<()> {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::books::Books;
-use super::{DeviceKind, Driver, HandleId, Stream};
+use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
 /// What fresh memory of a `new_dirty` driver reads as.
@@ -131,7 +131,8 @@ fn page_size() -> u64 {
     u64::try_from(size).unwrap_or(4096)
 }
 
-fn errno_name(errno: i32) -> String {
+/// The name of an errno value (`ENOMEM`), as errors carry it.
+pub(crate) fn errno_name(errno: i32) -> String {
     let name = match errno {
         libc::ENOMEM => "ENOMEM",
         libc::ENOSPC => "ENOSPC",
@@ -146,6 +147,9 @@ fn errno_name(errno: i32) -> String {
         libc::EFBIG => "EFBIG",
         libc::EINTR => "EINTR",
         libc::ENOENT => "ENOENT",
+        libc::ESRCH => "ESRCH",
+        libc::ENOSYS => "ENOSYS",
+        libc::ENOTSOCK => "ENOTSOCK",
         _ => return format!("errno {errno}"),
     };
     name.to_string()
@@ -154,6 +158,14 @@ fn errno_name(errno: i32) -> String {
 fn last_os_error(op: Op, detail: String) -> Error {
     let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
     os_error(op, errno, detail)
+}
+
+fn io_error(op: Op, err: &std::io::Error, what: &str) -> Error {
+    os_error(
+        op,
+        err.raw_os_error().unwrap_or(0),
+        format!("{what}: {err}"),
+    )
 }
 
 fn os_error(op: Op, errno: i32, detail: String) -> Error {
@@ -279,7 +291,12 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn create(&self, num_bytes: u64) -> Result<HandleId> {
+    fn supported_export_types(&self) -> ExportTypes {
+        ExportTypes::POSIX_FD
+    }
+
+    /// Every memfd is exportable as a POSIX fd, whatever `_export` asks.
+    fn create(&self, num_bytes: u64, _export: ExportTypes) -> Result<HandleId> {
         self.check_aligned(Op::Create, "size", num_bytes)?;
         // SAFETY: memfd_name is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
         let fd = unsafe { libc::memfd_create(self.memfd_name.as_ptr(), libc::MFD_CLOEXEC) };
@@ -312,6 +329,59 @@ impl Driver for HostDriver {
         }
         let id = self.next_handle.fetch_add(1, Ordering::Relaxed);
         self.books().handles.insert(id, (fd, num_bytes));
+        Ok(HandleId(id))
+    }
+
+    fn export(&self, handle: HandleId, kind: ExportTypes) -> Result<Exported> {
+        if kind != ExportTypes::POSIX_FD {
+            return Err(Error::Unsupported(format!(
+                "the host backend exports POSIX fds only, not {kind:?}"
+            )));
+        }
+        let books = self.books();
+        let Some((fd, _)) = books.handles.get(&handle.0) else {
+            return Err(Error::Driver {
+                op: Op::Export,
+                code: "EBADF".into(),
+                detail: format!("no live handle {}", handle.0),
+            });
+        };
+        let copy = fd
+            .try_clone()
+            .map_err(|e| io_error(Op::Export, &e, "duplicating a memfd"))?;
+        Ok(Exported::Fd(copy))
+    }
+
+    fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId> {
+        self.check_aligned(Op::Import, "size", num_bytes)?;
+        let ImportSource::Fd(fd) = source else {
+            return Err(Error::Unsupported(
+                "the host backend imports POSIX fds only, not fabric handles".into(),
+            ));
+        };
+        let file = std::fs::File::from(
+            fd.try_clone_to_owned()
+                .map_err(|e| io_error(Op::Import, &e, "duplicating the fd"))?,
+        );
+        let meta = file
+            .metadata()
+            .map_err(|e| io_error(Op::Import, &e, "fstat of the fd"))?;
+        // A memfd of another size (or not a file at all) is not the handle described.
+        if !meta.is_file() || meta.len() != num_bytes {
+            return Err(Error::Driver {
+                op: Op::Import,
+                code: "EINVAL".into(),
+                detail: format!(
+                    "the fd is a {} of {} bytes, not a memfd of {num_bytes} bytes",
+                    if meta.is_file() { "file" } else { "non-file" },
+                    meta.len()
+                ),
+            });
+        }
+        let id = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.books()
+            .handles
+            .insert(id, (OwnedFd::from(file), num_bytes));
         Ok(HandleId(id))
     }
 

@@ -17,14 +17,16 @@
 mod books;
 pub mod faulty;
 pub mod host;
+pub mod ipc;
 pub mod timing;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// An opaque physical-memory handle: a CUDA `CUmemGenericAllocationHandle`, or a host memfd id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -73,6 +75,69 @@ impl Stream {
     }
 }
 
+/// The ways a physical allocation may be handed to another process, asked for when it is
+/// created: CUDA's `CUmemAllocationHandleType` bits (an export of a type not asked for at
+/// creation is refused; asking costs nothing). The host backend's memfds are POSIX fds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ExportTypes(u32);
+
+impl ExportTypes {
+    pub const NONE: ExportTypes = ExportTypes(0);
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a file descriptor, passed to processes of
+    /// the same host (pidfd_getfd, or SCM_RIGHTS over a Unix socket).
+    pub const POSIX_FD: ExportTypes = ExportTypes(1);
+    /// `CU_MEM_HANDLE_TYPE_FABRIC`: 64 bytes any process of the NVLink fabric can import.
+    pub const FABRIC: ExportTypes = ExportTypes(8);
+
+    /// The types named by CUDA's bits; `InvalidArgument` for bits of other types.
+    pub fn from_bits(bits: u32) -> Result<ExportTypes> {
+        let known = ExportTypes::POSIX_FD.0 | ExportTypes::FABRIC.0;
+        if bits & !known != 0 {
+            return Err(Error::invalid(format!(
+                "export handle types {bits:#x}: only POSIX fd (1) and fabric (8) are supported"
+            )));
+        }
+        Ok(ExportTypes(bits))
+    }
+
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    pub const fn contains(self, other: ExportTypes) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub const fn intersection(self, other: ExportTypes) -> ExportTypes {
+        ExportTypes(self.0 & other.0)
+    }
+
+    pub const fn without(self, other: ExportTypes) -> ExportTypes {
+        ExportTypes(self.0 & !other.0)
+    }
+}
+
+/// A physical handle exported for another process.
+#[derive(Debug)]
+pub enum Exported {
+    /// A file descriptor of this process (closing it does not free the memory).
+    Fd(OwnedFd),
+    /// CUDA's fabric handle.
+    Fabric([u8; 64]),
+}
+
+/// What an importer names an exported handle by, in its own process.
+#[derive(Clone, Copy, Debug)]
+pub enum ImportSource<'a> {
+    /// An fd this process holds (duplicated from the owner's); the driver does not take it.
+    Fd(BorrowedFd<'a>),
+    Fabric(&'a [u8; 64]),
+}
+
 /// Where memory lives, in DLPack's terms (`kDLCPU` = 1, `kDLCUDA` = 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -116,8 +181,20 @@ pub trait Driver: Send + Sync + 'static {
     /// Frees a whole reservation made by `reserve`. Everything in it must be unmapped.
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()>;
 
-    /// Takes `num_bytes` (a granularity multiple) of physical memory.
-    fn create(&self, num_bytes: u64) -> Result<HandleId>;
+    /// The export types this device can give a handle (a subset of POSIX fd and fabric).
+    fn supported_export_types(&self) -> ExportTypes;
+
+    /// Takes `num_bytes` (a granularity multiple) of physical memory, exportable as `export`
+    /// (which must be among `supported_export_types`).
+    fn create(&self, num_bytes: u64, export: ExportTypes) -> Result<HandleId>;
+
+    /// Exports a live handle as one type (`POSIX_FD` or `FABRIC`) it was created for.
+    fn export(&self, handle: HandleId, kind: ExportTypes) -> Result<Exported>;
+
+    /// Imports a handle another process exported, of `num_bytes`: a live handle of this
+    /// driver from then on (mapped, released like any other; the owner's memory lives while
+    /// either side holds it).
+    fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId>;
 
     fn release(&self, handle: HandleId) -> Result<()>;
 

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{DeviceKind, Driver, HandleId, Stream};
+use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Op, Result};
 
 pub struct TimingDriver {
@@ -81,8 +81,20 @@ impl Driver for TimingDriver {
         })
     }
 
-    fn create(&self, num_bytes: u64) -> Result<HandleId> {
-        self.time(Op::Create, || self.inner.create(num_bytes))
+    fn supported_export_types(&self) -> ExportTypes {
+        self.inner.supported_export_types()
+    }
+
+    fn create(&self, num_bytes: u64, export: ExportTypes) -> Result<HandleId> {
+        self.time(Op::Create, || self.inner.create(num_bytes, export))
+    }
+
+    fn export(&self, handle: HandleId, kind: ExportTypes) -> Result<Exported> {
+        self.time(Op::Export, || self.inner.export(handle, kind))
+    }
+
+    fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId> {
+        self.time(Op::Import, || self.inner.import(source, num_bytes))
     }
 
     fn release(&self, handle: HandleId) -> Result<()> {

@@ -5,6 +5,7 @@
 
 mod capsule;
 mod errors;
+mod share;
 
 use std::sync::Arc;
 
@@ -15,7 +16,7 @@ use pyo3::types::{PyInt, PyList, PyTuple};
 use crate::dlpack::StridedLayout;
 use crate::driver::faulty::{Fault, FaultKind};
 use crate::driver::timing::TimingDriver;
-use crate::driver::{self, OpenOptions, Stream};
+use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};
 
@@ -112,7 +113,8 @@ impl PyExtensibleTensor {
     #[new]
     #[pyo3(signature = (
         max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
-        max_handle_bytes=None, fixed_handle_bytes=None, _cut=None, _fault=None, _profile=false
+        max_handle_bytes=None, fixed_handle_bytes=None, export_handle_types=0, _cut=None,
+        _fault=None, _profile=false, _shared=None, _fds=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -124,9 +126,12 @@ impl PyExtensibleTensor {
         granularity: Option<&Bound<'_, PyAny>>,
         max_handle_bytes: Option<&Bound<'_, PyAny>>,
         fixed_handle_bytes: Option<&Bound<'_, PyAny>>,
+        export_handle_types: u32,
         _cut: Option<&str>,
         _fault: Option<&Bound<'_, PyAny>>,
         _profile: bool,
+        _shared: Option<&Bound<'_, PyAny>>,
+        _fds: Option<Vec<i32>>,
     ) -> PyResult<Self> {
         let max_bytes = to_u64(max_bytes, "max_bytes")?;
         let num_segments = to_u64_opt(num_segments, "num_segments")?;
@@ -139,7 +144,10 @@ impl PyExtensibleTensor {
             max_handle_bytes: to_u64_opt(max_handle_bytes, "max_handle_bytes")?,
             fixed_handle_bytes: to_u64_opt(fixed_handle_bytes, "fixed_handle_bytes")?,
             cut: _cut.map(to_cut).transpose()?.unwrap_or_default(),
+            export_types: ExportTypes::from_bits(export_handle_types)?,
         };
+        let shared = _shared.map(share::to_description).transpose()?;
+        let fds = share::to_fds(_fds);
         let capacities = match segment_capacities.filter(|c| !c.is_none()) {
             Some(caps) => Some(
                 caps.try_iter()?
@@ -155,8 +163,13 @@ impl PyExtensibleTensor {
         };
         let build = || -> crate::Result<PyExtensibleTensor> {
             let opened = driver::open_with(&device, open_options)?;
-            let segments = Segments::stated(max_bytes, num_segments, capacities)?;
-            let core = ExtensibleTensor::new(opened.driver, segments, options)?;
+            let core = match shared {
+                Some(description) => ExtensibleTensor::import(opened.driver, &description, fds)?,
+                None => {
+                    let segments = Segments::stated(max_bytes, num_segments, capacities)?;
+                    ExtensibleTensor::new(opened.driver, segments, options)?
+                }
+            };
             Ok(PyExtensibleTensor {
                 core,
                 timing: opened.timing,
@@ -257,6 +270,37 @@ impl PyExtensibleTensor {
     #[pyo3(signature = (*, stream=None))]
     fn consolidate(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
         Ok(py.detach(|| self.core.consolidate(to_stream(stream)))?)
+    }
+
+    /// The description of this tensor's memory for other processes (`extensible_kv.ipc`).
+    fn _share<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let description = py.detach(|| self.core.share())?;
+        share::from_description(py, &description)
+    }
+
+    /// Follows the owner of imported memory to `description` (fds: received, handed over).
+    #[pyo3(signature = (description, fds=None))]
+    fn _refresh(
+        &self,
+        py: Python<'_>,
+        description: &Bound<'_, PyAny>,
+        fds: Option<Vec<i32>>,
+    ) -> PyResult<()> {
+        let description = share::to_description(description)?;
+        let fds = share::to_fds(fds);
+        Ok(py.detach(|| self.core.refresh(&description, fds))?)
+    }
+
+    /// The export handle types new handles are created with (CUDA's bits).
+    #[getter]
+    fn export_handle_types(&self) -> u32 {
+        self.core.export_types().bits()
+    }
+
+    /// The pid of the process that owns this memory, for a tensor made by `from_shared`.
+    #[getter]
+    fn imported_from(&self) -> Option<u32> {
+        self.core.imported_from()
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.

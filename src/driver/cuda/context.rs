@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 use super::{code_name, vmm};
 
 /// Every libcuda symbol this backend calls: cudarc panics on the first call of a missing one.
-const REQUIRED_SYMBOLS: [&str; 21] = [
+const REQUIRED_SYMBOLS: [&str; 23] = [
     "cuInit",
     "cuGetErrorName",
     "cuDeviceGetCount",
@@ -36,6 +36,8 @@ const REQUIRED_SYMBOLS: [&str; 21] = [
     "cuMemSetAccess",
     "cuMemsetD8Async",
     "cuMemcpyDtoDAsync_v2",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
 ];
 
 /// The device's primary context, retained: the context torch's runtime uses on that device.
@@ -160,6 +162,32 @@ fn check_vmm_support(device: sys::CUdevice, ordinal: i32) -> Result<(), String> 
     Ok(())
 }
 
+/// What a device can do with exported memory, from its attributes (a failed query reads as
+/// "cannot").
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct ExportSupport {
+    pub posix_fd: bool,
+    pub fabric: bool,
+    /// GPUDirect RDMA on VMM allocations: `gpuDirectRDMACapable` may be asked for.
+    pub rdma_with_vmm: bool,
+}
+
+impl PrimaryContext {
+    pub(super) fn export_support(&self) -> ExportSupport {
+        use sys::CUdevice_attribute as A;
+        let device = self.device;
+        let has = |attribute| {
+            // SAFETY: `device` came from cuDeviceGet; the query writes only its result.
+            unsafe { result::device::get_attribute(device, attribute) }.is_ok_and(|v| v != 0)
+        };
+        ExportSupport {
+            posix_fd: has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED),
+            fabric: has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED),
+            rdma_with_vmm: has(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED),
+        }
+    }
+}
+
 /// Everything a working device needs, in order; `Err` is the first reason it cannot be used.
 pub(super) fn open(ordinal: i32) -> Result<(PrimaryContext, u64), String> {
     load_libcuda()?;
@@ -174,7 +202,7 @@ pub(super) fn open(ordinal: i32) -> Result<(PrimaryContext, u64), String> {
     })?;
     let granularity = primary
         .bind()
-        .and_then(|_bound| vmm::granularity(&vmm::pinned_prop(ordinal)))
+        .and_then(|_bound| vmm::granularity(&vmm::pinned_prop(ordinal, 0, false)))
         .map_err(|e| format!("cuMemGetAllocationGranularity failed with {}", code_name(e)))?;
     Ok((primary, granularity as u64))
 }

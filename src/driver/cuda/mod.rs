@@ -26,7 +26,7 @@ use cudarc::driver::sys;
 pub use self::context::vmm_unavailable_reason;
 use self::context::{Bound, PrimaryContext};
 use super::books::Books;
-use super::{DeviceKind, Driver, HandleId, Stream};
+use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
 // Sizes cross the trait as u64 and libcuda as usize; the casts below rely on equal widths.
@@ -69,6 +69,7 @@ fn refused(op: Op, va: u64, num_bytes: u64, why: &str) -> Error {
 pub struct CudaDriver {
     ordinal: i32,
     granularity: u64,
+    export_support: context::ExportSupport,
     books: Mutex<Books<()>>,
     /// Last, so it is released after `Drop` has cleaned up with it.
     primary: PrimaryContext,
@@ -82,6 +83,7 @@ impl CudaDriver {
         Ok(CudaDriver {
             ordinal,
             granularity,
+            export_support: primary.export_support(),
             books: Mutex::default(),
             primary,
         })
@@ -153,15 +155,70 @@ impl Driver for CudaDriver {
         Ok(())
     }
 
-    fn create(&self, num_bytes: u64) -> Result<HandleId> {
+    fn supported_export_types(&self) -> ExportTypes {
+        let support = self.export_support;
+        let mut types = ExportTypes::NONE;
+        if support.posix_fd {
+            types = ExportTypes::from_bits(types.bits() | ExportTypes::POSIX_FD.bits())
+                .expect("a known bit");
+        }
+        if support.fabric {
+            types = ExportTypes::from_bits(types.bits() | ExportTypes::FABRIC.bits())
+                .expect("a known bit");
+        }
+        types
+    }
+
+    /// Exportable memory is also made registrable for GPUDirect RDMA where the device allows
+    /// it on VMM allocations: a connector that exports the KV cache usually registers it too.
+    fn create(&self, num_bytes: u64, export: ExportTypes) -> Result<HandleId> {
         let _bound = self.bind(Op::Create)?;
-        let handle = match vmm::create(num_bytes as usize, &vmm::pinned_prop(self.ordinal)) {
+        let rdma = !export.is_empty() && self.export_support.rdma_with_vmm;
+        let prop = vmm::pinned_prop(self.ordinal, export.bits(), rdma);
+        let handle = match vmm::create(num_bytes as usize, &prop) {
             Ok(handle) => handle,
             Err(err) if err.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 return Err(self.out_of_memory(err, num_bytes))
             }
             Err(err) => return Err(err).on(Op::Create, || format!("{num_bytes} bytes")),
         };
+        self.books().handles.insert(handle, ((), num_bytes));
+        Ok(HandleId(handle))
+    }
+
+    fn export(&self, handle: HandleId, kind: ExportTypes) -> Result<Exported> {
+        let _bound = self.bind(Op::Export)?;
+        if !self.books().handles.contains_key(&handle.0) {
+            return Err(Error::Driver {
+                op: Op::Export,
+                code: "CUDA_ERROR_INVALID_VALUE".into(),
+                detail: format!("no live handle {:#x}", handle.0),
+            });
+        }
+        let detail = || format!("handle {:#x} as {kind:?}", handle.0);
+        match kind {
+            // SAFETY: the handle is in the books, so it is live; a handle created without
+            // this type is refused by the driver with a status.
+            ExportTypes::POSIX_FD => unsafe { vmm::export_fd(handle.0) }
+                .map(Exported::Fd)
+                .on(Op::Export, detail),
+            // SAFETY: as above.
+            ExportTypes::FABRIC => unsafe { vmm::export_fabric(handle.0) }
+                .map(Exported::Fabric)
+                .on(Op::Export, detail),
+            other => Err(Error::invalid(format!(
+                "export one handle type at a time, not {other:?}"
+            ))),
+        }
+    }
+
+    fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId> {
+        let _bound = self.bind(Op::Import)?;
+        let handle = match source {
+            ImportSource::Fd(fd) => vmm::import_fd(fd),
+            ImportSource::Fabric(fabric) => vmm::import_fabric(fabric),
+        }
+        .on(Op::Import, || format!("{num_bytes} bytes"))?;
         self.books().handles.insert(handle, ((), num_bytes));
         Ok(HandleId(handle))
     }
@@ -423,7 +480,7 @@ mod tests {
         let num_bytes = 2 * granularity;
         let va = driver.reserve(num_bytes).unwrap();
         assert_eq!(va % granularity, 0);
-        let handle = driver.create(num_bytes).unwrap();
+        let handle = driver.create(num_bytes, ExportTypes::NONE).unwrap();
         driver.map(va, num_bytes, handle).unwrap();
         driver.set_access(va, num_bytes).unwrap();
         fill(&driver, va, num_bytes, 0xab);
@@ -447,7 +504,7 @@ mod tests {
         let Some(driver) = gpu_driver() else { return };
         let granularity = driver.granularity();
         let va = driver.reserve(2 * granularity).unwrap();
-        let handle = driver.create(granularity).unwrap();
+        let handle = driver.create(granularity, ExportTypes::NONE).unwrap();
         assert_refused(
             driver.map(va + 2 * granularity, granularity, handle),
             Op::Map,
@@ -472,7 +529,7 @@ mod tests {
     fn gpu_absurd_create_is_out_of_memory() {
         let Some(driver) = gpu_driver() else { return };
         let num_bytes = (1u64 << 50).next_multiple_of(driver.granularity());
-        match driver.create(num_bytes) {
+        match driver.create(num_bytes, ExportTypes::NONE) {
             Err(Error::OutOfMemory {
                 op,
                 requested_bytes,
@@ -514,7 +571,7 @@ mod tests {
         let Some(driver) = gpu_driver() else { return };
         let granularity = driver.granularity();
         let va = driver.reserve(granularity).unwrap();
-        let handle = driver.create(granularity).unwrap();
+        let handle = driver.create(granularity, ExportTypes::NONE).unwrap();
         driver.map(va, granularity, handle).unwrap();
         driver.set_access(va, granularity).unwrap();
         driver

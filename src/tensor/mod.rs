@@ -25,11 +25,16 @@
 //! Limitations: `release_physical` drops everything (no pool of handles is kept for a later
 //! grow); a consolidation is all or nothing per run of granules, not across runs.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+mod reback;
+mod share;
 
-use crate::driver::{DeviceKind, Driver, HandleId, Stream};
+pub use share::{SharedDescription, SharedExport, SharedHandle};
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, Stream};
 use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
@@ -48,6 +53,9 @@ pub struct Options {
     pub fixed_handle_bytes: Option<u64>,
     /// How runs are cut below the cap (ignored with `fixed_handle_bytes`).
     pub cut: Cut,
+    /// How every physical allocation may be exported to other processes (`share`). POSIX fd
+    /// must be supported by the device; fabric is dropped where it is not.
+    pub export_types: ExportTypes,
 }
 
 /// The ways of cutting a run of granules into handles of at most the cap; see `HandlePolicy`.
@@ -116,10 +124,17 @@ struct Ctx {
     base: u64,
     /// The geometry's granularity, which never changes either.
     granularity: u64,
+    /// What every new handle is created exportable as.
+    export_types: ExportTypes,
+    serials: AtomicU64,
     deferred: Mutex<Vec<Error>>,
 }
 
 impl Ctx {
+    fn next_serial(&self) -> u64 {
+        self.serials.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// `(va, num_bytes)` of granule `run`.
     fn span(&self, run: Run) -> (u64, u64) {
         let bytes = run.bytes(self.granularity);
@@ -207,6 +222,12 @@ impl Drop for Reservation {
 struct PhysicalHandle {
     ctx: Arc<Ctx>,
     id: HandleId,
+    /// Names the handle across processes: the owner numbers its handles in creation order,
+    /// an importer keeps the owner's numbers (so `refresh` can tell which it has).
+    serial: u64,
+    /// The export made by the first `share` that needed it (~0.6 ms on CUDA), kept for the
+    /// handle's life: an importer duplicates the owner's fd while the owner holds it.
+    exported: OnceLock<Exported>,
 }
 
 impl Drop for PhysicalHandle {
@@ -222,50 +243,24 @@ struct Mapping {
     handle: Option<PhysicalHandle>,
 }
 
-/// A second mapping, at a scratch address, of a handle owned elsewhere; unmaps on drop.
-struct Alias {
-    ctx: Arc<Ctx>,
-    va: u64,
-    num_bytes: u64,
-}
-
-impl Drop for Alias {
-    fn drop(&mut self) {
-        self.ctx
-            .defer(self.ctx.driver.unmap(self.va, self.num_bytes));
-    }
-}
-
-/// Owns a reservation other than the tensor's (where a copy is built); frees it on drop.
-struct ScratchReservation {
-    ctx: Arc<Ctx>,
-    va: u64,
-    num_bytes: u64,
-}
-
-impl Drop for ScratchReservation {
-    fn drop(&mut self) {
-        self.ctx
-            .defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
-    }
-}
-
-/// Fresh handles for some runs, each mapped at a scratch reservation and holding a copy of the
-/// bytes at its run. Fields drop in order: the scratch mappings, the handles not taken, then
-/// the scratch reservation.
-struct Staging {
-    aliases: Vec<Alias>,
-    handles: Vec<(Run, PhysicalHandle)>,
-    scratch: Option<ScratchReservation>,
-}
-
 impl PhysicalHandle {
     fn create(ctx: &Arc<Ctx>, num_bytes: u64) -> Result<PhysicalHandle> {
-        let id = ctx.driver.create(num_bytes)?;
-        Ok(PhysicalHandle {
+        // The driver may have stopped offering fabric since (a refused fabric allocation).
+        let export = ctx
+            .export_types
+            .intersection(ctx.driver.supported_export_types());
+        let id = ctx.driver.create(num_bytes, export)?;
+        Ok(PhysicalHandle::adopt(ctx, id, ctx.next_serial()))
+    }
+
+    /// Owns handle `id` of `ctx`'s driver from now on.
+    fn adopt(ctx: &Arc<Ctx>, id: HandleId, serial: u64) -> PhysicalHandle {
+        PhysicalHandle {
             ctx: Arc::clone(ctx),
             id,
-        })
+            serial,
+            exported: OnceLock::new(),
+        }
     }
 }
 
@@ -286,12 +281,12 @@ impl Mapping {
         })
     }
 
+    fn handle(&self) -> &PhysicalHandle {
+        self.handle.as_ref().expect("a mapping holds its handle")
+    }
+
     fn ctx(&self) -> &Arc<Ctx> {
-        &self
-            .handle
-            .as_ref()
-            .expect("a mapping holds its handle")
-            .ctx
+        &self.handle().ctx
     }
 
     fn num_bytes(&self) -> u64 {
@@ -338,6 +333,9 @@ struct Inner {
     policy: HandlePolicy,
     state: Mutex<State>,
     live_views: AtomicUsize,
+    /// The owner's pid when this tensor maps memory another process owns (`import`): it
+    /// follows the owner (`refresh`) and can never grow, shrink or release that memory.
+    imported_from: Option<u32>,
 }
 
 impl Drop for Inner {
@@ -473,11 +471,14 @@ impl ExtensibleTensor {
                 }
             }
         };
+        let export_types = export_types_for(driver.as_ref(), options.export_types)?;
         let base = driver.reserve(geometry.reserved_bytes())?;
         let ctx = Arc::new(Ctx {
             driver,
             base,
             granularity,
+            export_types,
+            serials: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
         });
         let reservation = Reservation {
@@ -495,6 +496,7 @@ impl ExtensibleTensor {
             policy,
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
+            imported_from: None,
         };
         Ok(ExtensibleTensor {
             inner: Arc::new(inner),
@@ -510,6 +512,18 @@ impl ExtensibleTensor {
         match state.reservation {
             Some(_) => Ok(state),
             None => Err(Error::Closed),
+        }
+    }
+
+    /// `lock_open` for what only the memory's owner may do (grow, shrink, release).
+    fn lock_owned(&self, what: &str) -> Result<MutexGuard<'_, State>> {
+        let state = self.lock_open()?;
+        match self.inner.imported_from {
+            None => Ok(state),
+            Some(pid) => Err(Error::Unsupported(format!(
+                "cannot {what}: this tensor maps memory that process {pid} owns (imported with \
+                 from_shared); only the owner can change it, and refresh(description) follows it"
+            ))),
         }
     }
 
@@ -541,7 +555,7 @@ impl ExtensibleTensor {
     /// segment on `options.stream` when `options.zero_new`. All or nothing: on error the
     /// tensor is unchanged.
     pub fn resize_segments(&self, segment_bytes: &[u64], options: GrowOptions) -> Result<()> {
-        let mut state = self.lock_open()?;
+        let mut state = self.lock_owned("grow")?;
         let geometry = &self.inner.geometry;
         geometry.check_request(segment_bytes)?;
         if let Some(i) = state
@@ -640,198 +654,10 @@ impl ExtensibleTensor {
             .memset_zero(va, piece.num_bytes, zeroing.stream)
     }
 
-    /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
-    pub fn shrink(&self, num_bytes: u64, options: ShrinkOptions) -> Result<()> {
-        let n = self.num_segments();
-        if n != 1 {
-            return Err(Error::invalid(format!(
-                "shrink_ is for one segment; this tensor has {n}: use shrink_per_segment_"
-            )));
-        }
-        self.shrink_segments(&[num_bytes], options)
-    }
-
-    /// Shrinks segment `i` to `segment_bytes[i]`, keeping bytes `[0, new_i)` of every segment.
-    /// Handles that hold no granule a committed byte still needs are unmapped, after a fence,
-    /// and released; a granule shared with a neighbour's live prefix stays. With
-    /// `options.exact`, each handle that straddles the new frontier is replaced by handles of
-    /// just its needed granules (built at a scratch address, filled by a device copy, then
-    /// swapped in at the same address). All or nothing: on error the tensor is unchanged.
-    pub fn shrink_segments(&self, segment_bytes: &[u64], options: ShrinkOptions) -> Result<()> {
-        let mut state = self.lock_open()?;
-        let geometry = &self.inner.geometry;
-        geometry.check_request(segment_bytes)?;
-        let grows = state.segment_bytes.iter().zip(segment_bytes);
-        if let Some(i) = grows.clone().position(|(o, n)| n > o) {
-            return Err(Error::invalid(format!(
-                "a shrink cannot grow segment {i} from {} to {} bytes: use resize",
-                state.segment_bytes[i], segment_bytes[i]
-            )));
-        }
-        let needed = geometry.needed_runs(segment_bytes);
-        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
-        let plan = plan::plan_shrink(&mapped, &needed);
-        let mut old = plan.dead;
-        let mut new = Vec::new();
-        if options.exact {
-            for (handle, live) in plan.straddling {
-                old.push(handle);
-                new.extend(live);
-            }
-            old.sort_unstable();
-        }
-        if !old.is_empty() {
-            self.reback(&mut state, &old, &new, options.stream)?;
-        }
-        state.segment_bytes.copy_from_slice(segment_bytes);
-        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
-        Ok(())
-    }
-
-    /// Backs every maximal run of committed granules by one handle (each segment's prefix, for
-    /// segments that share no granule), keeping every byte and every address: views and CUDA
-    /// graphs stay valid, but registrations of the old pages (RDMA) must be renewed. Runs are
-    /// done one at a time, largest first, each built at a scratch address, filled by a copy and
-    /// swapped in, so at most the largest new handle is extra memory; each run is all or
-    /// nothing, and an out-of-memory on the first (largest) leaves the tensor unchanged.
-    /// Handles that hold no committed byte (slack of a shrink) are released too.
-    pub fn consolidate(&self, stream: Stream) -> Result<()> {
-        let mut state = self.lock_open()?;
-        let needed = self.inner.geometry.needed_runs(&state.segment_bytes);
-        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
-        for step in plan::plan_consolidate(&mapped, &needed) {
-            self.reback(&mut state, &step.old, &step.new, stream)?;
-        }
-        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
-        Ok(())
-    }
-
-    /// Replaces the mappings over the `old` runs by fresh handles over the `new` runs (each
-    /// inside the old ones), holding a copy of their bytes. All or nothing: the new handles are
-    /// built and filled at a scratch reservation first; the swap at the tensor's addresses
-    /// unmaps the old mappings but releases their handles only once every new one is in, so
-    /// a failure maps the old handles back.
-    fn reback(&self, state: &mut State, old: &[Run], new: &[Run], stream: Stream) -> Result<()> {
-        let staging = self.stage(new, stream)?;
-        // The fence: queued work may still touch the old mappings (and the copies must land).
-        self.inner.ctx.driver.synchronize()?;
-        let Staging {
-            aliases,
-            handles,
-            scratch,
-        } = staging;
-        let mut unmapped = Vec::with_capacity(old.len());
-        let mut added = Vec::with_capacity(handles.len());
-        let swapped = self.swap(state, old, handles, &mut unmapped, &mut added);
-        if swapped.is_ok() {
-            for mapping in added {
-                state.mappings.insert(mapping.run.first_granule, mapping);
-            }
-            drop(unmapped); // releases the old handles
-        } else {
-            drop(added);
-            for (run, handle) in unmapped {
-                self.map_back(state, run, handle);
-            }
-        }
-        // A tuple drops in order: the scratch mappings go before their reservation.
-        drop((aliases, scratch));
-        swapped
-    }
-
-    /// `reback`'s first half: fresh handles for `runs` at a scratch reservation, accessible and
-    /// holding a copy of the bytes at each run (ordered on `stream`).
-    fn stage(&self, runs: &[Run], stream: Stream) -> Result<Staging> {
-        let mut staging = Staging {
-            aliases: Vec::with_capacity(runs.len()),
-            handles: Vec::with_capacity(runs.len()),
-            scratch: None,
-        };
-        if runs.is_empty() {
-            return Ok(staging);
-        }
-        let (ctx, geometry) = (&self.inner.ctx, &self.inner.geometry);
-        let total: u64 = runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum();
-        let va = ctx.driver.reserve(total)?;
-        staging.scratch = Some(ScratchReservation {
-            ctx: Arc::clone(ctx),
-            va,
-            num_bytes: total,
-        });
-        let mut scratch_va = va;
-        for &run in runs {
-            let num_bytes = geometry.run_bytes(run).num_bytes;
-            let handle = PhysicalHandle::create(ctx, num_bytes)?;
-            ctx.driver.map(scratch_va, num_bytes, handle.id)?;
-            staging.handles.push((run, handle));
-            staging.aliases.push(Alias {
-                ctx: Arc::clone(ctx),
-                va: scratch_va,
-                num_bytes,
-            });
-            ctx.driver.set_access(scratch_va, num_bytes)?;
-            scratch_va += num_bytes;
-        }
-        // Queued work may still be writing the bytes about to be copied.
-        ctx.driver.synchronize()?;
-        for (alias, (run, _)) in staging.aliases.iter().zip(&staging.handles) {
-            let (src, _) = ctx.span(*run);
-            ctx.driver.copy(alias.va, src, alias.num_bytes, stream)?;
-        }
-        Ok(staging)
-    }
-
-    /// `reback`'s second half: unmaps the `old` mappings (keeping their handles, in
-    /// `unmapped`) and maps the staged `handles` in their place (in `added`).
-    fn swap(
-        &self,
-        state: &mut State,
-        old: &[Run],
-        handles: Vec<(Run, PhysicalHandle)>,
-        unmapped: &mut Vec<(Run, PhysicalHandle)>,
-        added: &mut Vec<Mapping>,
-    ) -> Result<()> {
-        for &run in old {
-            let key = run.first_granule;
-            let mapping = state
-                .mappings
-                .remove(&key)
-                .expect("planned from the mappings");
-            match mapping.unmap() {
-                Ok(handle) => unmapped.push((run, handle)),
-                Err((err, mapping)) => {
-                    state.mappings.insert(key, mapping);
-                    return Err(err);
-                }
-            }
-        }
-        for (run, handle) in handles {
-            added.push(Mapping::map(handle, run)?);
-            let (va, num_bytes) = self.inner.ctx.span(run);
-            self.inner.ctx.driver.set_access(va, num_bytes)?;
-        }
-        Ok(())
-    }
-
-    /// Undoes one unmap of `swap`: the handle, still holding its bytes, goes back over its
-    /// run. A failure here (a second fault in one call) is recorded for
-    /// `take_deferred_errors`, and the run is left unmapped.
-    fn map_back(&self, state: &mut State, run: Run, handle: PhysicalHandle) {
-        let ctx = &self.inner.ctx;
-        match Mapping::map(handle, run) {
-            Ok(mapping) => {
-                let (va, num_bytes) = ctx.span(run);
-                ctx.defer(ctx.driver.set_access(va, num_bytes));
-                state.mappings.insert(run.first_granule, mapping);
-            }
-            Err(err) => ctx.defer(Err(err)),
-        }
-    }
-
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
     /// Views stay valid for addressing; touching them faults until the next grow.
     pub fn release_physical(&self) -> Result<()> {
-        let mut state = self.lock_open()?;
+        let mut state = self.lock_owned("release physical memory")?;
         self.release_locked(&mut state)
     }
 
@@ -985,6 +811,21 @@ fn uniform(values: &[u64], plural: &str) -> Result<u64> {
             "segments differ: use {plural} ({values:?})"
         ))),
     }
+}
+
+/// The export types a tensor asks of `driver`: POSIX fd must be supported; fabric is dropped
+/// where it is not (as vLLM does), since an importer can fall back to fds or RDMA.
+fn export_types_for(driver: &dyn Driver, requested: ExportTypes) -> Result<ExportTypes> {
+    let supported = driver.supported_export_types();
+    if requested.contains(ExportTypes::POSIX_FD) && !supported.contains(ExportTypes::POSIX_FD) {
+        return Err(Error::Unsupported(format!(
+            "the {} backend on {} cannot export POSIX file descriptors \
+             (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)",
+            driver.backend_name(),
+            driver.device().torch_name()
+        )));
+    }
+    Ok(requested.intersection(supported))
 }
 
 fn check_state(inner: &Inner, state: &State) -> Result<(), String> {

@@ -1,0 +1,175 @@
+"""Sharing an `ExtensibleTensor`'s memory with other processes.
+
+The owner creates the tensor exportable (`export_handle_types="posix_fd"`, or `"fabric"`
+where the device supports it) and describes its memory with `share()`: a picklable
+`SharedTensor` of the geometry, the committed sizes and, per physical handle, its granule run,
+a serial number and how to get it (the owner's pid and an fd it keeps open, or a fabric
+handle). Another process maps the same memory at the same offsets of a reservation of its own
+with `ExtensibleTensor.from_shared(description)`; `refresh(description)` follows the owner's
+later grows and shrinks. An importer can never grow, shrink or free the owner's memory; what
+it maps stays valid, whatever the owner does, until the importer lets go.
+
+Fds are taken from the owner by pid (`pidfd_getfd`, Linux 5.6+, which needs ptrace access to
+the owner). Where that is refused, `send_shared(sock, description)` passes the description
+and the fds over a connected Unix socket (SCM_RIGHTS) and `recv_shared(sock)` returns a
+description carrying the received fds, which `from_shared` / `refresh` then use (and close).
+
+Each handle is exported once, on the first `share()` that needs it (~0.6 ms a handle on
+CUDA): few, large handles — the default handle policy — make sharing cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["SharedHandle", "SharedTensor", "export_handle_types_bits", "recv_shared", "send_shared"]
+
+POSIX_FD = 1
+FABRIC = 8
+_NAMES = {"posix_fd": POSIX_FD, "fabric": FABRIC, "none": 0}
+_MAX_FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
+
+
+def export_handle_types_bits(types: int | str | list[int | str] | tuple[int | str, ...]) -> int:
+    """CUDA's `CUmemAllocationHandleType` bits for `types`: an int (0, 1 POSIX fd, 8 fabric,
+    9 both), a name (`"posix_fd"`, `"fabric"`) or a list of those."""
+    if isinstance(types, bool):
+        raise TypeError("export_handle_types must be an int, a name or a list of them")
+    if isinstance(types, int):
+        return types
+    if isinstance(types, str):
+        try:
+            return _NAMES[types.lower()]
+        except KeyError:
+            known = ", ".join(repr(n) for n in _NAMES)
+            raise ValueError(f"unknown export handle type {types!r}; known: {known}") from None
+    bits = 0
+    for item in types:
+        bits |= export_handle_types_bits(item)
+    return bits
+
+
+@dataclass(frozen=True)
+class SharedHandle:
+    """One physical handle of a shared tensor: granules `[first_granule, +num_granules)`, the
+    owner's `serial` for it, and either the owner's `pid` and `fd` or `fabric` bytes."""
+
+    first_granule: int
+    num_granules: int
+    serial: int
+    pid: int | None = None
+    fd: int | None = None
+    fabric: bytes | None = None
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """What another process needs to map a tensor's memory (from `ExtensibleTensor.share`).
+
+    Picklable. `received_fds` is set only by `recv_shared`: fds this process holds, one per fd
+    handle in order, handed over to (and closed by) the next `from_shared` / `refresh`; it is
+    never pickled."""
+
+    device: str
+    granularity: int
+    segment_capacities: tuple[int, ...]
+    segment_bytes: tuple[int, ...]
+    owner_pid: int
+    handles: tuple[SharedHandle, ...]
+    received_fds: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_bytes(self) -> int:
+        """The physical bytes the description maps."""
+        return sum(h.num_granules for h in self.handles) * self.granularity
+
+    @classmethod
+    def _from_native(cls, raw: tuple[Any, ...]) -> SharedTensor:
+        device, granularity, capacities, sizes, owner_pid, handles = raw
+        return cls(
+            device,
+            granularity,
+            tuple(capacities),
+            tuple(sizes),
+            owner_pid,
+            tuple(SharedHandle(*h) for h in handles),
+        )
+
+    def _to_native(self) -> tuple[Any, ...]:
+        handles = [
+            (h.first_granule, h.num_granules, h.serial, h.pid, h.fd, h.fabric) for h in self.handles
+        ]
+        return (
+            self.device,
+            self.granularity,
+            list(self.segment_capacities),
+            list(self.segment_bytes),
+            self.owner_pid,
+            handles,
+        )
+
+    def _take_fds(self) -> list[int] | None:
+        """The received fds, once: the native call that gets them closes them."""
+        fds = self.received_fds
+        if fds is None:
+            return None
+        object.__setattr__(self, "received_fds", ())
+        return list(fds)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        values = tuple(getattr(self, f.name) for f in fields(self) if f.name != "received_fds")
+        return (type(self), values)
+
+
+def send_shared(sock: socket.socket, description: SharedTensor) -> None:
+    """Sends `description` and the owner's fds over the connected Unix socket `sock`, for a
+    peer that may not take them by pid (`recv_shared` on the other end). Call it from the
+    process that called `share()`: it sends that process's fds."""
+    if description.owner_pid != os.getpid():
+        raise ValueError(
+            f"send_shared must run in the owner process ({description.owner_pid}), not "
+            f"{os.getpid()}: the fds it sends are the owner's"
+        )
+    payload = pickle.dumps(description)
+    sock.sendall(struct.pack("!Q", len(payload)) + payload)
+    fds = [h.fd for h in description.handles if h.fd is not None]
+    for start in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
+        socket.send_fds(sock, [b"F"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+
+
+def recv_shared(sock: socket.socket) -> SharedTensor:
+    """Receives a description sent by `send_shared`, carrying the received fds (given up to
+    the next `ExtensibleTensor.from_shared` or `refresh` of it)."""
+    (length,) = struct.unpack("!Q", _recv_exactly(sock, 8))
+    description: SharedTensor = pickle.loads(_recv_exactly(sock, length))
+    expected = sum(h.fd is not None for h in description.handles)
+    received: list[int] = []
+    try:
+        while len(received) < expected:
+            want = min(_MAX_FDS_PER_MESSAGE, expected - len(received))
+            _, fds, _, _ = socket.recv_fds(sock, 1, want)
+            if not fds:
+                raise ConnectionError("the peer closed the socket before sending every fd")
+            received.extend(fds)
+    except BaseException:
+        for fd in received:
+            os.close(fd)
+        raise
+    object.__setattr__(description, "received_fds", tuple(received))
+    return description
+
+
+def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
+    chunks, left = [], num_bytes
+    while left:
+        chunk = sock.recv(left)
+        if not chunk:
+            raise ConnectionError("the peer closed the socket mid-description")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,255 @@
+//! Giving memory back without losing data: shrink, exact shrink and consolidate.
+//!
+//! A shrink releases the handles that hold no granule a committed byte still needs (after the
+//! fence). An exact shrink and a consolidation re-back runs of granules by new handles: those
+//! are built at a scratch reservation and filled by a device copy (`stage`), then swapped in at
+//! the tensor's own addresses (`swap`), so views, CUDA graphs and registrations by address stay
+//! valid. The old handles are unmapped but released only once every new one is in: a failure
+//! part-way maps them back, and the tensor is as it was (`reback`).
+
+use std::sync::Arc;
+
+use super::{check_state, Ctx, ExtensibleTensor, Mapping, PhysicalHandle, ShrinkOptions, State};
+use crate::driver::Stream;
+use crate::error::{Error, Result};
+use crate::plan::{self, Run};
+
+/// A second mapping, at a scratch address, of a handle owned elsewhere; unmaps on drop.
+struct Alias {
+    ctx: Arc<Ctx>,
+    va: u64,
+    num_bytes: u64,
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        self.ctx
+            .defer(self.ctx.driver.unmap(self.va, self.num_bytes));
+    }
+}
+
+/// Owns a reservation other than the tensor's (where a copy is built); frees it on drop.
+struct ScratchReservation {
+    ctx: Arc<Ctx>,
+    va: u64,
+    num_bytes: u64,
+}
+
+impl Drop for ScratchReservation {
+    fn drop(&mut self) {
+        self.ctx
+            .defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
+    }
+}
+
+/// Fresh handles for some runs, each mapped at a scratch reservation and holding a copy of the
+/// bytes at its run. Fields drop in order: the scratch mappings, the handles not taken, then
+/// the scratch reservation.
+struct Staging {
+    aliases: Vec<Alias>,
+    handles: Vec<(Run, PhysicalHandle)>,
+    scratch: Option<ScratchReservation>,
+}
+
+impl ExtensibleTensor {
+    /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
+    pub fn shrink(&self, num_bytes: u64, options: ShrinkOptions) -> Result<()> {
+        let n = self.num_segments();
+        if n != 1 {
+            return Err(Error::invalid(format!(
+                "shrink_ is for one segment; this tensor has {n}: use shrink_per_segment_"
+            )));
+        }
+        self.shrink_segments(&[num_bytes], options)
+    }
+
+    /// Shrinks segment `i` to `segment_bytes[i]`, keeping bytes `[0, new_i)` of every segment.
+    /// Handles that hold no granule a committed byte still needs are unmapped, after a fence,
+    /// and released; a granule shared with a neighbour's live prefix stays. With
+    /// `options.exact`, each handle that straddles the new frontier is replaced by handles of
+    /// just its needed granules (built at a scratch address, filled by a device copy, then
+    /// swapped in at the same address). All or nothing: on error the tensor is unchanged.
+    pub fn shrink_segments(&self, segment_bytes: &[u64], options: ShrinkOptions) -> Result<()> {
+        let mut state = self.lock_owned("shrink")?;
+        let geometry = &self.inner.geometry;
+        geometry.check_request(segment_bytes)?;
+        let grows = state.segment_bytes.iter().zip(segment_bytes);
+        if let Some(i) = grows.clone().position(|(o, n)| n > o) {
+            return Err(Error::invalid(format!(
+                "a shrink cannot grow segment {i} from {} to {} bytes: use resize",
+                state.segment_bytes[i], segment_bytes[i]
+            )));
+        }
+        let needed = geometry.needed_runs(segment_bytes);
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        let plan = plan::plan_shrink(&mapped, &needed);
+        let mut old = plan.dead;
+        let mut new = Vec::new();
+        if options.exact {
+            for (handle, live) in plan.straddling {
+                old.push(handle);
+                new.extend(live);
+            }
+            old.sort_unstable();
+        }
+        if !old.is_empty() {
+            self.reback(&mut state, &old, &new, options.stream)?;
+        }
+        state.segment_bytes.copy_from_slice(segment_bytes);
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Backs every maximal run of committed granules by one handle (each segment's prefix, for
+    /// segments that share no granule), keeping every byte and every address: views and CUDA
+    /// graphs stay valid, but registrations of the old pages (RDMA) must be renewed. Runs are
+    /// done one at a time, largest first, each built at a scratch address, filled by a copy and
+    /// swapped in, so at most the largest new handle is extra memory; each run is all or
+    /// nothing, and an out-of-memory on the first (largest) leaves the tensor unchanged.
+    /// Handles that hold no committed byte (slack of a shrink) are released too.
+    pub fn consolidate(&self, stream: Stream) -> Result<()> {
+        let mut state = self.lock_owned("consolidate")?;
+        let needed = self.inner.geometry.needed_runs(&state.segment_bytes);
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        for step in plan::plan_consolidate(&mapped, &needed) {
+            self.reback(&mut state, &step.old, &step.new, stream)?;
+        }
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Replaces the mappings over the `old` runs by fresh handles over the `new` runs (each
+    /// inside the old ones), holding a copy of their bytes. All or nothing: the new handles are
+    /// built and filled at a scratch reservation first; the swap at the tensor's addresses
+    /// unmaps the old mappings but releases their handles only once every new one is in, so
+    /// a failure maps the old handles back.
+    fn reback(&self, state: &mut State, old: &[Run], new: &[Run], stream: Stream) -> Result<()> {
+        let staging = self.stage(new, stream)?;
+        let Staging {
+            aliases,
+            handles,
+            scratch,
+        } = staging;
+        let replaced = self.replace(state, old, handles);
+        // A tuple drops in order: the scratch mappings go before their reservation.
+        drop((aliases, scratch));
+        replaced
+    }
+
+    /// Replaces the mappings over the `old` runs by `handles` over their runs, all or nothing:
+    /// after the fence, the old mappings are unmapped and the new ones mapped; the old handles
+    /// are released only once every new one is in, so a failure maps them back.
+    pub(super) fn replace(
+        &self,
+        state: &mut State,
+        old: &[Run],
+        handles: Vec<(Run, PhysicalHandle)>,
+    ) -> Result<()> {
+        // The fence: queued work may still touch the old mappings (and copies must land).
+        self.inner.ctx.driver.synchronize()?;
+        let mut unmapped = Vec::with_capacity(old.len());
+        let mut added = Vec::with_capacity(handles.len());
+        let swapped = self.swap(state, old, handles, &mut unmapped, &mut added);
+        if swapped.is_ok() {
+            for mapping in added {
+                state.mappings.insert(mapping.run.first_granule, mapping);
+            }
+            drop(unmapped); // releases the old handles
+        } else {
+            drop(added);
+            for (run, handle) in unmapped {
+                self.map_back(state, run, handle);
+            }
+        }
+        swapped
+    }
+
+    /// `reback`'s first half: fresh handles for `runs` at a scratch reservation, accessible and
+    /// holding a copy of the bytes at each run (ordered on `stream`).
+    fn stage(&self, runs: &[Run], stream: Stream) -> Result<Staging> {
+        let mut staging = Staging {
+            aliases: Vec::with_capacity(runs.len()),
+            handles: Vec::with_capacity(runs.len()),
+            scratch: None,
+        };
+        if runs.is_empty() {
+            return Ok(staging);
+        }
+        let (ctx, geometry) = (&self.inner.ctx, &self.inner.geometry);
+        let total: u64 = runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum();
+        let va = ctx.driver.reserve(total)?;
+        staging.scratch = Some(ScratchReservation {
+            ctx: Arc::clone(ctx),
+            va,
+            num_bytes: total,
+        });
+        let mut scratch_va = va;
+        for &run in runs {
+            let num_bytes = geometry.run_bytes(run).num_bytes;
+            let handle = PhysicalHandle::create(ctx, num_bytes)?;
+            ctx.driver.map(scratch_va, num_bytes, handle.id)?;
+            staging.handles.push((run, handle));
+            staging.aliases.push(Alias {
+                ctx: Arc::clone(ctx),
+                va: scratch_va,
+                num_bytes,
+            });
+            ctx.driver.set_access(scratch_va, num_bytes)?;
+            scratch_va += num_bytes;
+        }
+        // Queued work may still be writing the bytes about to be copied.
+        ctx.driver.synchronize()?;
+        for (alias, (run, _)) in staging.aliases.iter().zip(&staging.handles) {
+            let (src, _) = ctx.span(*run);
+            ctx.driver.copy(alias.va, src, alias.num_bytes, stream)?;
+        }
+        Ok(staging)
+    }
+
+    /// `reback`'s second half: unmaps the `old` mappings (keeping their handles, in
+    /// `unmapped`) and maps the staged `handles` in their place (in `added`).
+    fn swap(
+        &self,
+        state: &mut State,
+        old: &[Run],
+        handles: Vec<(Run, PhysicalHandle)>,
+        unmapped: &mut Vec<(Run, PhysicalHandle)>,
+        added: &mut Vec<Mapping>,
+    ) -> Result<()> {
+        for &run in old {
+            let key = run.first_granule;
+            let mapping = state
+                .mappings
+                .remove(&key)
+                .expect("planned from the mappings");
+            match mapping.unmap() {
+                Ok(handle) => unmapped.push((run, handle)),
+                Err((err, mapping)) => {
+                    state.mappings.insert(key, mapping);
+                    return Err(err);
+                }
+            }
+        }
+        for (run, handle) in handles {
+            added.push(Mapping::map(handle, run)?);
+            let (va, num_bytes) = self.inner.ctx.span(run);
+            self.inner.ctx.driver.set_access(va, num_bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Undoes one unmap of `swap`: the handle, still holding its bytes, goes back over its
+    /// run. A failure here (a second fault in one call) is recorded for
+    /// `take_deferred_errors`, and the run is left unmapped.
+    fn map_back(&self, state: &mut State, run: Run, handle: PhysicalHandle) {
+        let ctx = &self.inner.ctx;
+        match Mapping::map(handle, run) {
+            Ok(mapping) => {
+                let (va, num_bytes) = ctx.span(run);
+                ctx.defer(ctx.driver.set_access(va, num_bytes));
+                state.mappings.insert(run.first_granule, mapping);
+            }
+            Err(err) => ctx.defer(Err(err)),
+        }
+    }
+}

@@ -1,0 +1,382 @@
+"""Sharing a tensor's memory across processes (`share`, `from_shared`, `refresh`,
+`send_shared` / `recv_shared`), every test on every backend (see conftest.py): on the host
+backend memfds travel, on CUDA exported allocation handles; two processes on one GPU.
+
+The child is a spawned process that takes commands over a pipe, so each step (import, write,
+refresh, hold views while the owner closes, let go) is ordered against the parent's.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import device_kwargs
+from extensible_kv import (
+    DriverError,
+    ExtensibleTensor,
+    OutOfMemoryError,
+    SharedTensor,
+    UnsupportedError,
+    recv_shared,
+    send_shared,
+    vmm_unavailable_reason,
+)
+
+TIMEOUT_S = 120
+
+
+def pattern(n: int, seed: int) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64) * 13 + seed) % 251 + 1).to(torch.uint8)
+
+
+def open_fds() -> set[str]:
+    """This process's open fds that name shared memory: extensible-kv's memfds (host backend)
+    and the NVIDIA driver's files (exported CUDA handles)."""
+    names = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "extensible-kv" in target or "nvidia" in target:
+            names.add(f"{fd}:{target}")
+    return names
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------
+# the child process: a small command loop
+
+
+def _child_main(conn: Any, device: str) -> None:
+    """Commands: ("import", desc) -> fds opened; ("write", seed) fills every committed prefix;
+    ("read", segment, offset, n) -> bytes; ("refresh", desc); ("hold",) keeps segment views
+    and drops the tensor object; ("check_held", seed, n) -> whether the held views still read
+    the pattern (and take a write); ("release",) -> fds left open vs before the import."""
+    t: ExtensibleTensor | None = None
+    held: list[torch.Tensor] = []
+    fds_before = open_fds()
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "import":
+                if device.startswith("cuda"):
+                    torch.cuda.init()
+                t = ExtensibleTensor.from_shared(args[0])
+                conn.send(("ok", t.segment_bytes, t.imported_from))
+            elif command == "write":
+                assert t is not None
+                _write_every_segment(t, args[0])
+                _sync(device)
+                conn.send(("ok",))
+            elif command == "read":
+                assert t is not None
+                conn.send(("ok", _read(t, *args)))
+            elif command == "refresh":
+                assert t is not None
+                t.refresh(args[0])
+                conn.send(("ok", t.segment_bytes, t.num_handles))
+            elif command == "denied":
+                assert t is not None
+                conn.send(("ok", _denied(t)))
+            elif command == "hold":
+                assert t is not None
+                held = [t.segment_view(s) for s in range(t.num_segments)]
+                t = None
+                gc.collect()
+                conn.send(("ok",))
+            elif command == "check_held":
+                good = _check_held(held, *args)
+                _sync(device)
+                conn.send(("ok", good))
+            elif command == "release":
+                held = []
+                t = None
+                gc.collect()
+                _sync(device)
+                conn.send(("ok", sorted(open_fds() - fds_before)))
+                return
+    except BaseException as error:  # report, so the parent fails with the child's reason
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def _write_every_segment(t: ExtensibleTensor, seed: int) -> None:
+    # A function, so that no view outlives the call (a view keeps the memory mapped).
+    for s in range(t.num_segments):
+        view = t.segment_view(s)
+        view.copy_(pattern(view.numel(), seed + s).to(view.device))
+
+
+def _read(t: ExtensibleTensor, segment: int, offset: int, n: int) -> bytes:
+    return bytes(t.segment_view(segment)[offset : offset + n].cpu().numpy())
+
+
+def _denied(t: ExtensibleTensor) -> list[tuple[str, bool]]:
+    """What an importer may not do: each refused with UnsupportedError naming the owner."""
+    refused = []
+    calls = {
+        "grow": lambda: t.resize_per_segment_(t.segment_capacity_bytes),
+        "shrink": lambda: t.shrink_per_segment_(0),
+        "release": t.release_physical,
+        "consolidate": t.consolidate,
+        "share": t.share,
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except UnsupportedError as error:
+            refused.append((name, "owns" in str(error)))
+    return refused
+
+
+def _check_held(held: list[torch.Tensor], seed: int, n: int) -> bool:
+    good = all(torch.equal(v[:n].cpu(), pattern(n, seed + s)) for s, v in enumerate(held))
+    for view in held:
+        view[:1].fill_(0)  # still writable
+    return good
+
+
+class Child:
+    def __init__(self, device: str) -> None:
+        context = mp.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_child_main, args=(child_conn, device))
+        self.process.start()
+
+    def __call__(self, *command: Any) -> Any:
+        self.conn.send(command)
+        if not self.conn.poll(TIMEOUT_S):
+            raise TimeoutError(f"the child did not answer {command[0]!r}")
+        status, *result = self.conn.recv()
+        assert status == "ok", result[0]
+        return result
+
+    def stop(self) -> None:
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+@pytest.fixture
+def child(device: str) -> Iterator[Child]:
+    proc = Child(device)
+    yield proc
+    proc.stop()
+
+
+def _owner(device: str, capacity: int, segments: int, **kw: Any) -> ExtensibleTensor:
+    return ExtensibleTensor(
+        capacity * segments,
+        segments,
+        export_handle_types="posix_fd",
+        **{**device_kwargs("cpu" if device == "cpu" else "cuda"), **kw},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_two_processes_share_grow_and_outlive_the_owner(device: str, g: int, child: Child) -> None:
+    fds_before = open_fds()
+    free_before = torch.cuda.mem_get_info()[0] if device != "cpu" else 0
+    owner = _owner(device, 8 * g, 3)
+    owner.resize_per_segment_(2 * g + 100)
+    description = owner.share()
+    assert description.owner_pid == os.getpid()
+    assert description.num_bytes == owner.physical_bytes
+
+    sizes, pid = child("import", description)
+    assert (tuple(sizes), pid) == (owner.segment_bytes, os.getpid())
+    child("write", 11)
+    for s in range(3):  # what the child wrote, the parent reads
+        assert torch.equal(owner.segment_view(s).cpu(), pattern(2 * g + 100, 11 + s)), s
+    if device != "cpu":
+        # The child maps the parent's memory: it is counted once, not twice.
+        child_extra = free_before - torch.cuda.mem_get_info()[0] - owner.physical_bytes
+        assert child_extra < 2 * g * 3 + (64 << 20), child_extra
+
+    owner.resize_per_segment_(6 * g)
+    owner.segment_view(1)[4 * g : 4 * g + 64].copy_(pattern(64, 99).to(owner.device))
+    _sync(device)
+    sizes, num_handles = child("refresh", owner.share())
+    assert tuple(sizes) == owner.segment_bytes and num_handles == owner.num_handles
+    (got,) = child("read", 1, 4 * g, 64)
+    assert got == bytes(pattern(64, 99).numpy())
+    (zeros,) = child("read", 0, 3 * g, 64)
+    assert zeros == bytes(64), "the bytes the owner grew read zero in the importer too"
+
+    (refused,) = child("denied")
+    assert [name for name, _ in refused] == ["grow", "shrink", "release", "consolidate", "share"]
+    assert all(says_who for _, says_who in refused)
+
+    # The owner shrinks and the importer follows; then the owner goes while the child holds
+    # views: they stay valid (and writable) until the child lets go.
+    owner.shrink_per_segment_(2 * g + 100, exact=True)
+    child("refresh", owner.share())
+    child("hold")
+    owner.close()
+    del owner
+    gc.collect()
+    (good,) = child("check_held", 11, 2 * g + 100)
+    assert good
+    (child_fds,) = child("release")
+    assert child_fds == [], "the child kept fds open"
+    assert open_fds() == fds_before, "the parent kept fds open"
+
+
+def test_send_and_receive_over_a_unix_socket(device: str, g: int) -> None:
+    owner = _owner(device, 4 * g, 2)
+    owner.resize_per_segment_(3 * g)
+    owner.full_view()[:16].copy_(pattern(16, 5).to(owner.device))
+    _sync(device)
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        send_shared(left, owner.share())
+        received = recv_shared(right)
+    assert received == owner.share() and received.received_fds is not None
+    fds = received.received_fds
+    assert len(fds) == owner.num_handles
+    imported = ExtensibleTensor.from_shared(received)
+    assert received.received_fds == ()  # handed over: the import closed them
+    assert all(not os.path.exists(f"/proc/self/fd/{fd}") for fd in fds)
+    assert torch.equal(imported.full_view()[:16].cpu(), pattern(16, 5))
+    with pytest.raises(ValueError, match="owner process"):
+        send_shared(left, SharedTensor("cpu", g, (g,), (0,), os.getpid() + 1, ()))
+    imported.close()
+    owner.close()
+
+
+def test_a_description_survives_pickling_without_its_fds(device: str, g: int) -> None:
+    import pickle
+
+    owner = _owner(device, 4 * g, 1)
+    owner.resize_(g)
+    description = owner.share()
+    assert pickle.loads(pickle.dumps(description)) == description
+    owner.close()
+
+
+def _corrupt(description: SharedTensor, **changes: Any) -> SharedTensor:
+    from dataclasses import replace
+
+    return replace(description, **changes)
+
+
+def test_bad_descriptions_are_typed_errors_and_leak_nothing(device: str, g: int) -> None:
+    from dataclasses import replace
+
+    owner = _owner(device, 4 * g, 2)
+    owner.resize_per_segment_(2 * g)
+    description = owner.share()
+    fds_before = open_fds()
+    first = description.handles[0]
+    bad: list[tuple[SharedTensor, type[Exception], str]] = [
+        (_corrupt(description, segment_bytes=(3 * g, 2 * g)), ValueError, "in no handle"),
+        (_corrupt(description, segment_bytes=(5 * g, 0)), ValueError, "exceeds the capacity"),
+        (
+            _corrupt(description, handles=(replace(first, fd=4000), *description.handles[1:])),
+            DriverError,
+            "no longer holds",
+        ),
+        (
+            _corrupt(
+                description, handles=(replace(first, pid=2**22 + 7), *description.handles[1:])
+            ),
+            DriverError,
+            "pidfd",
+        ),
+        (_corrupt(description, handles=description.handles[::-1]), ValueError, "order"),
+    ]
+    for wrong, error, match in bad:
+        with pytest.raises(error, match=match):
+            ExtensibleTensor.from_shared(wrong)
+    assert open_fds() == fds_before
+    with pytest.raises(UnsupportedError, match="refresh is for tensors imported"):
+        owner.refresh(description)
+    plain = ExtensibleTensor(4 * g, 1, **device_kwargs("cpu" if device == "cpu" else "cuda"))
+    plain.resize_(g)
+    with pytest.raises(UnsupportedError, match="not exportable"):
+        plain.share()
+    plain.close()
+    owner.close()
+
+
+def test_a_failed_import_maps_nothing_and_keeps_no_fd(device: str, g: int) -> None:
+    owner = _owner(device, 8 * g, 2, max_handle_bytes=2 * g)
+    owner.resize_per_segment_(7 * g)
+    description = owner.share()
+    assert len(description.handles) >= 4
+    fds_before = open_fds()
+    injected = 0
+    for op in ("reserve", "import", "map", "set_access"):
+        for nth in range(1, len(description.handles) + 1):
+            for kind in ("driver", "oom"):
+                kw = dict(device_kwargs("cpu" if device == "cpu" else "cuda"))
+                kw["_fault"] = (op, nth, kind)
+                kw["granularity"] = description.granularity
+                try:
+                    imported = ExtensibleTensor.__new__(
+                        ExtensibleTensor,
+                        0,
+                        None,
+                        _shared=description._to_native(),
+                        **kw,
+                    )
+                except (DriverError, OutOfMemoryError):
+                    injected += 1
+                else:
+                    imported.close()
+                assert open_fds() == fds_before, (op, nth, kind)
+    assert injected >= 10
+    owner.close()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only: importers that start from a raw pointer (LMCache, UCX cuda_ipc)
+
+
+_CUDA_REASON = vmm_unavailable_reason("cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+def test_a_handle_retained_from_a_view_exports_and_imports() -> None:
+    from cuda.bindings import driver as cu
+
+    device, g = "cuda:0", 2 << 20
+
+    def ok(result: Any) -> Any:
+        status, *values = result
+        assert status == cu.CUresult.CUDA_SUCCESS, status
+        return values[0] if len(values) == 1 else values
+
+    owner = _owner(device, 4 * g, 1)
+    owner.resize_(3 * g)
+    view = owner.full_view()
+    handle = ok(cu.cuMemRetainAllocationHandle(view.data_ptr() + g))
+    fd = ok(
+        cu.cuMemExportToShareableHandle(
+            handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+        )
+    )
+    imported = ok(
+        cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+    )
+    os.close(fd)
+    ok(cu.cuMemRelease(imported))
+    ok(cu.cuMemRelease(handle))
+    del view
+    owner.close()
