@@ -8,8 +8,8 @@
    - `vllm034-py.zip`: every `.py` file of the vLLM 0.34.0 wheel, extracted once per machine
      into a temp dir that goes first on `sys.path`;
    - `vllm034-wheels/*.whl`: the light packages vLLM's modules import (pydantic, msgspec,
-     pyzmq, ...), for the device's Python, extracted beside it and put *last* on `sys.path`,
-     so the machine's own packages win;
+     pyzmq, ...) for the device's Python, extracted beside it and put next on `sys.path`:
+     none of them is torch's, numpy's or transformers', so they shadow nothing those use;
    - the few heavy packages that are imported but never called here (`STUBBED`: Pillow,
      uvloop, llguidance) become empty stub modules when absent;
    - vLLM's platform is pinned to `UnspecifiedPlatform` (what it resolves to on a CPU
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-VENDOR = REPO / ".vendor"
+VENDOR = Path(os.environ.get("EKV_VENDOR") or REPO / ".vendor")  # `scripts/vendor-vllm --check`
 VLLM_ZIP = VENDOR / "vllm034-py.zip"
 WHEELS = VENDOR / "vllm034-wheels"
 VLLM_VERSION = "0.34.0"
@@ -114,8 +114,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _use_vendored() -> None:
     code, site = _extract()
-    sys.path.insert(0, str(code))
-    sys.path.append(str(site))
+    sys.path[:0] = [str(code), str(site)]
     absent = {name for name in STUBBED if importlib.util.find_spec(name) is None}
     if absent:
         sys.meta_path.append(_StubFinder(absent))
@@ -140,7 +139,7 @@ def load() -> str | None:
         else:
             reason = (
                 f"vLLM {VLLM_VERSION} is not installed (scripts/setup installs it) and "
-                f"{VLLM_ZIP.relative_to(REPO)} is absent (scripts/vendor-vllm makes it)"
+                f"{VLLM_ZIP} is absent (scripts/vendor-vllm makes it)"
             )
         if reason is None:
             import vllm
