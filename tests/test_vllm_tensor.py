@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import BACKENDS, memfd_counts
 from extensible_kv import ClosedError, OutOfMemoryError, UnsupportedError
-from extensible_kv.vllm import ExtensibleTensor, granule_size
+from extensible_kv.vllm import HANDLES_ENV_VAR, ExtensibleTensor, granule_size
 from extensible_kv.vllm import tensor as dropin_module
 
 MIB = 1 << 20
@@ -267,6 +267,28 @@ def test_segments_backed_by_one_chunk(make: Callable[..., ExtensibleTensor], g: 
     t.resize_per_segment_(3 * g)  # one run over all four segments: one allocation
     assert t.num_physical_chunks == 1
     assert t.segments_backed_by_one_chunk([3 * g] * 4) == [True] * 4
+
+
+@pytest.mark.parametrize(("policy", "chunks"), [("adaptive", 10), ("runs", 8), ("1gib", 8)])
+def test_handle_policy_of_later_grows(
+    make: Callable[..., ExtensibleTensor],
+    g: int,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
+    chunks: int,
+) -> None:
+    """Four segments of 3 granules, grown to 1 byte (a handle each: from empty), then to all
+    but a byte: the second grow's runs (granules 1-2, 4-5, 7-8, 10-11) are cut by the policy;
+    aligned powers of two split the runs that start on an odd granule."""
+    monkeypatch.setenv(HANDLES_ENV_VAR, policy)
+    t = make(12 * g, num_segments=4)
+    t.resize_per_segment_(1)
+    t.resize_per_segment_(3 * g - 1, zero_new=True)
+    assert t.num_physical_chunks == chunks
+    assert int(torch.count_nonzero(t.full_view()[1 : 3 * g - 1])) == 0
+    monkeypatch.setenv(HANDLES_ENV_VAR, "huge")
+    with pytest.raises(ValueError, match="EXTENSIBLE_KV_VLLM_HANDLES='huge'"):
+        make(g)
 
 
 @CUDA_ONLY

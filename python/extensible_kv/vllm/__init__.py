@@ -6,6 +6,13 @@ is the `vllm.general_plugins` entry point. Nothing here imports vLLM.
 """
 
 from extensible_kv.vllm.plugin import ENV_VAR, register, unregister
-from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
+from extensible_kv.vllm.tensor import HANDLES_ENV_VAR, ExtensibleTensor, granule_size
 
-__all__ = ["ENV_VAR", "ExtensibleTensor", "granule_size", "register", "unregister"]
+__all__ = [
+    "ENV_VAR",
+    "HANDLES_ENV_VAR",
+    "ExtensibleTensor",
+    "granule_size",
+    "register",
+    "unregister",
+]

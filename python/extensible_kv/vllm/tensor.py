@@ -8,11 +8,13 @@ by assignment. Where it differs, it is to be safer, never to surprise vLLM's cal
 - **Handles.** vLLM's class maps one driver allocation per run of missing granules, on every
   grow. Ours cuts a grow into aligned power-of-two handles (at most 1 GiB each: bulk commits
   run near memset speed, incremental ones cost one small handle) -- except a grow of an empty
-  tensor (new, or after `release_physical()`/`free()`), which maps one handle per run as vLLM
-  does. That keeps vLLM's RDMA contract: `commit(defragment=True)` releases everything and
-  grows again, after which every granule-aligned segment lies in one allocation (UCX cannot
+  tensor (new, or after `release_physical()`), which maps one handle per run as vLLM does.
+  That keeps vLLM's RDMA contract: `commit(defragment=True)` releases everything and grows
+  again, after which every granule-aligned segment lies in one allocation (UCX cannot
   register a range across allocations), and a `recommit()` after sleep gives connectors the
-  same.
+  same. `EXTENSIBLE_KV_VLLM_HANDLES` (read when a tensor is made) picks how the other grows
+  are cut, for measurements: `adaptive` (the default), `runs` (one handle per run, as
+  vLLM's), `1gib` (1 GiB pieces from each run's start).
 - **All or nothing.** A failed grow leaves the tensor exactly as it was (vLLM's may leave
   chunks mapped). Out of memory: torch's caching allocator is emptied and the grow retried
   once, as vLLM does; then `extensible_kv.OutOfMemoryError` (a `MemoryError`; vLLM raises the
@@ -36,6 +38,7 @@ by assignment. Where it differs, it is to be safer, never to surprise vLLM's cal
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -46,7 +49,16 @@ from extensible_kv.tensor import ExtensibleTensor as _CoreTensor
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ExtensibleTensor", "granule_size"]
+__all__ = ["HANDLES_ENV_VAR", "ExtensibleTensor", "granule_size"]
+
+HANDLES_ENV_VAR = "EXTENSIBLE_KV_VLLM_HANDLES"
+# Handle cut of a grow that does not start from empty: (the core's fixed_handle_bytes, one
+# handle per run).
+_HANDLE_POLICIES: dict[str, tuple[int | None, bool]] = {
+    "adaptive": (None, False),
+    "runs": (None, True),
+    "1gib": (1 << 30, False),
+}
 
 # vLLM floors its commit granule at 2 MiB (ROCm reports 4 KiB); `granularity` must match
 # `granule_size()`, which vLLM pads layer segments with.
@@ -163,6 +175,12 @@ class ExtensibleTensor:
                 "KV connectors that import the cache (LMCache's VMM mode, NIXL) need. Run "
                 "vLLM's own ExtensibleTensor for them: set EXTENSIBLE_KV_VLLM=0."
             )
+        policy = os.environ.get(HANDLES_ENV_VAR, "adaptive")
+        if policy not in _HANDLE_POLICIES:
+            raise ValueError(
+                f"{HANDLES_ENV_VAR}={policy!r}: expected one of {sorted(_HANDLE_POLICIES)}"
+            )
+        fixed_handle_bytes, self._whole_runs = _HANDLE_POLICIES[policy]
         self._device = _resolve_device(device)
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
@@ -172,6 +190,7 @@ class ExtensibleTensor:
             device=_device_name(self._device),
             segment_capacities=capacities,
             granularity=self._granularity,
+            fixed_handle_bytes=fixed_handle_bytes,
         )
         self._segment_offsets = list(self._tensor.segment_offsets)
 
@@ -217,7 +236,7 @@ class ExtensibleTensor:
                     f"Requested {new} bytes per segment exceeds the segment capacity {capacity}."
                 )
         # From empty, one handle per run of granules: the RDMA contract (module docstring).
-        whole_runs = tensor.num_handles == 0
+        whole_runs = self._whole_runs or tensor.num_handles == 0
         try:
             tensor.resize_per_segment_(sizes, zero_new, one_handle_per_run=whole_runs)
         except OutOfMemoryError:
