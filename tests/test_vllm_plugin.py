@@ -187,6 +187,18 @@ def test_unrecognised_vllm_is_left_alone(
     assert "vLLM 0.35.0" in line and reason in line
 
 
+def test_rocm_is_left_alone(
+    fake: FakeVllm, records: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    assert register() is False
+    assert fake.bound() == ORIGINAL
+    (line,) = records.lines(logging.WARNING)
+    assert "vLLM 0.34.0" in line and "ROCm is not supported" in line
+
+
 def test_unrecognised_granule_size_is_left_alone(
     fake: FakeVllm, records: Records, monkeypatch: pytest.MonkeyPatch
 ) -> None:

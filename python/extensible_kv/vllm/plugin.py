@@ -9,9 +9,9 @@ worker before the worker module is imported). `register()` replaces
 (`ExtensibleKVCache.__init__` reads its module global at call time). It logs one INFO line.
 
 It stays out of the way: `EXTENSIBLE_KV_VLLM=0` switches it off; it imports no vLLM module
-unless vLLM is loaded (vLLM is the caller); and on a vLLM whose `ExtensibleTensor` it does not
-recognise (constructor signature, or public attributes the drop-in lacks) it changes nothing
-and logs a warning naming the version.
+unless vLLM is loaded (vLLM is the caller); and on ROCm, or on a vLLM whose `ExtensibleTensor`
+it does not recognise (constructor signature, or public attributes the drop-in lacks), it
+changes nothing and logs a warning naming the version.
 """
 
 from __future__ import annotations
@@ -84,6 +84,15 @@ def register() -> bool:
 
     vllm = sys.modules["vllm"]
     version = getattr(vllm, "__version__", "unknown")
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch.version, "hip", None):
+        logger.warning(
+            "extensible-kv: not replacing vLLM %s's ExtensibleTensor: ROCm is not supported "
+            "(extensible-kv drives CUDA); set %s=0 to silence this.",
+            version,
+            ENV_VAR,
+        )
+        return False
     module = importlib.import_module(_TARGET)
     if module.ExtensibleTensor is ExtensibleTensor:
         return True
