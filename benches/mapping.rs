@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use extensible_kv::driver::Stream;
 use extensible_kv::plan::{self, Geometry, HandlePolicy};
 use extensible_kv::{driver, Driver, ExtensibleTensor, GrowOptions, Options};
 
@@ -35,11 +36,11 @@ fn bulk_bytes_per_segment() -> u64 {
         * MIB
 }
 
-fn stream() -> u64 {
-    0
+fn stream() -> Stream {
+    Stream::DEFAULT
 }
 
-fn zeroed_on(stream: u64) -> GrowOptions {
+fn zeroed_on(stream: Stream) -> GrowOptions {
     GrowOptions {
         stream,
         ..GrowOptions::zeroed()

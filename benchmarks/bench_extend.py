@@ -41,7 +41,7 @@ class Shape:
     layout: str = "FLASH_ATTN"
 
     @property
-    def page_bytes(self) -> int:
+    def block_bytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_size * 2  # K and V, bf16
 
 
@@ -65,7 +65,8 @@ def spec_of(shape: Shape) -> list[Any]:
         shape.layout, shape.block_size, shape.num_kv_heads, shape.head_size, torch.bfloat16
     )
     return [
-        KVCacheTensorSpec(shape.page_bytes, {f"layers.{i}": layer}) for i in range(shape.num_layers)
+        KVCacheTensorSpec(shape.block_bytes, {f"layers.{i}": layer})
+        for i in range(shape.num_layers)
     ]
 
 

@@ -4,14 +4,19 @@
 //!
 //! An export carries its dtype, shape and strides (`StridedLayout`), so a consumer builds the
 //! final view in one step — torch's `from_dlpack` then costs one call, not three. Any offset
-//! goes into `data`, with `byte_offset` 0, because torch ignores `byte_offset`. The managed struct owns a `ViewGuard`, so the memory lives until the
-//! consumer calls the deleter — on any thread, with or without the GIL: it only drops a box.
+//! goes into `data`, with `byte_offset` 0, because torch ignores `byte_offset`.
+//!
+//! Soundness: a consumer may touch every byte the layout addresses, so an export is made only
+//! here, from the tensor itself, over exactly the layout's extent: `ExtensibleTensor::export`
+//! checks that range against the capacity and hands back the region whose guard the managed
+//! struct then owns, so the memory lives until the consumer calls the deleter — on any thread,
+//! with or without the GIL: it only drops a box.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
 
 use crate::error::{Error, Result};
-use crate::tensor::{ExportedRegion, ViewGuard};
+use crate::tensor::{ExportedRegion, ExtensibleTensor};
 
 pub const DLPACK_MAJOR: u32 = 1;
 pub const DLPACK_MINOR: u32 = 1;
@@ -42,16 +47,7 @@ impl StridedLayout {
     /// Checks that sizes and strides are non-negative, agree in length, and that the item
     /// size is a whole number of bytes.
     pub fn new(dtype: DLDataType, shape: Vec<i64>, strides: Vec<i64>) -> Result<StridedLayout> {
-        if shape.len() != strides.len() {
-            return Err(Error::invalid(format!(
-                "shape {shape:?} and strides {strides:?} differ in length"
-            )));
-        }
-        if shape.iter().chain(&strides).any(|&v| v < 0) {
-            return Err(Error::invalid(format!(
-                "shape {shape:?} and strides {strides:?} must be non-negative"
-            )));
-        }
+        check_dims(&shape, &strides)?;
         if dtype.bits == 0 || dtype.bits % 8 != 0 || dtype.lanes != 1 {
             return Err(Error::invalid(format!(
                 "unsupported element type {dtype:?}"
@@ -70,21 +66,42 @@ impl StridedLayout {
 
     /// The bytes the view can address, from its first element: 0 if any dim is empty.
     pub fn extent_bytes(&self) -> Result<u64> {
-        if self.shape.contains(&0) {
-            return Ok(0);
-        }
-        let overflow = || Error::invalid(format!("a view of shape {:?} is too large", self.shape));
-        let mut last: u64 = 0;
-        for (&n, &stride) in self.shape.iter().zip(&self.strides) {
-            let step = ((n - 1) as u64)
-                .checked_mul(stride as u64)
-                .ok_or_else(overflow)?;
-            last = last.checked_add(step).ok_or_else(overflow)?;
-        }
-        last.checked_add(1)
-            .and_then(|e| e.checked_mul(self.itemsize()))
-            .ok_or_else(overflow)
+        extent_bytes(&self.shape, &self.strides, self.itemsize())
     }
+}
+
+fn check_dims(shape: &[i64], strides: &[i64]) -> Result<()> {
+    if shape.len() != strides.len() {
+        return Err(Error::invalid(format!(
+            "shape {shape:?} and strides {strides:?} differ in length"
+        )));
+    }
+    if shape.iter().chain(strides).any(|&v| v < 0) {
+        return Err(Error::invalid(format!(
+            "shape {shape:?} and strides {strides:?} must be non-negative"
+        )));
+    }
+    Ok(())
+}
+
+/// The bytes a view of `shape` and `strides` (in items of `itemsize` bytes) can address, from
+/// its first element: 0 if any dim is empty. Sizes and strides must be non-negative.
+pub fn extent_bytes(shape: &[i64], strides: &[i64], itemsize: u64) -> Result<u64> {
+    check_dims(shape, strides)?;
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    let overflow = || Error::invalid(format!("a view of shape {shape:?} is too large"));
+    let mut last: u64 = 0;
+    for (&n, &stride) in shape.iter().zip(strides) {
+        let step = ((n - 1) as u64)
+            .checked_mul(stride as u64)
+            .ok_or_else(overflow)?;
+        last = last.checked_add(step).ok_or_else(overflow)?;
+    }
+    last.checked_add(1)
+        .and_then(|e| e.checked_mul(itemsize))
+        .ok_or_else(overflow)
 }
 
 #[repr(C)]
@@ -138,19 +155,35 @@ pub struct DLManagedTensor {
 }
 
 /// The heap block behind one export: the managed struct first (consumers get a pointer to it),
-/// then the arrays it points into and the guard that keeps the memory alive.
+/// then the arrays it points into and the region whose guard keeps the memory alive.
 #[repr(C)]
 struct Holder<M> {
     managed: M,
     shape: Vec<i64>,
     strides: Vec<i64>,
-    _guard: ViewGuard,
+    _region: ExportedRegion,
+}
+
+/// The region of `tensor` that `layout` at byte `offset` addresses: the offset must be a
+/// multiple of the item size, and the layout's whole extent must lie in the capacity.
+fn region(
+    tensor: &ExtensibleTensor,
+    offset: u64,
+    layout: &StridedLayout,
+) -> Result<ExportedRegion> {
+    if offset % layout.itemsize() != 0 {
+        return Err(Error::invalid(format!(
+            "offset {offset} must be a multiple of the {}-byte item size",
+            layout.itemsize()
+        )));
+    }
+    tensor.export(offset, layout.extent_bytes()?)
 }
 
 fn dl_tensor(region: &ExportedRegion, layout: &StridedLayout) -> DLTensor {
-    let (device_type, device_id) = region.device.dlpack();
+    let (device_type, device_id) = region.device().dlpack();
     DLTensor {
-        data: region.ptr as *mut c_void,
+        data: region.ptr() as *mut c_void,
         device: DLDevice {
             device_type,
             device_id,
@@ -163,26 +196,45 @@ fn dl_tensor(region: &ExportedRegion, layout: &StridedLayout) -> DLTensor {
     }
 }
 
-/// Boxes `holder` and points its tensor's shape and strides into the box.
-fn into_raw<M>(holder: Holder<M>, tensor: impl Fn(&mut M) -> &mut DLTensor) -> *mut M {
+/// The export both forms share: the region `layout` at `offset` addresses (checked), the
+/// managed struct `managed` builds around its `DLTensor`, boxed with the arrays that tensor
+/// points into and the region's guard. `tensor_of` finds the `DLTensor` in the managed struct.
+fn export<M>(
+    tensor: &ExtensibleTensor,
+    offset: u64,
+    layout: StridedLayout,
+    managed: impl FnOnce(DLTensor) -> M,
+    tensor_of: impl Fn(&mut M) -> &mut DLTensor,
+) -> Result<*mut M> {
+    let region = region(tensor, offset, &layout)?;
+    let managed = managed(dl_tensor(&region, &layout));
+    let StridedLayout { shape, strides, .. } = layout;
+    let holder = Holder {
+        managed,
+        shape,
+        strides,
+        _region: region,
+    };
     let raw = Box::into_raw(Box::new(holder));
     // SAFETY: `raw` comes from Box::into_raw just above, so it is valid and unaliased; the
     // shape and strides pointers point into the same allocation, which lives until the deleter.
     unsafe {
-        let t = tensor(&mut (*raw).managed);
+        let t = tensor_of(&mut (*raw).managed);
         t.shape = (*raw).shape.as_mut_ptr();
         t.strides = (*raw).strides.as_mut_ptr();
     }
-    raw.cast::<M>()
+    Ok(raw.cast::<M>())
 }
 
-/// A DLPack 1.x managed tensor of `layout` over `region` (which must span the layout's
-/// extent); the consumer must call its deleter exactly once.
+/// A DLPack 1.x managed tensor of `layout` at byte `offset` of `tensor` (a multiple of the
+/// item size; the layout's extent must fit the capacity); the consumer must call its deleter
+/// exactly once.
 pub fn export_versioned(
-    region: ExportedRegion,
+    tensor: &ExtensibleTensor,
+    offset: u64,
     layout: StridedLayout,
-) -> *mut DLManagedTensorVersioned {
-    let managed = DLManagedTensorVersioned {
+) -> Result<*mut DLManagedTensorVersioned> {
+    let managed = |dl_tensor| DLManagedTensorVersioned {
         version: DLPackVersion {
             major: DLPACK_MAJOR,
             minor: DLPACK_MINOR,
@@ -190,33 +242,23 @@ pub fn export_versioned(
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_versioned),
         flags: 0,
-        dl_tensor: dl_tensor(&region, &layout),
+        dl_tensor,
     };
-    let StridedLayout { shape, strides, .. } = layout;
-    let holder = Holder {
-        managed,
-        shape,
-        strides,
-        _guard: region.guard,
-    };
-    into_raw(holder, |m| &mut m.dl_tensor)
+    export(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
 }
 
-/// A legacy (pre-1.0) managed tensor; the consumer must call its deleter exactly once.
-pub fn export_legacy(region: ExportedRegion, layout: StridedLayout) -> *mut DLManagedTensor {
-    let managed = DLManagedTensor {
-        dl_tensor: dl_tensor(&region, &layout),
+/// A legacy (pre-1.0) managed tensor, under the same rules as `export_versioned`.
+pub fn export_legacy(
+    tensor: &ExtensibleTensor,
+    offset: u64,
+    layout: StridedLayout,
+) -> Result<*mut DLManagedTensor> {
+    let managed = |dl_tensor| DLManagedTensor {
+        dl_tensor,
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_legacy),
     };
-    let StridedLayout { shape, strides, .. } = layout;
-    let holder = Holder {
-        managed,
-        shape,
-        strides,
-        _guard: region.guard,
-    };
-    into_raw(holder, |m| &mut m.dl_tensor)
+    export(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
 }
 
 /// # Safety
@@ -269,7 +311,7 @@ mod tests {
             .resize_per_segment(100, GrowOptions::zeroed())
             .unwrap();
         let layout = StridedLayout::bytes(50).unwrap();
-        let managed = export_versioned(tensor.export(10, 50).unwrap(), layout);
+        let managed = export_versioned(&tensor, 10, layout).unwrap();
         assert_eq!(tensor.live_views(), 1);
         // SAFETY: `managed` is a live export; we read it, then delete it exactly once.
         unsafe {
@@ -281,6 +323,58 @@ mod tests {
                 (KDL_UINT, 8, 1)
             );
             ((*managed).deleter.unwrap())(managed);
+        }
+        assert_eq!(tensor.live_views(), 0);
+        tensor.close().unwrap();
+    }
+
+    /// The extent and alignment checks live inside the export: no caller can hand a consumer
+    /// a pointer to bytes past the capacity, or a misaligned one.
+    #[test]
+    fn export_refuses_layouts_past_the_capacity_or_misaligned() {
+        let driver = Arc::new(HostDriver::new(4096).unwrap());
+        let tensor =
+            ExtensibleTensor::with_equal_segments(driver, 8192, 1, Options::default()).unwrap();
+        let f32 = DLDataType {
+            code: 2,
+            bits: 32,
+            lanes: 1,
+        };
+        let layout =
+            |shape: Vec<i64>, strides: Vec<i64>| StridedLayout::new(f32, shape, strides).unwrap();
+        let refused = |result: Result<*mut DLManagedTensor>, what: &str| match result {
+            Err(Error::InvalidArgument(message)) => assert!(message.contains(what), "{message}"),
+            Err(other) => panic!("expected InvalidArgument ({what}), got {other}"),
+            Ok(_) => panic!("exported {what}"),
+        };
+        // One f32 past the end, directly or through a stride, or by the offset.
+        refused(
+            export_legacy(&tensor, 0, layout(vec![2049], vec![1])),
+            "exceeds",
+        );
+        refused(
+            export_legacy(&tensor, 0, layout(vec![2, 2], vec![1, 2048])),
+            "exceeds",
+        );
+        refused(
+            export_legacy(&tensor, 4, layout(vec![2048], vec![1])),
+            "exceeds",
+        );
+        refused(
+            export_legacy(&tensor, 2, layout(vec![1], vec![1])),
+            "item size",
+        );
+        assert!(matches!(
+            export_versioned(&tensor, 0, layout(vec![2049], vec![1])),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(tensor.live_views(), 0, "a refused export holds no view");
+        // Exactly the capacity, and an empty view at its end, are fine.
+        for (offset, shape) in [(0, 2048), (8192, 0)] {
+            let managed = export_legacy(&tensor, offset, layout(vec![shape], vec![1])).unwrap();
+            assert_eq!(tensor.live_views(), 1);
+            // SAFETY: a live export, deleted exactly once.
+            unsafe { ((*managed).deleter.unwrap())(managed) };
         }
         assert_eq!(tensor.live_views(), 0);
         tensor.close().unwrap();

@@ -14,12 +14,13 @@ pub enum Op {
     Unmap,
     SetAccess,
     Memset,
+    Copy,
     Synchronize,
     MemInfo,
 }
 
 impl Op {
-    pub const ALL: [Op; 10] = [
+    pub const ALL: [Op; 11] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -28,6 +29,7 @@ impl Op {
         Op::Unmap,
         Op::SetAccess,
         Op::Memset,
+        Op::Copy,
         Op::Synchronize,
         Op::MemInfo,
     ];
@@ -42,6 +44,7 @@ impl Op {
             Op::Unmap => "unmap",
             Op::SetAccess => "set_access",
             Op::Memset => "memset",
+            Op::Copy => "copy",
             Op::Synchronize => "synchronize",
             Op::MemInfo => "mem_info",
         }

@@ -14,7 +14,7 @@ pub mod tensor;
 #[cfg(feature = "python")]
 mod python;
 
-pub use driver::{DeviceKind, Driver};
+pub use driver::{DeviceKind, Driver, Stream};
 pub use error::{Error, Op, Result};
 pub use plan::{Geometry, HandlePolicy, Run};
-pub use tensor::{ExtensibleTensor, GrowOptions, Options};
+pub use tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};

@@ -29,6 +29,14 @@ impl Run {
     pub fn end_granule(self) -> u64 {
         self.first_granule + self.num_granules
     }
+
+    /// The bytes of these granules, relative to the reservation's start.
+    pub fn bytes(self, granularity: u64) -> ByteRange {
+        ByteRange {
+            offset: self.first_granule * granularity,
+            num_bytes: self.num_granules * granularity,
+        }
+    }
 }
 
 /// A half-open byte range `[offset, offset + num_bytes)` relative to the reservation's start.
@@ -199,11 +207,40 @@ impl Geometry {
     }
 
     pub fn run_bytes(&self, run: Run) -> ByteRange {
-        ByteRange {
-            offset: run.first_granule * self.granularity,
-            num_bytes: run.num_granules * self.granularity,
-        }
+        run.bytes(self.granularity)
     }
+}
+
+/// The physical bytes that committing the first `prefix_bytes` of every segment maps, the
+/// segments starting at `segment_offsets` (in any order): whole granules, a granule that two
+/// segments share counted once. What sizing converts a budget into blocks with.
+pub fn footprint_bytes(
+    segment_offsets: &[u64],
+    prefix_bytes: u64,
+    granularity: u64,
+) -> Result<u64> {
+    if granularity == 0 {
+        return Err(Error::invalid("granularity must be positive"));
+    }
+    let mut offsets = segment_offsets.to_vec();
+    offsets.sort_unstable();
+    let prefixes = offsets
+        .into_iter()
+        .map(|offset| match offset.checked_add(prefix_bytes) {
+            Some(_) => Ok(ByteRange {
+                offset,
+                num_bytes: prefix_bytes,
+            }),
+            None => Err(Error::invalid(format!(
+                "{prefix_bytes} bytes at offset {offset} overflow 64 bits"
+            ))),
+        })
+        .collect::<Result<Vec<ByteRange>>>()?;
+    let num_granules: u64 = granules_of(&prefixes, granularity)
+        .iter()
+        .map(|run| run.num_granules)
+        .sum();
+    Ok(num_granules * granularity)
 }
 
 /// `needed` minus `mapped`; both sorted and disjoint. The result is sorted and disjoint.
@@ -260,6 +297,10 @@ pub enum HandlePolicy {
     /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
     /// per-granule peers do, kept as a baseline.
     Fixed { handle_granules: u64 },
+    /// Cut at the multiples of `max_handle_granules` in the reservation's granule index, and
+    /// nowhere else: a run costs at most `len / max + 2` handles, whatever granule it starts
+    /// at, while interior handles stay aligned to the cap.
+    CapAligned { max_handle_granules: u64 },
     /// One handle per run, however long: what a segment registered for RDMA needs.
     WholeRuns,
 }
@@ -296,6 +337,12 @@ impl HandlePolicy {
                     cap.min(fits).min(aligned)
                 }
                 HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
+                HandlePolicy::CapAligned {
+                    max_handle_granules,
+                } => {
+                    let cap = max_handle_granules.max(1);
+                    (cap - cursor % cap).min(end - cursor)
+                }
                 HandlePolicy::WholeRuns => end - cursor,
             };
             out.push(Run::new(cursor, size));
@@ -351,6 +398,97 @@ pub fn plan_new_ranges(
         new_handles,
         new_ranges,
     }
+}
+
+/// The parts of `run` inside `runs` (sorted, disjoint), in order.
+pub fn intersect_run(run: Run, runs: &[Run]) -> Vec<Run> {
+    let first = runs.partition_point(|r| r.end_granule() <= run.first_granule);
+    runs[first..]
+        .iter()
+        .take_while(|r| r.first_granule < run.end_granule())
+        .map(|r| {
+            let start = r.first_granule.max(run.first_granule);
+            Run::new(start, r.end_granule().min(run.end_granule()) - start)
+        })
+        .collect()
+}
+
+/// What a shrink does to the mapped handles, given the granules the new sizes still need.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShrinkPlan {
+    /// Handles holding no needed granule: unmapped and released.
+    pub dead: Vec<Run>,
+    /// Handles holding needed and unneeded granules, each with the runs of needed granules it
+    /// holds: an exact shrink replaces it by one handle per such run.
+    pub straddling: Vec<(Run, Vec<Run>)>,
+}
+
+/// Sorts the `mapped` handles (sorted, disjoint) against the `needed` granules (sorted,
+/// disjoint runs): dead, straddling, or (not listed) wholly needed.
+pub fn plan_shrink(mapped: &[Run], needed: &[Run]) -> ShrinkPlan {
+    let mut plan = ShrinkPlan::default();
+    for &handle in mapped {
+        let live = intersect_run(handle, needed);
+        if live.is_empty() {
+            plan.dead.push(handle);
+        } else if live != [handle] {
+            plan.straddling.push((handle, live));
+        }
+    }
+    plan
+}
+
+/// One all-or-nothing step of a consolidation: the handles over the `old` runs give way to one
+/// new handle per `new` run, holding the same bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Regroup {
+    pub old: Vec<Run>,
+    pub new: Vec<Run>,
+}
+
+/// The steps that back every maximal run of `needed` granules by one handle, given the
+/// `mapped` handles (sorted, disjoint, covering `needed`). Needed runs that share a handle are
+/// one step (the shared handle goes as a whole). Steps come largest first, so that when the
+/// first one fits in memory the rest do too (each step gives back what it takes); handles that
+/// hold no needed granule go in a last step with nothing new. Runs already backed by exactly
+/// one handle are left alone.
+pub fn plan_consolidate(mapped: &[Run], needed: &[Run]) -> Vec<Regroup> {
+    let mut groups: Vec<(std::ops::Range<usize>, Vec<Run>)> = Vec::new();
+    for &run in needed {
+        let lo = mapped.partition_point(|m| m.end_granule() <= run.first_granule);
+        let hi = mapped.partition_point(|m| m.first_granule < run.end_granule());
+        match groups.last_mut() {
+            // The previous run's last handle also holds this run's first granules.
+            Some((handles, runs)) if handles.end > lo => {
+                handles.end = hi;
+                runs.push(run);
+            }
+            _ => groups.push((lo..hi, vec![run])),
+        }
+    }
+    let mut used = vec![false; mapped.len()];
+    let mut steps: Vec<Regroup> = Vec::new();
+    for (handles, runs) in groups {
+        used[handles.clone()].fill(true);
+        let old = mapped[handles].to_vec();
+        if old != runs {
+            steps.push(Regroup { old, new: runs });
+        }
+    }
+    steps.sort_by_key(|s| std::cmp::Reverse(s.new.iter().map(|r| r.num_granules).sum::<u64>()));
+    let dead: Vec<Run> = mapped
+        .iter()
+        .zip(&used)
+        .filter(|(_, &used)| !used)
+        .map(|(&run, _)| run)
+        .collect();
+    if !dead.is_empty() {
+        steps.push(Regroup {
+            old: dead,
+            new: Vec::new(),
+        });
+    }
+    steps
 }
 
 /// The granules holding sorted, disjoint byte `ranges`, merged into sorted, disjoint runs.
@@ -426,6 +564,23 @@ mod tests {
     }
 
     #[test]
+    fn footprint_counts_shared_granules_once() {
+        // Segments at 0 and 300 (granule 512): 100 bytes each lie in granule 0 alone.
+        assert_eq!(footprint_bytes(&[0, 300], 100, 512).unwrap(), 512);
+        assert_eq!(footprint_bytes(&[300, 0], 300, 512).unwrap(), 1024);
+        assert_eq!(footprint_bytes(&[0, 300], 0, 512).unwrap(), 0);
+        assert!(footprint_bytes(&[0], 1, 0).is_err());
+        assert!(footprint_bytes(&[u64::MAX], 1, 512).is_err());
+        let geometry = Geometry::equal(3 * G, 2, G).unwrap();
+        let needed = geometry.needed_runs(&[G, G]);
+        let mapped: u64 = needed.iter().map(|r| r.num_granules * G).sum();
+        assert_eq!(
+            footprint_bytes(geometry.segment_offsets(), G, G).unwrap(),
+            mapped
+        );
+    }
+
+    #[test]
     fn equal_segments_must_divide() {
         let err = Geometry::equal(10, 3, G).unwrap_err();
         assert!(err.to_string().contains("divisible"), "{err}");
@@ -453,6 +608,24 @@ mod tests {
                 Run::new(10, 1)
             ]
         );
+    }
+
+    #[test]
+    fn cap_aligned_cuts_only_at_cap_multiples() {
+        let mut out = Vec::new();
+        let policy = HandlePolicy::CapAligned {
+            max_handle_granules: 8,
+        };
+        // From one granule past a segment start to past two cap boundaries: 3 handles, where
+        // aligned powers of two take 1 + 2 + 4 + 8 + 2.
+        policy.cut(Run::new(3, 16), &mut out);
+        assert_eq!(out, vec![Run::new(3, 5), Run::new(8, 8), Run::new(16, 3)]);
+        out.clear();
+        policy.cut(Run::new(5, 1), &mut out);
+        assert_eq!(out, vec![Run::new(5, 1)]);
+        out.clear();
+        HandlePolicy::WholeRuns.cut(Run::new(3, 1 << 40), &mut out);
+        assert_eq!(out, vec![Run::new(3, 1 << 40)]);
     }
 
     /// The bound: growing 2 segments from one block to 64 GiB each.
@@ -597,6 +770,61 @@ mod tests {
             let expect: Vec<u64> = ranges.iter().flat_map(|r| r.offset..r.end())
                 .filter(|b| granules.contains(&(b / g))).collect();
             prop_assert_eq!(got, expect);
+        }
+
+        /// Random handles (adjacent or not) and a random subset of their granules as needed:
+        /// shrink and consolidate plans against a per-granule model.
+        #[test]
+        fn shrink_and_consolidate_plans_match_a_per_granule_model(
+            handles in prop::collection::vec((0u64..3, 1u64..5), 1..8),
+            keep in prop::collection::vec(any::<bool>(), 40),
+        ) {
+            let mapped: Vec<Run> = handles.into_iter().scan(0, |cursor, (gap, n)| {
+                let r = Run::new(*cursor + gap, n);
+                *cursor = r.end_granule();
+                Some(r)
+            }).collect();
+            let needed_set: Vec<u64> = granule_set(&mapped).into_iter()
+                .filter(|&g| keep[g as usize % keep.len()]).collect();
+            let needed: Vec<Run> = needed_set.iter().fold(Vec::<Run>::new(), |mut runs, &g| {
+                match runs.last_mut() {
+                    Some(last) if last.end_granule() == g => last.num_granules += 1,
+                    _ => runs.push(Run::new(g, 1)),
+                }
+                runs
+            });
+            let is_needed = |g: u64| needed_set.contains(&g);
+            let plan = plan_shrink(&mapped, &needed);
+            for handle in &mapped {
+                let live: Vec<u64> = (handle.first_granule..handle.end_granule())
+                    .filter(|&g| is_needed(g)).collect();
+                let straddling = plan.straddling.iter().find(|(h, _)| h == handle);
+                prop_assert_eq!(plan.dead.contains(handle), live.is_empty());
+                let whole = live.len() as u64 == handle.num_granules;
+                prop_assert_eq!(straddling.is_some(), !live.is_empty() && !whole);
+                if let Some((_, runs)) = straddling {
+                    prop_assert_eq!(granule_set(runs).into_iter().collect::<Vec<_>>(), live);
+                }
+            }
+            // Consolidating: every needed granule ends in exactly one new handle, which is a
+            // maximal needed run; every old handle goes at most once; nothing else changes.
+            let steps = plan_consolidate(&mapped, &needed);
+            let new: Vec<Run> = steps.iter().flat_map(|s| s.new.clone()).collect();
+            let old: Vec<Run> = steps.iter().flat_map(|s| s.old.clone()).collect();
+            let mut kept: Vec<Run> = mapped.iter().filter(|h| !old.contains(h)).copied().collect();
+            prop_assert_eq!(old.len(), granule_set(&old).len().min(old.len()));
+            let mut after = new.clone();
+            after.append(&mut kept);
+            after.sort();
+            prop_assert_eq!(after, needed.clone());
+            for step in &steps {
+                let old_granules = granule_set(&step.old);
+                prop_assert!(step.new.iter().all(|r| (r.first_granule..r.end_granule())
+                    .all(|g| old_granules.contains(&g))));
+            }
+            let sizes: Vec<u64> = steps.iter().filter(|s| !s.new.is_empty())
+                .map(|s| s.new.iter().map(|r| r.num_granules).sum()).collect();
+            prop_assert!(sizes.windows(2).all(|w| w[0] >= w[1]), "largest first: {:?}", sizes);
         }
     }
 }

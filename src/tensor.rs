@@ -8,6 +8,11 @@
 //! mappings into the tensor. Any failure drops the locals, whose destructors unmap and release
 //! what this call made: a failed grow changes nothing.
 //!
+//! Giving memory back keeps the data: a shrink releases the handles no committed byte needs;
+//! an exact shrink and `consolidate` re-back runs of granules by new handles. Those are built
+//! at a scratch reservation and filled by a copy, then swapped in at the same addresses; the
+//! old handles are released only once every new one is in, so a failed swap maps them back.
+//!
 //! Invariants (checked by `check_invariants` after every mutation in debug builds and tests):
 //! 1. committed bytes are a prefix of every segment: `segment_bytes[i] <= capacity[i]`;
 //! 2. `mappings` are sorted, disjoint, granule-aligned, each exactly one live handle, so a
@@ -17,18 +22,19 @@
 //! 5. nothing is unmapped before the driver is synchronised (the fence), except mappings this
 //!    very call made and nothing has touched yet.
 //!
-//! Limitations: growth only (shrinking is a later step); `release_physical` drops everything.
+//! Limitations: `release_physical` drops everything (no pool of handles is kept for a later
+//! grow); a consolidation is all or nothing per run of granules, not across runs.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::driver::{DeviceKind, Driver, HandleId};
+use crate::driver::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
 /// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
-/// small enough to avoid the outliers of giant handles (design.md §2).
+/// small enough to avoid the outliers of giant handles (docs/design.md §2).
 pub const DEFAULT_MAX_HANDLE_BYTES: u64 = 1 << 30;
 
 /// Construction options; `Default` gives the driver's granularity and the adaptive policy.
@@ -40,16 +46,86 @@ pub struct Options {
     pub max_handle_bytes: Option<u64>,
     /// Fixed-size handles instead of the adaptive policy: the per-granule peers' baseline.
     pub fixed_handle_bytes: Option<u64>,
+    /// How runs are cut below the cap (ignored with `fixed_handle_bytes`).
+    pub cut: Cut,
 }
 
-/// What the destructors of driver resources share: the driver, and the errors they could not
-/// return (a destructor never panics; `take_deferred_errors` reports them later).
+/// The ways of cutting a run of granules into handles of at most the cap; see `HandlePolicy`.
+///
+/// The default cuts only at cap multiples: on vLLM 0.34's layouts (a segment per layer, each
+/// grown from its first block, so every run starts one granule past a boundary) aligned
+/// powers of two cost 3x the handles, and each handle's create and set-access calls cost
+/// 40-60 us of host time whatever its size (docs/benchmarks.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cut {
+    /// Aligned powers of two (`HandlePolicy::Adaptive`).
+    AlignedPowersOfTwo,
+    /// At the multiples of the cap only (`HandlePolicy::CapAligned`).
+    #[default]
+    AtCapMultiples,
+    /// Not at all: one handle per run (`HandlePolicy::WholeRuns`).
+    WholeRuns,
+}
+
+/// How a tensor's capacity is cut into segments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Segments {
+    /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
+    Equal { max_bytes: u64, num_segments: u64 },
+    /// Segments of these capacities, back to back.
+    Capacities(Vec<u64>),
+}
+
+impl Segments {
+    /// What a caller means who states the total and, optionally, the count and the capacities:
+    /// without capacities, equal segments (one by default); with them, those, which must sum
+    /// to `max_bytes` and, if a count is given too, be that many.
+    pub fn stated(
+        max_bytes: u64,
+        num_segments: Option<u64>,
+        capacities: Option<Vec<u64>>,
+    ) -> Result<Segments> {
+        let Some(capacities) = capacities else {
+            return Ok(Segments::Equal {
+                max_bytes,
+                num_segments: num_segments.unwrap_or(1),
+            });
+        };
+        let total: u128 = capacities.iter().map(|&c| u128::from(c)).sum();
+        if total != u128::from(max_bytes) {
+            return Err(Error::invalid(format!(
+                "segment_capacities sum to {total} bytes, but max_bytes is {max_bytes}"
+            )));
+        }
+        match num_segments {
+            Some(n) if n != capacities.len() as u64 => Err(Error::invalid(format!(
+                "num_segments is {n} but segment_capacities has {} entries",
+                capacities.len()
+            ))),
+            _ => Ok(Segments::Capacities(capacities)),
+        }
+    }
+}
+
+/// What the destructors of driver resources share: the driver, where the reservation starts
+/// and its granularity (a mapping's addresses follow from its granule run), and the errors they
+/// could not return (a destructor never panics; `take_deferred_errors` reports them later).
 struct Ctx {
     driver: Arc<dyn Driver>,
+    /// The reservation's first address, for the tensor's whole life.
+    base: u64,
+    /// The geometry's granularity, which never changes either.
+    granularity: u64,
     deferred: Mutex<Vec<Error>>,
 }
 
 impl Ctx {
+    /// `(va, num_bytes)` of granule `run`.
+    fn span(&self, run: Run) -> (u64, u64) {
+        let bytes = run.bytes(self.granularity);
+        (self.base + bytes.offset, bytes.num_bytes)
+    }
+
     fn defer(&self, result: Result<()>) {
         if let Err(err) = result {
             self.deferred
@@ -65,12 +141,23 @@ impl Ctx {
 pub struct GrowOptions {
     /// Zero the new logical bytes of every segment.
     pub zero_new: bool,
-    /// The stream the zeroing is ordered on (0: the backend's default stream).
-    pub stream: u64,
+    /// The stream the zeroing is ordered on.
+    pub stream: Stream,
     /// Back each run of missing granules by one handle, whatever the policy: after a
     /// `release_physical`, one such grow backs every granule-aligned segment by a single
     /// allocation, which RDMA registration of a segment needs (UCX cannot span handles).
     pub one_handle_per_run: bool,
+}
+
+/// How one shrink runs; `Default` keeps straddling handles whole.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShrinkOptions {
+    /// Replace each handle that straddles the new frontier by handles of just the granules
+    /// still needed, copying their bytes, so that no slack stays mapped. Otherwise such a
+    /// handle stays whole and its slack counts in `physical_bytes`.
+    pub exact: bool,
+    /// The stream the copies are ordered on.
+    pub stream: Stream,
 }
 
 impl GrowOptions {
@@ -86,12 +173,12 @@ impl GrowOptions {
 /// Whether a grow zeroes its new bytes, on which stream, and whether it has queued any.
 struct Zeroing {
     enabled: bool,
-    stream: u64,
+    stream: Stream,
     queued: bool,
 }
 
 impl Zeroing {
-    fn new(enabled: bool, stream: u64) -> Zeroing {
+    fn new(enabled: bool, stream: Stream) -> Zeroing {
         Zeroing {
             enabled,
             stream,
@@ -100,17 +187,19 @@ impl Zeroing {
     }
 }
 
-/// Owns an address reservation; frees it on drop.
+/// Owns the address reservation that starts at `ctx.base`; frees it on drop.
 struct Reservation {
     ctx: Arc<Ctx>,
-    va: u64,
     num_bytes: u64,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.ctx
-            .defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
+        self.ctx.defer(
+            self.ctx
+                .driver
+                .free_reservation(self.ctx.base, self.num_bytes),
+        );
     }
 }
 
@@ -129,32 +218,108 @@ impl Drop for PhysicalHandle {
 /// Owns the mapping of one whole handle over `run`; unmaps on drop, then releases the handle.
 struct Mapping {
     run: Run,
+    /// `None` only inside `unmap`, which hands the handle back.
+    handle: Option<PhysicalHandle>,
+}
+
+/// A second mapping, at a scratch address, of a handle owned elsewhere; unmaps on drop.
+struct Alias {
+    ctx: Arc<Ctx>,
     va: u64,
     num_bytes: u64,
-    handle: PhysicalHandle,
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        self.ctx
+            .defer(self.ctx.driver.unmap(self.va, self.num_bytes));
+    }
+}
+
+/// Owns a reservation other than the tensor's (where a copy is built); frees it on drop.
+struct ScratchReservation {
+    ctx: Arc<Ctx>,
+    va: u64,
+    num_bytes: u64,
+}
+
+impl Drop for ScratchReservation {
+    fn drop(&mut self) {
+        self.ctx
+            .defer(self.ctx.driver.free_reservation(self.va, self.num_bytes));
+    }
+}
+
+/// Fresh handles for some runs, each mapped at a scratch reservation and holding a copy of the
+/// bytes at its run. Fields drop in order: the scratch mappings, the handles not taken, then
+/// the scratch reservation.
+struct Staging {
+    aliases: Vec<Alias>,
+    handles: Vec<(Run, PhysicalHandle)>,
+    scratch: Option<ScratchReservation>,
+}
+
+impl PhysicalHandle {
+    fn create(ctx: &Arc<Ctx>, num_bytes: u64) -> Result<PhysicalHandle> {
+        let id = ctx.driver.create(num_bytes)?;
+        Ok(PhysicalHandle {
+            ctx: Arc::clone(ctx),
+            id,
+        })
+    }
 }
 
 impl Mapping {
-    fn create(ctx: &Arc<Ctx>, run: Run, va: u64, num_bytes: u64) -> Result<Mapping> {
-        let id = ctx.driver.create(num_bytes)?;
-        let handle = PhysicalHandle {
-            ctx: Arc::clone(ctx),
-            id,
-        };
-        ctx.driver.map(va, num_bytes, handle.id)?;
+    /// Creates a handle for `run` and maps it there.
+    fn create(ctx: &Arc<Ctx>, run: Run) -> Result<Mapping> {
+        let handle = PhysicalHandle::create(ctx, ctx.span(run).1)?;
+        Mapping::map(handle, run)
+    }
+
+    /// Maps all of `handle` over `run` (which spans exactly its size).
+    fn map(handle: PhysicalHandle, run: Run) -> Result<Mapping> {
+        let (va, num_bytes) = handle.ctx.span(run);
+        handle.ctx.driver.map(va, num_bytes, handle.id)?;
         Ok(Mapping {
             run,
-            va,
-            num_bytes,
-            handle,
+            handle: Some(handle),
         })
+    }
+
+    fn ctx(&self) -> &Arc<Ctx> {
+        &self
+            .handle
+            .as_ref()
+            .expect("a mapping holds its handle")
+            .ctx
+    }
+
+    fn num_bytes(&self) -> u64 {
+        self.ctx().span(self.run).1
+    }
+
+    /// Unmaps now and hands back the (still live) handle, or, if the driver refuses, the
+    /// mapping itself with the error.
+    #[allow(clippy::result_large_err)]
+    fn unmap(mut self) -> std::result::Result<PhysicalHandle, (Error, Mapping)> {
+        let handle = self.handle.take().expect("a mapping holds its handle");
+        let (va, num_bytes) = handle.ctx.span(self.run);
+        match handle.ctx.driver.unmap(va, num_bytes) {
+            Ok(()) => Ok(handle),
+            Err(err) => {
+                self.handle = Some(handle);
+                Err((err, self))
+            }
+        }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        let ctx = &self.handle.ctx;
-        ctx.defer(ctx.driver.unmap(self.va, self.num_bytes));
+        if let Some(handle) = &self.handle {
+            let (va, num_bytes) = handle.ctx.span(self.run);
+            handle.ctx.defer(handle.ctx.driver.unmap(va, num_bytes));
+        }
     }
 }
 
@@ -171,7 +336,6 @@ struct Inner {
     ctx: Arc<Ctx>,
     geometry: Geometry,
     policy: HandlePolicy,
-    base: u64,
     state: Mutex<State>,
     live_views: AtomicUsize,
 }
@@ -195,7 +359,7 @@ pub struct ExtensibleTensor {
 }
 
 /// Keeps a tensor's memory alive for one exported view; counts towards `live_views`.
-pub struct ViewGuard {
+struct ViewGuard {
     inner: Arc<Inner>,
 }
 
@@ -206,14 +370,53 @@ impl Drop for ViewGuard {
 }
 
 /// A byte range of a tensor handed to a consumer (DLPack), with the guard that keeps it valid.
+/// Only `ExtensibleTensor::export` makes one, after checking the range against the capacity,
+/// so its pointer can be trusted: the fields are private, and nothing can forge one.
+///
+/// ```compile_fail,E0451
+/// use extensible_kv::{tensor::ExportedRegion, DeviceKind};
+/// let forged = ExportedRegion { ptr: 0xdead, num_bytes: 1, device: DeviceKind::Cpu, _guard: todo!() };
+/// ```
 pub struct ExportedRegion {
-    pub ptr: u64,
-    pub num_bytes: u64,
-    pub device: DeviceKind,
-    pub guard: ViewGuard,
+    ptr: u64,
+    num_bytes: u64,
+    device: DeviceKind,
+    _guard: ViewGuard,
+}
+
+impl ExportedRegion {
+    /// The first byte's address; `num_bytes` from it lie in the tensor's reservation.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn num_bytes(&self) -> u64 {
+        self.num_bytes
+    }
+
+    pub fn device(&self) -> DeviceKind {
+        self.device
+    }
 }
 
 impl ExtensibleTensor {
+    /// Reserves address space for `segments` on `driver`; commits nothing.
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        segments: Segments,
+        options: Options,
+    ) -> Result<ExtensibleTensor> {
+        let granularity = options.granularity.unwrap_or(driver.granularity());
+        let geometry = match segments {
+            Segments::Equal {
+                max_bytes,
+                num_segments,
+            } => Geometry::equal(max_bytes, num_segments, granularity)?,
+            Segments::Capacities(capacities) => Geometry::new(capacities, granularity)?,
+        };
+        ExtensibleTensor::from_geometry(driver, geometry, options)
+    }
+
     /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
     pub fn with_equal_segments(
         driver: Arc<dyn Driver>,
@@ -221,9 +424,11 @@ impl ExtensibleTensor {
         num_segments: u64,
         options: Options,
     ) -> Result<ExtensibleTensor> {
-        let granularity = options.granularity.unwrap_or(driver.granularity());
-        let geometry = Geometry::equal(max_bytes, num_segments, granularity)?;
-        ExtensibleTensor::from_geometry(driver, geometry, options)
+        let segments = Segments::Equal {
+            max_bytes,
+            num_segments,
+        };
+        ExtensibleTensor::new(driver, segments, options)
     }
 
     /// Segments of the given capacities, back to back.
@@ -232,9 +437,8 @@ impl ExtensibleTensor {
         segment_capacities: Vec<u64>,
         options: Options,
     ) -> Result<ExtensibleTensor> {
-        let granularity = options.granularity.unwrap_or(driver.granularity());
-        let geometry = Geometry::new(segment_capacities, granularity)?;
-        ExtensibleTensor::from_geometry(driver, geometry, options)
+        let segments = Segments::Capacities(segment_capacities);
+        ExtensibleTensor::new(driver, segments, options)
     }
 
     fn from_geometry(
@@ -259,17 +463,25 @@ impl ExtensibleTensor {
             }
             (None, max) => {
                 let max = max.unwrap_or(DEFAULT_MAX_HANDLE_BYTES.max(granularity));
-                HandlePolicy::adaptive(max, granularity)?
+                let adaptive = HandlePolicy::adaptive(max, granularity)?;
+                match options.cut {
+                    Cut::AlignedPowersOfTwo => adaptive,
+                    Cut::AtCapMultiples => HandlePolicy::CapAligned {
+                        max_handle_granules: max / granularity,
+                    },
+                    Cut::WholeRuns => HandlePolicy::WholeRuns,
+                }
             }
         };
+        let base = driver.reserve(geometry.reserved_bytes())?;
         let ctx = Arc::new(Ctx {
             driver,
+            base,
+            granularity,
             deferred: Mutex::new(Vec::new()),
         });
-        let va = ctx.driver.reserve(geometry.reserved_bytes())?;
         let reservation = Reservation {
             ctx: Arc::clone(&ctx),
-            va,
             num_bytes: geometry.reserved_bytes(),
         };
         let state = State {
@@ -281,7 +493,6 @@ impl ExtensibleTensor {
             ctx,
             geometry,
             policy,
-            base: va,
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
         };
@@ -302,9 +513,22 @@ impl ExtensibleTensor {
         }
     }
 
-    /// Whether `segment_bytes` differs from what is committed (a resize would do work or fail).
-    pub fn needs_grow(&self, segment_bytes: &[u64]) -> bool {
-        self.lock().segment_bytes != segment_bytes
+    /// Whether resizing to `segment_bytes` would do nothing and succeed: the tensor is open and
+    /// holds exactly that much. (A resize that is not a no-op grows, or fails.)
+    pub fn is_noop_resize(&self, segment_bytes: &[u64]) -> bool {
+        let state = self.lock();
+        state.reservation.is_some() && state.segment_bytes == segment_bytes
+    }
+
+    /// Grows a one-segment tensor to `num_bytes`.
+    pub fn resize(&self, num_bytes: u64, options: GrowOptions) -> Result<()> {
+        let n = self.num_segments();
+        if n != 1 {
+            return Err(Error::invalid(format!(
+                "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
+            )));
+        }
+        self.resize_segments(&[num_bytes], options)
     }
 
     /// Grows every segment to `bytes_per_segment`.
@@ -343,18 +567,17 @@ impl ExtensibleTensor {
         };
         let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
         let mut zeroing = Zeroing::new(options.zero_new, options.stream);
-        let result = self.map_and_zero(&plan, &mapped, &mut zeroing);
-        let fresh = match result {
-            Ok(fresh) => fresh,
-            Err(err) => {
-                if zeroing.queued {
-                    // Queued memsets may still write to the fresh mappings, which unmap as
-                    // they drop: fence first.
-                    self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
-                }
-                return Err(err);
+        // Owned here, not in `map_and_zero`, so that on error the mappings unmap (as `fresh`
+        // drops) only after the fence below.
+        let mut fresh = Vec::with_capacity(plan.new_handles.len());
+        if let Err(err) = self.map_and_zero(&plan, &mapped, &mut zeroing, &mut fresh) {
+            if zeroing.queued {
+                // Queued memsets may still write to the fresh mappings: fence first.
+                self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
             }
-        };
+            drop(fresh);
+            return Err(err);
+        }
         for mapping in fresh {
             state.mappings.insert(mapping.run.first_granule, mapping);
         }
@@ -364,15 +587,20 @@ impl ExtensibleTensor {
     }
 
     /// Creates, maps and grants access to one handle per planned run, and zeroes the new
-    /// logical bytes. A handle's bytes are zeroed as soon as it is accessible, so on a device
-    /// the memsets run while the host maps the next handles. On error, the mappings made so
-    /// far are dropped (unmapped, released) by the caller's `?` — after the caller's fence.
+    /// logical bytes, pushing each mapping into `fresh` as soon as it exists. A handle's bytes
+    /// are zeroed as soon as it is accessible, so on a device the memsets run while the host
+    /// maps the next handles. On error, the caller fences, then drops `fresh` (unmapping and
+    /// releasing what this call made).
+    ///
+    /// (A second thread creating handles ahead of the mapping one was tried on the H200: the
+    /// driver serialises the calls, and creates took 1.5-1.9x longer; docs/benchmarks.md.)
     fn map_and_zero(
         &self,
         plan: &plan::GrowPlan,
         mapped: &[Run],
         zeroing: &mut Zeroing,
-    ) -> Result<Vec<Mapping>> {
+        fresh: &mut Vec<Mapping>,
+    ) -> Result<()> {
         let inner = &*self.inner;
         let g = inner.geometry.granularity();
         let fresh_is_zero = inner.ctx.driver.fresh_memory_is_zeroed();
@@ -382,16 +610,13 @@ impl ExtensibleTensor {
             false => Vec::new(),
         };
         let mut pending = in_fresh.iter().peekable();
-        let mut fresh = Vec::with_capacity(plan.new_handles.len());
         for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
-            let mapping =
-                Mapping::create(&inner.ctx, run, inner.base + bytes.offset, bytes.num_bytes)?;
-            fresh.push(mapping);
+            fresh.push(Mapping::create(&inner.ctx, run)?);
             inner
                 .ctx
                 .driver
-                .set_access(inner.base + bytes.offset, bytes.num_bytes)?;
+                .set_access(inner.ctx.base + bytes.offset, bytes.num_bytes)?;
             while let Some(piece) = pending.next_if(|p| p.offset < bytes.end()) {
                 self.zero(piece, zeroing)?;
             }
@@ -403,16 +628,204 @@ impl ExtensibleTensor {
                 self.zero(&piece, zeroing)?;
             }
         }
-        Ok(fresh)
+        Ok(())
     }
 
     fn zero(&self, piece: &ByteRange, zeroing: &mut Zeroing) -> Result<()> {
-        let va = self.inner.base + piece.offset;
+        let va = self.inner.ctx.base + piece.offset;
         zeroing.queued = true;
         self.inner
             .ctx
             .driver
             .memset_zero(va, piece.num_bytes, zeroing.stream)
+    }
+
+    /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
+    pub fn shrink(&self, num_bytes: u64, options: ShrinkOptions) -> Result<()> {
+        let n = self.num_segments();
+        if n != 1 {
+            return Err(Error::invalid(format!(
+                "shrink_ is for one segment; this tensor has {n}: use shrink_per_segment_"
+            )));
+        }
+        self.shrink_segments(&[num_bytes], options)
+    }
+
+    /// Shrinks segment `i` to `segment_bytes[i]`, keeping bytes `[0, new_i)` of every segment.
+    /// Handles that hold no granule a committed byte still needs are unmapped, after a fence,
+    /// and released; a granule shared with a neighbour's live prefix stays. With
+    /// `options.exact`, each handle that straddles the new frontier is replaced by handles of
+    /// just its needed granules (built at a scratch address, filled by a device copy, then
+    /// swapped in at the same address). All or nothing: on error the tensor is unchanged.
+    pub fn shrink_segments(&self, segment_bytes: &[u64], options: ShrinkOptions) -> Result<()> {
+        let mut state = self.lock_open()?;
+        let geometry = &self.inner.geometry;
+        geometry.check_request(segment_bytes)?;
+        let grows = state.segment_bytes.iter().zip(segment_bytes);
+        if let Some(i) = grows.clone().position(|(o, n)| n > o) {
+            return Err(Error::invalid(format!(
+                "a shrink cannot grow segment {i} from {} to {} bytes: use resize",
+                state.segment_bytes[i], segment_bytes[i]
+            )));
+        }
+        let needed = geometry.needed_runs(segment_bytes);
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        let plan = plan::plan_shrink(&mapped, &needed);
+        let mut old = plan.dead;
+        let mut new = Vec::new();
+        if options.exact {
+            for (handle, live) in plan.straddling {
+                old.push(handle);
+                new.extend(live);
+            }
+            old.sort_unstable();
+        }
+        if !old.is_empty() {
+            self.reback(&mut state, &old, &new, options.stream)?;
+        }
+        state.segment_bytes.copy_from_slice(segment_bytes);
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Backs every maximal run of committed granules by one handle (each segment's prefix, for
+    /// segments that share no granule), keeping every byte and every address: views and CUDA
+    /// graphs stay valid, but registrations of the old pages (RDMA) must be renewed. Runs are
+    /// done one at a time, largest first, each built at a scratch address, filled by a copy and
+    /// swapped in, so at most the largest new handle is extra memory; each run is all or
+    /// nothing, and an out-of-memory on the first (largest) leaves the tensor unchanged.
+    /// Handles that hold no committed byte (slack of a shrink) are released too.
+    pub fn consolidate(&self, stream: Stream) -> Result<()> {
+        let mut state = self.lock_open()?;
+        let needed = self.inner.geometry.needed_runs(&state.segment_bytes);
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        for step in plan::plan_consolidate(&mapped, &needed) {
+            self.reback(&mut state, &step.old, &step.new, stream)?;
+        }
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Replaces the mappings over the `old` runs by fresh handles over the `new` runs (each
+    /// inside the old ones), holding a copy of their bytes. All or nothing: the new handles are
+    /// built and filled at a scratch reservation first; the swap at the tensor's addresses
+    /// unmaps the old mappings but releases their handles only once every new one is in, so
+    /// a failure maps the old handles back.
+    fn reback(&self, state: &mut State, old: &[Run], new: &[Run], stream: Stream) -> Result<()> {
+        let staging = self.stage(new, stream)?;
+        // The fence: queued work may still touch the old mappings (and the copies must land).
+        self.inner.ctx.driver.synchronize()?;
+        let Staging {
+            aliases,
+            handles,
+            scratch,
+        } = staging;
+        let mut unmapped = Vec::with_capacity(old.len());
+        let mut added = Vec::with_capacity(handles.len());
+        let swapped = self.swap(state, old, handles, &mut unmapped, &mut added);
+        if swapped.is_ok() {
+            for mapping in added {
+                state.mappings.insert(mapping.run.first_granule, mapping);
+            }
+            drop(unmapped); // releases the old handles
+        } else {
+            drop(added);
+            for (run, handle) in unmapped {
+                self.map_back(state, run, handle);
+            }
+        }
+        // A tuple drops in order: the scratch mappings go before their reservation.
+        drop((aliases, scratch));
+        swapped
+    }
+
+    /// `reback`'s first half: fresh handles for `runs` at a scratch reservation, accessible and
+    /// holding a copy of the bytes at each run (ordered on `stream`).
+    fn stage(&self, runs: &[Run], stream: Stream) -> Result<Staging> {
+        let mut staging = Staging {
+            aliases: Vec::with_capacity(runs.len()),
+            handles: Vec::with_capacity(runs.len()),
+            scratch: None,
+        };
+        if runs.is_empty() {
+            return Ok(staging);
+        }
+        let (ctx, geometry) = (&self.inner.ctx, &self.inner.geometry);
+        let total: u64 = runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum();
+        let va = ctx.driver.reserve(total)?;
+        staging.scratch = Some(ScratchReservation {
+            ctx: Arc::clone(ctx),
+            va,
+            num_bytes: total,
+        });
+        let mut scratch_va = va;
+        for &run in runs {
+            let num_bytes = geometry.run_bytes(run).num_bytes;
+            let handle = PhysicalHandle::create(ctx, num_bytes)?;
+            ctx.driver.map(scratch_va, num_bytes, handle.id)?;
+            staging.handles.push((run, handle));
+            staging.aliases.push(Alias {
+                ctx: Arc::clone(ctx),
+                va: scratch_va,
+                num_bytes,
+            });
+            ctx.driver.set_access(scratch_va, num_bytes)?;
+            scratch_va += num_bytes;
+        }
+        // Queued work may still be writing the bytes about to be copied.
+        ctx.driver.synchronize()?;
+        for (alias, (run, _)) in staging.aliases.iter().zip(&staging.handles) {
+            let (src, _) = ctx.span(*run);
+            ctx.driver.copy(alias.va, src, alias.num_bytes, stream)?;
+        }
+        Ok(staging)
+    }
+
+    /// `reback`'s second half: unmaps the `old` mappings (keeping their handles, in
+    /// `unmapped`) and maps the staged `handles` in their place (in `added`).
+    fn swap(
+        &self,
+        state: &mut State,
+        old: &[Run],
+        handles: Vec<(Run, PhysicalHandle)>,
+        unmapped: &mut Vec<(Run, PhysicalHandle)>,
+        added: &mut Vec<Mapping>,
+    ) -> Result<()> {
+        for &run in old {
+            let key = run.first_granule;
+            let mapping = state
+                .mappings
+                .remove(&key)
+                .expect("planned from the mappings");
+            match mapping.unmap() {
+                Ok(handle) => unmapped.push((run, handle)),
+                Err((err, mapping)) => {
+                    state.mappings.insert(key, mapping);
+                    return Err(err);
+                }
+            }
+        }
+        for (run, handle) in handles {
+            added.push(Mapping::map(handle, run)?);
+            let (va, num_bytes) = self.inner.ctx.span(run);
+            self.inner.ctx.driver.set_access(va, num_bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Undoes one unmap of `swap`: the handle, still holding its bytes, goes back over its
+    /// run. A failure here (a second fault in one call) is recorded for
+    /// `take_deferred_errors`, and the run is left unmapped.
+    fn map_back(&self, state: &mut State, run: Run, handle: PhysicalHandle) {
+        let ctx = &self.inner.ctx;
+        match Mapping::map(handle, run) {
+            Ok(mapping) => {
+                let (va, num_bytes) = ctx.span(run);
+                ctx.defer(ctx.driver.set_access(va, num_bytes));
+                state.mappings.insert(run.first_granule, mapping);
+            }
+            Err(err) => ctx.defer(Err(err)),
+        }
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
@@ -472,17 +885,17 @@ impl ExtensibleTensor {
         }
         self.inner.live_views.fetch_add(1, Ordering::AcqRel);
         Ok(ExportedRegion {
-            ptr: self.inner.base + offset,
+            ptr: self.inner.ctx.base + offset,
             num_bytes,
             device: self.inner.ctx.driver.device(),
-            guard: ViewGuard {
+            _guard: ViewGuard {
                 inner: Arc::clone(&self.inner),
             },
         })
     }
 
     pub fn base_ptr(&self) -> Result<u64> {
-        self.lock_open().map(|_| self.inner.base)
+        self.lock_open().map(|_| self.inner.ctx.base)
     }
 
     pub fn geometry(&self) -> &Geometry {
@@ -518,9 +931,19 @@ impl ExtensibleTensor {
         self.lock().segment_bytes.clone()
     }
 
+    /// The capacity every segment has; an error when they differ (see `segment_capacities`).
+    pub fn segment_capacity_bytes(&self) -> Result<u64> {
+        uniform(self.geometry().segment_capacities(), "segment_capacities")
+    }
+
+    /// The bytes every segment has committed; an error when they differ (see `segment_bytes`).
+    pub fn bytes_per_segment(&self) -> Result<u64> {
+        uniform(&self.segment_bytes(), "segment_bytes")
+    }
+
     /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
     pub fn physical_bytes(&self) -> u64 {
-        self.lock().mappings.values().map(|m| m.num_bytes).sum()
+        self.lock().mappings.values().map(Mapping::num_bytes).sum()
     }
 
     pub fn num_handles(&self) -> usize {
@@ -554,6 +977,16 @@ impl ExtensibleTensor {
     }
 }
 
+/// The one value all of `values` share, else an error naming the per-segment accessor.
+fn uniform(values: &[u64], plural: &str) -> Result<u64> {
+    match values.split_first() {
+        Some((first, rest)) if rest.iter().all(|v| v == first) => Ok(*first),
+        _ => Err(Error::invalid(format!(
+            "segments differ: use {plural} ({values:?})"
+        ))),
+    }
+}
+
 fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
     let geometry = &inner.geometry;
     let runs: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
@@ -564,15 +997,6 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
         .find(|(k, m)| **k != m.run.first_granule)
     {
         return Err(format!("mapping {:?} is filed under granule {key}", m.run));
-    }
-    for m in state.mappings.values() {
-        let bytes = geometry.run_bytes(m.run);
-        if m.va != inner.base + bytes.offset || m.num_bytes != bytes.num_bytes {
-            return Err(format!(
-                "mapping {:?} is at {:#x}+{:#x}",
-                m.run, m.va, m.num_bytes
-            ));
-        }
     }
     geometry
         .check_request(&state.segment_bytes)
@@ -606,4 +1030,67 @@ fn mapped_overlapping(mappings: &BTreeMap<u64, Mapping>, spans: &[Run]) -> Vec<R
         }
     }
     runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::host::HostDriver;
+
+    #[test]
+    fn stated_segments_must_agree_with_the_total_and_count() {
+        let equal = Segments::Equal {
+            max_bytes: 8,
+            num_segments: 1,
+        };
+        assert_eq!(Segments::stated(8, None, None).unwrap(), equal);
+        let caps = Segments::Capacities(vec![3, 5]);
+        assert_eq!(Segments::stated(8, None, Some(vec![3, 5])).unwrap(), caps);
+        assert_eq!(
+            Segments::stated(8, Some(2), Some(vec![3, 5])).unwrap(),
+            caps
+        );
+        for (num_segments, capacities, fragment) in [
+            (None, vec![3, 4], "sum to 7 bytes"),
+            (Some(3), vec![3, 5], "num_segments is 3"),
+            (None, vec![u64::MAX, 9], "sum to"),
+        ] {
+            let err = Segments::stated(8, num_segments, Some(capacities)).unwrap_err();
+            assert!(err.to_string().contains(fragment), "{err}");
+        }
+    }
+
+    #[test]
+    fn noop_resize_is_an_open_tensor_holding_exactly_the_request() {
+        let driver = Arc::new(HostDriver::new(4096).unwrap());
+        let tensor = ExtensibleTensor::new(
+            driver,
+            Segments::Capacities(vec![4096, 8192]),
+            Options::default(),
+        )
+        .unwrap();
+        tensor
+            .resize_segments(&[10, 20], GrowOptions::zeroed())
+            .unwrap();
+        assert!(tensor.is_noop_resize(&[10, 20]));
+        assert!(!tensor.is_noop_resize(&[10, 21]) && !tensor.is_noop_resize(&[10]));
+        assert!(matches!(
+            tensor.resize(10, GrowOptions::default()),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            tensor.segment_capacity_bytes(),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(tensor.bytes_per_segment().is_err());
+        tensor
+            .resize_segments(&[20, 20], GrowOptions::zeroed())
+            .unwrap();
+        assert_eq!(tensor.bytes_per_segment().unwrap(), 20);
+        tensor.close().unwrap();
+        assert!(
+            !tensor.is_noop_resize(&[0, 0]),
+            "a closed tensor refuses every resize"
+        );
+    }
 }

@@ -153,15 +153,157 @@ fn a_failed_reserve_is_a_typed_error() {
 /// A failed unmap during release is reported, not swallowed, and never panics.
 #[test]
 fn destructor_errors_are_reported() {
-    let (_, _, tensor) = build(Fault {
+    let fault = Fault {
         op: Op::Unmap,
         nth: 1,
         kind: FaultKind::Driver,
-    });
+    };
+    let (_, _, tensor) = build(fault);
     let err = tensor.release_physical().unwrap_err();
     assert!(
         matches!(err, Error::Driver { op: Op::Unmap, .. }),
         "{err:?}"
     );
     assert_eq!(tensor.num_handles(), 0);
+}
+
+/// A grow that fails after queuing memsets fences before it unmaps what it mapped: on a
+/// device the memsets may still be writing there (invariant 5).
+#[test]
+fn a_failed_grow_fences_before_unmapping() {
+    {
+        // Dirty fresh memory: every new handle gets a memset, as on CUDA.
+        let host = Arc::new(HostDriver::new_dirty(G).unwrap());
+        let fault = Fault {
+            op: Op::SetAccess,
+            nth: 4,
+            kind: FaultKind::Driver,
+        };
+        let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
+        let tensor =
+            ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * SEGMENT, 2, options())
+                .unwrap();
+        tensor
+            .resize_per_segment(SEGMENT, GrowOptions::zeroed())
+            .unwrap_err();
+        let log = faulty.log();
+        let last_memset = log.iter().rposition(|&op| op == Op::Memset).unwrap();
+        let first_unmap = log.iter().position(|&op| op == Op::Unmap).unwrap();
+        assert!(last_memset < first_unmap, "{log:?}");
+        assert!(
+            log[last_memset..first_unmap].contains(&Op::Synchronize),
+            "unmapped without a fence after the memsets: {log:?}"
+        );
+        assert_eq!(host.live_counts(), (0, 0, 1));
+    }
+}
+
+/// The shrink and consolidate operations the next test breaks at every call.
+fn shrink_exact(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
+    let options = extensible_kv::ShrinkOptions {
+        exact: true,
+        ..Default::default()
+    };
+    tensor.shrink_segments(&[2 * G + G / 2, 3 * G], options)
+}
+
+fn shrink_plain(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
+    tensor.shrink_segments(&[G, G / 2], Default::default())
+}
+
+fn consolidate(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
+    tensor.consolidate(extensible_kv::Stream::DEFAULT)
+}
+
+type Operation = fn(&ExtensibleTensor) -> extensible_kv::Result<()>;
+
+/// Two segments of 3.5 granules grown in one-granule handles and filled with a pattern.
+fn build_full(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
+    let (host, faulty, tensor) = build(fault);
+    tensor
+        .resize_per_segment(SEGMENT, GrowOptions::zeroed())
+        .unwrap();
+    common::write(&tensor, 0, &pattern_of(0, 2 * SEGMENT));
+    (host, faulty, tensor)
+}
+
+fn pattern_of(seed: u8, len: u64) -> Vec<u8> {
+    (0..len).map(|i| seed ^ (i % 253) as u8 | 1).collect()
+}
+
+#[test]
+fn every_failed_call_of_a_shrink_or_consolidate_leaves_the_tensor_unchanged() {
+    let operations: [(&str, Operation); 3] = [
+        ("exact shrink", shrink_exact),
+        ("plain shrink", shrink_plain),
+        ("consolidate", consolidate),
+    ];
+    let mut injected = 0;
+    for (name, operation) in operations {
+        for op in Op::ALL {
+            let never = Fault {
+                op,
+                nth: u64::MAX,
+                kind: FaultKind::Driver,
+            };
+            let (_, counter, tensor) = build_full(never);
+            let setup = counter.calls(op);
+            operation(&tensor).unwrap();
+            let calls = counter.calls(op) - setup;
+            for k in 1..=calls {
+                for kind in [FaultKind::Driver, FaultKind::OutOfMemory] {
+                    let fault = Fault {
+                        op,
+                        nth: setup + k,
+                        kind,
+                    };
+                    let (host, _, tensor) = build_full(fault);
+                    let name_fd = host.memfd_name().to_string();
+                    let snapshot = |t: &ExtensibleTensor| {
+                        (
+                            t.segment_bytes(),
+                            t.handle_runs(),
+                            common::read(t, 0, 2 * SEGMENT),
+                        )
+                    };
+                    let before = snapshot(&tensor);
+                    let result = operation(&tensor);
+                    if let Err(err) = &result {
+                        assert_eq!(
+                            snapshot(&tensor),
+                            before,
+                            "{name}: {op} call {k} ({kind:?}) changed the tensor: {err}"
+                        );
+                        assert!(tensor.take_deferred_errors().is_empty());
+                        tensor.check_invariants().unwrap();
+                        operation(&tensor).unwrap();
+                        injected += 1;
+                    } else {
+                        // A clean-up call after the swap (releasing an old handle, unmapping
+                        // the scratch copy): the operation took effect, the error is kept.
+                        assert!(
+                            matches!(op, Op::Release | Op::Unmap | Op::FreeReservation),
+                            "{name}: {op} call {k} did not fail the operation"
+                        );
+                        assert!(!tensor.take_deferred_errors().is_empty());
+                    }
+                    tensor.check_invariants().unwrap();
+                    let sizes = tensor.segment_bytes();
+                    for (s, &num_bytes) in sizes.iter().enumerate() {
+                        let offset = s as u64 * SEGMENT;
+                        let all = pattern_of(0, 2 * SEGMENT);
+                        let want = &all[offset as usize..(offset + num_bytes) as usize];
+                        assert_eq!(common::read(&tensor, offset, num_bytes), want);
+                    }
+                    let _ = tensor.close();
+                    let _ = tensor.take_deferred_errors();
+                    drop(tensor);
+                    // Whatever a failed clean-up left, the driver's own teardown reclaims.
+                    drop(host);
+                    assert_eq!(common::proc_memfds(&name_fd), (0, 0), "{name}: {op} {k}");
+                }
+            }
+        }
+    }
+    assert!(injected >= 30, "only {injected} faults injected");
 }

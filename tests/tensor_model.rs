@@ -1,13 +1,14 @@
 //! A state-machine property test: random geometries (capacities that are not granule
 //! multiples, so segments share granules), random handle policies, and random sequences of
-//! grows, writes and releases, checked against a plain model of each segment's bytes.
+//! grows, writes, shrinks (plain and exact), consolidations and releases, checked against a
+//! plain model of each segment's bytes.
 
 mod common;
 
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{ExtensibleTensor, GrowOptions, Options};
+use extensible_kv::{Cut, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
 use proptest::prelude::*;
 
 const G: u64 = 4096;
@@ -24,6 +25,12 @@ enum Step {
         segment: usize,
         seed: u8,
     },
+    /// Shrink every segment to this fraction of its committed bytes.
+    Shrink {
+        fractions: Vec<f64>,
+        exact: bool,
+    },
+    Consolidate,
     Release,
 }
 
@@ -32,6 +39,9 @@ fn step() -> impl Strategy<Value = Step> {
         4 => (prop::collection::vec(0.0f64..=1.0, 5), any::<bool>(), any::<bool>())
             .prop_map(|(fractions, lockstep, zero_new)| Step::Grow { fractions, lockstep, zero_new }),
         3 => (0usize..5, any::<u8>()).prop_map(|(segment, seed)| Step::Write { segment, seed }),
+        2 => (prop::collection::vec(0.0f64..=1.0, 5), any::<bool>())
+            .prop_map(|(fractions, exact)| Step::Shrink { fractions, exact }),
+        1 => Just(Step::Consolidate),
         1 => Just(Step::Release),
     ]
 }
@@ -66,6 +76,8 @@ fn run(
     let offsets = geometry.segment_offsets().to_vec();
     // The model: the committed bytes of each segment.
     let mut model: Vec<Vec<u8>> = vec![Vec::new(); n];
+    // Whether exactly the needed granules are mapped (no slack left by a plain shrink).
+    let mut exact_footprint = true;
     for step in steps {
         match step {
             Step::Grow {
@@ -134,22 +146,52 @@ fn run(
                     );
                 }
             }
+            Step::Shrink { fractions, exact } => {
+                let targets: Vec<u64> = model
+                    .iter()
+                    .zip(&fractions)
+                    .map(|(m, f)| (m.len() as f64 * f) as u64)
+                    .collect();
+                let options = ShrinkOptions {
+                    exact,
+                    ..Default::default()
+                };
+                tensor.shrink_segments(&targets, options).unwrap();
+                for (m, &t) in model.iter_mut().zip(&targets) {
+                    m.truncate(t as usize);
+                }
+                exact_footprint = exact;
+            }
+            Step::Consolidate => {
+                tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
+                exact_footprint = true;
+                // One handle per maximal run of needed granules.
+                let committed: Vec<u64> = model.iter().map(|m| m.len() as u64).collect();
+                prop_assert_eq!(tensor.handle_runs(), geometry.needed_runs(&committed));
+            }
             Step::Release => {
                 tensor.release_physical().unwrap();
                 model.iter_mut().for_each(Vec::clear);
+                exact_footprint = true;
                 prop_assert_eq!(driver.live_counts().0, 0);
             }
         }
+        prop_assert!(tensor.take_deferred_errors().is_empty());
         tensor.check_invariants().map_err(TestCaseError::fail)?;
         let committed: Vec<u64> = model.iter().map(|m| m.len() as u64).collect();
         prop_assert_eq!(tensor.segment_bytes(), committed.clone());
-        // Growth only: the mapped granules are exactly those the committed prefixes need.
-        let needed: u64 = geometry
-            .needed_runs(&committed)
-            .iter()
-            .map(|r| r.num_granules)
-            .sum();
-        prop_assert_eq!(tensor.physical_bytes(), needed * G);
+        // The mapped granules are those the committed prefixes need, plus, after a plain
+        // shrink, the slack of handles that still hold a needed granule.
+        let needed_runs = geometry.needed_runs(&committed);
+        let needed: u64 = needed_runs.iter().map(|r| r.num_granules).sum();
+        if exact_footprint {
+            prop_assert_eq!(tensor.physical_bytes(), needed * G);
+        } else {
+            prop_assert!(tensor.physical_bytes() >= needed * G);
+            for run in tensor.handle_runs() {
+                prop_assert!(!extensible_kv::plan::intersect_run(run, &needed_runs).is_empty());
+            }
+        }
         prop_assert_eq!(driver.live_counts().0, tensor.num_handles());
         for (i, bytes) in model.iter().enumerate() {
             prop_assert_eq!(
@@ -173,12 +215,14 @@ proptest! {
         dirty in any::<bool>(),
         adaptive_cap in 1u64..8,
         fixed in prop::option::of(1u64..3),
+        cut in prop::sample::select(vec![Cut::AlignedPowersOfTwo, Cut::AtCapMultiples, Cut::WholeRuns]),
         steps in prop::collection::vec(step(), 1..12),
     ) {
         let options = Options {
             granularity: None,
             max_handle_bytes: Some(adaptive_cap * G),
             fixed_handle_bytes: fixed.map(|f| f * G),
+            cut,
         };
         run(caps, equal, dirty, options, steps)?;
     }

@@ -10,14 +10,16 @@ light: the command itself commits the fit).
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from typing import Any
 
 import extensible_kv
 import pytest
 import torch
-from extensible_kv import demo
 from extensible_kv.__main__ import main
-from extensible_kv.model import DecodeInputs
+from extensible_kv._demo import demo
+from extensible_kv._demo.model import DecodeInputs
 
 SMALL = demo.DemoOptions(
     device="cpu",
@@ -103,6 +105,18 @@ def test_different_tokens_exit_non_zero(
     monkeypatch.setattr(demo, "_run_path", run_path)
     assert main(["demo", "--device", "cpu", "--num-seqs", "3", "--steps", "20"]) == 1
     assert capsys.readouterr().out.rstrip().endswith("identical: no")
+
+
+def test_the_library_namespace_holds_no_demo() -> None:
+    # A serving stack imports the library: neither the demo nor torch come with it.
+    code = (
+        "import sys, extensible_kv; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+        "or m.startswith('extensible_kv._demo')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert not {"demo", "model"} & set(dir(extensible_kv))
 
 
 def test_too_small_a_budget_is_an_error() -> None:

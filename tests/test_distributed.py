@@ -1,4 +1,4 @@
-"""Several ranks agree on the block count (design.md §5, step 3): two CPU processes over gloo,
+"""Several ranks agree on the block count (docs/design.md §5, step 3): two CPU processes over gloo,
 on loopback only, each with its own host budget; both must commit the smaller count."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The flow (design.md §5): reserve with one block → (warm up, capture) → extend_to_fit.
+"""The flow (docs/design.md §5): reserve with one block → (warm up, capture) → extend_to_fit.
 
 On the host backend the budget is given (or read from a faked /proc/meminfo); on a GPU it is
 the driver's free memory, and the commit must show up there. Nothing may map while a stream is
@@ -19,7 +19,7 @@ import torch
 from extensible_kv import sizing
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
-from extensible_kv.sizing import CacheGeometry, blocks_within
+from extensible_kv.sizing import CacheFootprint, blocks_within
 from kv_helpers import CPU_GRANULARITY
 
 GIB = 1 << 30
@@ -56,7 +56,7 @@ def test_extend_to_fit_commits_the_budget_and_logs(
     flow: KVCacheFlow, caplog: pytest.LogCaptureFixture
 ) -> None:
     budget = 100_000
-    expected = blocks_within(budget, CacheGeometry.of(flow.cache))
+    expected = blocks_within(budget, CacheFootprint.of(flow.cache))
     kv = flow.cache.views["layers.0"]
     assert isinstance(kv, torch.Tensor)
     kv[:, 0].fill_(3)  # block 0 of K and V, written before the extension
@@ -88,6 +88,25 @@ def test_extend_to_fit_caps_never_shrinks_and_stops_at_capacity(flow: KVCacheFlo
     assert (report.blocks_before, report.blocks_after, report.committed_bytes) == (10, 10, 0)
     assert flow.extend_to_fit(budget_bytes=1, max_blocks=3).blocks_after == 10
     assert flow.extend_to_fit(budget_bytes=GIB).blocks_after == 1000
+
+
+def test_shrink_to_gives_memory_back_and_keeps_the_blocks_below(
+    flow: KVCacheFlow, caplog: pytest.LogCaptureFixture
+) -> None:
+    flow.extend_to_fit(budget_bytes=GIB, max_blocks=40)
+    kv = flow.cache.views["layers.0"]
+    assert isinstance(kv, torch.Tensor)
+    kv[:, :10].fill_(5)
+    before = flow.cache.physical_bytes
+    with caplog.at_level(logging.INFO, logger="extensible_kv"):
+        flow.shrink_to(10, exact=True)
+    gib = flow.cache.physical_bytes / GIB
+    assert caplog.messages == [f"Shrank KV cache to 10 blocks ({gib:.2f} GiB)"]
+    # 2 KiB per block and segment: 10 blocks are 5 granules a segment, 4 segments.
+    assert flow.cache.physical_bytes == 4 * 5 * CPU_GRANULARITY < before
+    assert bool(kv[:, :10].eq(5).all())
+    report = flow.extend_to_fit(budget_bytes=GIB, max_blocks=40)
+    assert report.blocks_after == 40 and not kv[:, 10:40].any()
 
 
 def test_host_backend_needs_a_budget(flow: KVCacheFlow) -> None:
@@ -170,7 +189,7 @@ TOLERANCE = 64 * MIB  # free memory moves by a few MiB of the driver's own (page
 
 def _settled_free(timeout_s: float = 10.0) -> int:
     """Free device memory once it stops moving: the driver scrubs released memory in the
-    background before it counts as free again (design.md §2)."""
+    background before it counts as free again (docs/design.md §2)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(0)  # earlier tests' peaks are no transient of ours

@@ -1,5 +1,5 @@
 """`ExtensibleKVCache` on every preset and standard layout, hybrid models, the legacy mode, and
-two real-looking models (design.md §4-§6).
+two real-looking models (docs/design.md §4-§6).
 
 Only blocks below the committed count are touched: on the host backend anything else is a
 SIGSEGV, so a passing write is proof that the block's bytes were committed.
@@ -51,7 +51,7 @@ def make_cache(device: str) -> Iterator[MakeCache]:
 
 @dataclass(frozen=True)
 class Case:
-    """One buffer in one layout, and the segment count design.md's table gives it."""
+    """One buffer in one layout, and the segment count docs/design.md's table gives it."""
 
     name: str
     spec: tuple[KVCacheTensorSpec, ...]
@@ -131,14 +131,14 @@ def test_segment_count_is_the_tables(case: Case, make_cache: MakeCache) -> None:
     assert cache.num_segments == (case.num_segments,)
     (buffer,) = cache.buffers
     assert buffer.num_segments == case.num_segments
-    assert buffer.capacity_bytes == CAPACITY * case.spec[0].bytes_per_block
+    assert buffer.capacity_bytes == CAPACITY * case.spec[0].block_bytes
     assert cache.physical_bytes == cache.committed_blocks == 0
 
 
 def test_last_committed_block_lands_in_committed_memory(case: Case, make_cache: MakeCache) -> None:
     cache = make_cache(case.spec, CAPACITY)
     cache.commit(3)
-    per_segment = 3 * case.spec[0].bytes_per_block // case.num_segments
+    per_segment = 3 * case.spec[0].block_bytes // case.num_segments
     assert cache.buffers[0].segment_bytes == (per_segment,) * case.num_segments
     written = write_blocks(cache, 2, 1)
     check_blocks(cache, 2, 1)
@@ -158,6 +158,32 @@ def test_data_survives_growth_and_new_blocks_read_zero(case: Case, make_cache: M
         assert not blocks(view, block_dim, 2, CAPACITY - 2).any()
     write_blocks(cache, CAPACITY - 1, 1, seed=9)
     check_blocks(cache, CAPACITY - 1, 1, seed=9)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact"])
+def test_shrink_keeps_the_kept_blocks_and_regrown_ones_read_zero(
+    case: Case, make_cache: MakeCache, exact: bool
+) -> None:
+    cache = make_cache(case.spec, CAPACITY)
+    cache.commit(CAPACITY)
+    write_blocks(cache, 0, 3, seed=3)
+    write_blocks(cache, 3, CAPACITY - 3, seed=4)
+    ptrs = {name: view.data_ptr() for name, _, view in layer_views(cache)}
+    before = cache.physical_bytes
+    cache.shrink_to(3, exact=exact)
+    assert cache.committed_blocks == 3
+    # A plain shrink may keep a handle that straddles block 3 whole; an exact one may not.
+    assert cache.physical_bytes < before if exact else cache.physical_bytes <= before
+    check_blocks(cache, 0, 3, seed=3)
+    cache.consolidate()
+    check_blocks(cache, 0, 3, seed=3)
+    cache.commit(CAPACITY)
+    assert {name: view.data_ptr() for name, _, view in layer_views(cache)} == ptrs
+    check_blocks(cache, 0, 3, seed=3)
+    for _, block_dim, view in layer_views(cache):
+        assert not blocks(view, block_dim, 3, CAPACITY - 3).any()
+    cache.shrink_to(CAPACITY)  # at or above the count: nothing to do
+    assert cache.committed_blocks == CAPACITY
 
 
 def test_committed_views_have_exactly_committed_storage(case: Case, make_cache: MakeCache) -> None:
@@ -337,10 +363,10 @@ def test_legacy_matches_extensible(
         write_blocks(cache, 5, 1, seed=4)
     extensible, legacy = caches
     assert legacy.legacy and not legacy.buffers
-    assert legacy.buffer_physical_bytes == tuple(CAPACITY * t.bytes_per_block for t in model())
+    assert legacy.buffer_physical_bytes == tuple(CAPACITY * t.block_bytes for t in model())
     # 6 of CAPACITY blocks committed, in whole granules per segment.
     committed = sum(
-        -(-6 * t.bytes_per_block // segments // b.granularity) * b.granularity * segments
+        -(-6 * t.block_bytes // segments // b.granularity) * b.granularity * segments
         for t, b, segments in zip(model(), extensible.buffers, extensible.num_segments, strict=True)
     )
     assert extensible.physical_bytes <= committed
@@ -438,7 +464,7 @@ def _check_physical(cache: ExtensibleKVCache, spec: list[KVCacheTensorSpec]) -> 
     for buffer, tensor_spec, physical in zip(
         cache.buffers, spec, cache.buffer_physical_bytes, strict=True
     ):
-        nominal = cache.committed_blocks * tensor_spec.bytes_per_block
+        nominal = cache.committed_blocks * tensor_spec.block_bytes
         assert nominal <= physical <= nominal + buffer.num_segments * buffer.granularity
     assert cache.physical_bytes == sum(cache.buffer_physical_bytes)
 
@@ -465,7 +491,7 @@ def test_hybrid_model_3_attention_to_1_mamba(make_cache: MakeCache) -> None:
     # Mamba page is padded to match; each buffer is shared by one layer of each of the 4
     # groups (3 attention, 1 Mamba), whose blocks never overlap.
     token_bytes = 2 * 2 * 256 * 2  # K and V, 2 KV heads of 256, bf16
-    unpadded = gated_delta_net_state_spec().page_bytes
+    unpadded = gated_delta_net_state_spec().block_bytes
     block_size = -(-unpadded // (16 * token_bytes)) * 16
     page = block_size * token_bytes
     gdn = MambaLayerSpec(gated_delta_net_state_spec(page_size_padded=page))

@@ -1,4 +1,4 @@
-"""Layouts → segments (design.md §4): block-dim probing, segment counts of every preset and
+"""Layouts → segments (docs/design.md §4): block-dim probing, segment counts of every preset and
 standard layout, the strides they give, and their agreement with `ExtensibleTensor` segments."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import pytest
 import torch
 from extensible_kv import ExtensibleTensor
 from extensible_kv.layouts import (
-    BACKEND_PRESETS,
+    ATTENTION_BACKEND_PRESETS,
     STANDARD_LAYOUTS,
     BlockLayout,
     FlashAttentionHNDLayout,
     FlashAttentionLayout,
     FlashMLASparseLayout,
-    backend_layout,
+    attention_backend_layout,
     find_block_dim,
-    resolve_backend,
+    resolve_attention_backend,
     standard_layout,
     stride_order,
 )
@@ -26,7 +26,7 @@ from kv_helpers import DEVICES, cache_kwargs, pattern
 
 B, N, H, D = 6, 16, 4, 32
 
-# design.md's table: preset → (logical shape for B blocks, block dim, segments)
+# docs/design.md's table: preset → (logical shape for B blocks, block dim, segments)
 PRESET_TABLE = {
     "FLASH_ATTN": ((2, B, N, H, D), 1, 2),
     "FLASH_ATTN_HND": ((2, B, N, H, D), 1, 2),
@@ -51,11 +51,11 @@ def device(request: pytest.FixtureRequest) -> str:
 def preset_layout(name: str, dtype: torch.dtype = torch.bfloat16) -> BlockLayout:
     mla = "MLA" in name
     head_size, heads = (576, 1) if mla else (D, H)
-    return backend_layout(BACKEND_PRESETS[name], N, heads, head_size, dtype)
+    return attention_backend_layout(ATTENTION_BACKEND_PRESETS[name], N, heads, head_size, dtype)
 
 
 def test_tables_cover_every_preset_and_standard_layout() -> None:
-    assert set(PRESET_TABLE) == set(BACKEND_PRESETS)
+    assert set(PRESET_TABLE) == set(ATTENTION_BACKEND_PRESETS)
     assert set(STANDARD_TABLE) == set(STANDARD_LAYOUTS)
 
 
@@ -83,14 +83,14 @@ def test_standard_layout_segments(name: str) -> None:
 
 
 def test_fp8_ds_mla_is_656_bytes_per_token() -> None:
-    layout = backend_layout(FlashMLASparseLayout, N, 1, 576, torch.uint8, "fp8_ds_mla")
+    layout = attention_backend_layout(FlashMLASparseLayout, N, 1, 576, torch.uint8, "fp8_ds_mla")
     assert layout.shape(B) == (B, N, 656)
     assert (layout.num_segments, layout.block_bytes) == (1, N * 656)
 
 
 def test_strides_follow_the_physical_order() -> None:
-    nhd = backend_layout(FlashAttentionLayout, N, H, D, torch.float16)
-    hnd = backend_layout(FlashAttentionHNDLayout, N, H, D, torch.float16)
+    nhd = attention_backend_layout(FlashAttentionLayout, N, H, D, torch.float16)
+    hnd = attention_backend_layout(FlashAttentionHNDLayout, N, H, D, torch.float16)
     page = N * H * D  # one block of K, in elements
     assert nhd.strides(B) == (B * page, page, H * D, D, 1)
     assert hnd.strides(B) == (B * page, page, D, N * D, 1)
@@ -98,8 +98,8 @@ def test_strides_follow_the_physical_order() -> None:
 
 def test_block_major_puts_k_and_v_of_a_block_side_by_side() -> None:
     hidden = N * H * D
-    nhd = backend_layout(FlashAttentionLayout, N, H, D, torch.float16).block_major()
-    hnd = backend_layout(FlashAttentionHNDLayout, N, H, D, torch.float16).block_major()
+    nhd = attention_backend_layout(FlashAttentionLayout, N, H, D, torch.float16).block_major()
+    hnd = attention_backend_layout(FlashAttentionHNDLayout, N, H, D, torch.float16).block_major()
     assert nhd.strides(B) == (hidden, 2 * hidden, H * D, D, 1)
     assert hnd.strides(B) == (hidden, 2 * hidden, D, N * D, 1)
     assert nhd.num_segments == hnd.num_segments == 1
@@ -134,7 +134,7 @@ def test_block_dim_is_probed_not_positional() -> None:
     # A token dim equal to the first sentinel does not fool the probe.
     assert find_block_dim(FlashAttentionLayout, 7919, H, D) == 1
     assert find_block_dim(_HeadsFirst, N, H, D) == 2
-    layout = backend_layout(_HeadsFirst, N, H, D, torch.float32)
+    layout = attention_backend_layout(_HeadsFirst, N, H, D, torch.float32)
     assert layout.order == (0, 1, 2, 3, 4)  # missing stride order: identity
     assert layout.num_segments == H * 2
 
@@ -155,13 +155,13 @@ class _KeywordOnly:
 
 
 def test_cache_dtype_str_is_passed_by_keyword() -> None:
-    layout = backend_layout(_KeywordOnly, N, 1, 576, torch.uint8, "fp8_ds_mla")
+    layout = attention_backend_layout(_KeywordOnly, N, 1, 576, torch.uint8, "fp8_ds_mla")
     assert layout.shape(B) == (B, N, 656)
 
 
 def test_stride_order_missing_or_not_implemented_is_identity() -> None:
     assert stride_order(_HeadsFirst, 5) == (0, 1, 2, 3, 4)
-    assert stride_order(BACKEND_PRESETS["FLEX_ATTENTION"], 5) == (0, 1, 2, 3, 4)
+    assert stride_order(ATTENTION_BACKEND_PRESETS["FLEX_ATTENTION"], 5) == (0, 1, 2, 3, 4)
     assert stride_order(FlashAttentionHNDLayout, 5) == (0, 1, 3, 2, 4)
 
 
@@ -191,14 +191,14 @@ def test_probe_errors(shape_fn: object, match: str) -> None:
 def test_stride_order_must_be_a_permutation() -> None:
     backend = _backend(lambda b, n, h, d, cache_dtype_str="auto": (b, n, h), lambda: (0, 0, 1))
     with pytest.raises(ValueError, match=r"\(0, 0, 1\) is not a permutation of 3 dims"):
-        backend_layout(backend, N, H, D, torch.float16)
+        attention_backend_layout(backend, N, H, D, torch.float16)
 
 
 def test_unknown_names() -> None:
     with pytest.raises(ValueError, match=r"unknown layout name 'LBXNC'.*LBHNC"):
         standard_layout("LBXNC", L, 0, N, H, D, torch.float16)
     with pytest.raises(ValueError, match=r"unknown backend layout name 'FLASH'.*FLASH_ATTN"):
-        resolve_backend("FLASH")
+        resolve_attention_backend("FLASH")
     with pytest.raises(ValueError, match="layer index 3 out of range for 3 layers"):
         standard_layout("LBHNC", L, 3, N, H, D, torch.float16)
 

@@ -1,4 +1,4 @@
-"""Mamba state pages (design.md §4): states packed back to back in one page per block, one
+"""Mamba state pages (docs/design.md §4): states packed back to back in one page per block, one
 segment per layer buffer, each layer growing on its own buffer."""
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def test_states_are_packed_back_to_back_aligned_to_their_dtype() -> None:
     spec = MambaStateSpec((((3,), torch.uint8), ((2, 2), torch.float32), ((6,), torch.bfloat16)))
     # 3 bytes, aligned up to 4 for fp32, 16 bytes, then bf16 right after: 32 bytes.
     assert spec.state_offsets == (0, 4, 20)
-    assert spec.packed_bytes == spec.page_bytes == 32
+    assert spec.packed_bytes == spec.block_bytes == 32
     padded = MambaStateSpec(spec.states, page_size_padded=64)
-    assert (padded.packed_bytes, padded.page_bytes) == (32, 64)
+    assert (padded.packed_bytes, padded.block_bytes) == (32, 64)
     # Padding below the packed size does not shrink the page.
-    assert MambaStateSpec(spec.states, page_size_padded=20).page_bytes == 32
+    assert MambaStateSpec(spec.states, page_size_padded=20).block_bytes == 32
 
 
 def test_state_views_have_the_page_as_block_stride() -> None:
@@ -71,7 +71,7 @@ def test_presets() -> None:
     gdn = gated_delta_net_state_spec()
     assert gdn.states == (((3, 6144), torch.bfloat16), ((16, 128, 128), torch.float32))
     assert gdn.state_offsets == (0, 3 * 6144 * 2)
-    assert gdn.page_bytes == 3 * 6144 * 2 + 16 * 128 * 128 * 4
+    assert gdn.block_bytes == 3 * 6144 * 2 + 16 * 128 * 128 * 4
     small = gated_delta_net_state_spec(conv_dim=8, num_heads=2, head_k_dim=4, head_v_dim=4)
     assert small.states[1][0] == (2, 4, 4)
 
@@ -92,7 +92,7 @@ def test_spec_errors(states: Any, padded: int | None, match: str) -> None:
 
 def _mamba_model(num_layers: int, spec: MambaStateSpec) -> list[KVCacheTensorSpec]:
     layer = MambaLayerSpec(spec)
-    return [KVCacheTensorSpec(spec.page_bytes, {f"mamba.{i}": layer}) for i in range(num_layers)]
+    return [KVCacheTensorSpec(spec.block_bytes, {f"mamba.{i}": layer}) for i in range(num_layers)]
 
 
 def test_each_layer_grows_on_its_own_one_segment_buffer(make_cache: MakeCache) -> None:

@@ -1,4 +1,4 @@
-"""Sizing (design.md §5): the budget from a measurement, blocks within a budget granule-aware,
+"""Sizing (docs/design.md §5): the budget from a measurement, blocks within a budget granule-aware,
 granule-aligned capacities. Footprints are checked against a brute force that lists every
 granule a segment prefix touches, and against what real caches map on the host backend."""
 
@@ -21,8 +21,8 @@ from extensible_kv.kv_cache import (
 from extensible_kv.mamba import MambaStateSpec
 from extensible_kv.sizing import (
     MIN_MARGIN_BYTES,
-    BufferGeometry,
-    CacheGeometry,
+    BufferFootprint,
+    CacheFootprint,
     blocks_within,
     capacity_blocks_for,
     default_margin_bytes,
@@ -81,7 +81,7 @@ def test_host_available_bytes_reads_memavailable(tmp_path: Path) -> None:
 # footprints and blocks within a budget: properties against a brute force
 
 
-def brute_footprint(buffer: BufferGeometry, num_blocks: int) -> int:
+def brute_footprint(buffer: BufferFootprint, num_blocks: int) -> int:
     """Every granule any byte of any segment prefix lies in, as a set."""
     g, prefix = buffer.granularity, num_blocks * buffer.segment_block_bytes
     granules: set[int] = set()
@@ -91,7 +91,7 @@ def brute_footprint(buffer: BufferGeometry, num_blocks: int) -> int:
     return len(granules) * g
 
 
-def brute_blocks_within(budget: int, cache: CacheGeometry) -> int:
+def brute_blocks_within(budget: int, cache: CacheFootprint) -> int:
     def extra(n: int) -> int:
         base = sum(brute_footprint(b, cache.committed_blocks) for b in cache.buffers)
         return sum(brute_footprint(b, n) for b in cache.buffers) - base
@@ -101,7 +101,7 @@ def brute_blocks_within(budget: int, cache: CacheGeometry) -> int:
 
 
 @st.composite
-def geometries(draw: st.DrawFn) -> CacheGeometry:
+def footprints(draw: st.DrawFn) -> CacheFootprint:
     """Buffers laid out as ExtensibleKVCache lays them out: equal segments of `capacity`
     blocks back to back, block sizes that are rarely granule multiples."""
     granularity = draw(st.sampled_from([64, 512, 4096]))
@@ -111,22 +111,22 @@ def geometries(draw: st.DrawFn) -> CacheGeometry:
         block_bytes = draw(st.one_of(st.integers(1, 3000), st.sampled_from([granularity, 2048])))
         num_segments = draw(st.integers(1, 4))
         offsets = tuple(s * capacity * block_bytes for s in range(num_segments))
-        buffers.append(BufferGeometry(offsets, block_bytes, granularity))
+        buffers.append(BufferFootprint(offsets, block_bytes, granularity))
     committed = draw(st.integers(0, capacity))
-    return CacheGeometry(tuple(buffers), capacity, committed)
+    return CacheFootprint(tuple(buffers), capacity, committed)
 
 
-@given(geometries(), st.data())
+@given(footprints(), st.data())
 @settings(max_examples=300, deadline=None)
-def test_footprint_matches_brute_force(cache: CacheGeometry, data: st.DataObject) -> None:
+def test_footprint_matches_brute_force(cache: CacheFootprint, data: st.DataObject) -> None:
     n = data.draw(st.integers(0, cache.capacity_blocks))
     for buffer in cache.buffers:
         assert buffer.footprint_bytes(n) == brute_footprint(buffer, n)
 
 
-@given(geometries(), st.integers(-100, 300_000))
+@given(footprints(), st.integers(-100, 300_000))
 @settings(max_examples=300, deadline=None)
-def test_blocks_within_is_the_most_that_fit(cache: CacheGeometry, budget: int) -> None:
+def test_blocks_within_is_the_most_that_fit(cache: CacheFootprint, budget: int) -> None:
     n = blocks_within(budget, cache)
     assert n == brute_blocks_within(budget, cache)
     assert cache.committed_blocks <= n <= cache.capacity_blocks
@@ -138,10 +138,10 @@ def test_blocks_within_is_the_most_that_fit(cache: CacheGeometry, budget: int) -
 
 def test_shared_granules_count_once() -> None:
     # Two segments of 3 blocks x 100 bytes: the second starts at byte 300, inside granule 0.
-    buffer = BufferGeometry((0, 300), 100, 512)
+    buffer = BufferFootprint((0, 300), 100, 512)
     assert buffer.footprint_bytes(1) == 512  # bytes [0, 100) and [300, 400): one granule
     assert buffer.footprint_bytes(3) == 1024  # [0, 300) and [300, 600): granules 0 and 1
-    cache = CacheGeometry((buffer,), 3, 1)
+    cache = CacheFootprint((buffer,), 3, 1)
     assert blocks_within(0, cache) == 2  # block 2 ends at byte 500: still granule 0
     assert blocks_within(511, cache) == 2
     assert blocks_within(512, cache) == 3
@@ -175,11 +175,11 @@ def test_footprint_is_what_the_cache_maps(
 ) -> None:
     with ExtensibleKVCache(spec(), capacity, "cpu", granularity=CPU_GRANULARITY) as cache:
         for n in sorted(min(s, capacity) for s in steps):
-            geometry = CacheGeometry.of(cache)
-            expected_extra = geometry.extra_bytes(n)
+            footprint = CacheFootprint.of(cache)
+            expected_extra = footprint.extra_bytes(n)
             before = cache.physical_bytes
             cache.commit(n)
-            assert CacheGeometry.of(cache).footprint_bytes(n) == cache.physical_bytes
+            assert CacheFootprint.of(cache).footprint_bytes(n) == cache.physical_bytes
             assert cache.physical_bytes - before == expected_extra
 
 
@@ -187,19 +187,19 @@ def test_blocks_within_commits_at_most_the_budget_on_a_real_cache(make_cache: Ma
     cache = make_cache(_odd_spec(), 500)
     cache.commit(1)
     for budget in (0, 4096, 3 * 4096 + 17, 40_000, 10**9):
-        geometry = CacheGeometry.of(cache)
+        footprint = CacheFootprint.of(cache)
         n = blocks_within(budget, cache)
         before = cache.physical_bytes
         cache.commit(n)
-        assert cache.physical_bytes - before == geometry.extra_bytes(n) <= budget
-        assert n == cache.capacity_blocks or geometry.extra_bytes(n + 1) > budget
+        assert cache.physical_bytes - before == footprint.extra_bytes(n) <= budget
+        assert n == cache.capacity_blocks or footprint.extra_bytes(n + 1) > budget
     assert cache.committed_blocks == 500
 
 
 def test_legacy_cache_has_nothing_left_to_commit(make_cache: MakeCache) -> None:
     cache = make_cache(_odd_spec(), 50, legacy=True)
     cache.commit(1)
-    assert CacheGeometry.of(cache).buffers == ()
+    assert CacheFootprint.of(cache).buffers == ()
     assert blocks_within(0, cache) == 50
 
 
@@ -214,12 +214,12 @@ def test_capacity_is_granule_aligned(
 ) -> None:
     tensors = spec()
     layout = segment_layout(tensors)
-    bytes_per_block = sum(s * b for s, b in layout)
+    block_bytes = sum(s * b for s, b in layout)
     for upper in (1, 10**6, 10**9, 80 * GIB):
         capacity = capacity_blocks_for(upper, tensors, granularity)
         assert all(capacity * b % granularity == 0 for _, b in layout)
         step = math.lcm(*(granularity // math.gcd(granularity, b) for _, b in layout))
-        estimate = max(1, upper // bytes_per_block)
+        estimate = max(1, upper // block_bytes)
         assert estimate <= capacity < estimate + step
 
 

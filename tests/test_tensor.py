@@ -370,6 +370,26 @@ def test_equal_size_resize_is_a_noop(make_tensor: MakeTensor, g: int) -> None:
     check(t)
 
 
+def test_noop_check_matches_what_a_resize_would_do(make_tensor: MakeTensor, g: int) -> None:
+    # The facade skips the native call (and the torch stream lookup) when this says a resize
+    # would change nothing: it must never say so for a resize that grows or raises.
+    t = make_tensor(8 * g, 2)
+    t.resize_per_segment_(g)
+    assert t._is_noop_resize(g) and t._is_noop_resize([g, g]) and t._is_noop_resize((g, g))
+    for refused_or_growing in (g + 1, [g, g + 1], [g], [g, g, g], g // 2, -1, 1.5, None, "x"):
+        assert not t._is_noop_resize(refused_or_growing), refused_or_growing
+    assert t.resize_per_segment_(g) is t
+    single = make_tensor(4 * g)
+    assert single._is_noop_resize([0]) and not single._is_noop_resize([0, 0])
+    assert not t._is_noop_resize([0])  # resize_ on two segments raises instead
+    with pytest.raises(ValueError, match="resize_per_segment_"):
+        t.resize_(g)
+    single.close()
+    assert not single._is_noop_resize([0])  # closed: the resize raises ClosedError
+    with pytest.raises(ClosedError):
+        single.resize_(0)
+
+
 def test_lockstep_growth(make_tensor: MakeTensor, g: int) -> None:
     # 3 segments of 2.5 granules: segments 0/1 and 1/2 share a granule.
     capacity = 2 * g + g // 2
@@ -1007,9 +1027,10 @@ def test_fixed_handle_bytes_gives_one_handle_per_granule(make_tensor: MakeTensor
     check(t2)
 
 
-def test_adaptive_policy_uses_few_handles(make_tensor: MakeTensor, g: int) -> None:
+def test_aligned_powers_of_two_use_few_handles(make_tensor: MakeTensor, g: int) -> None:
     granules = 32  # per segment
-    t = make_tensor(2 * granules * g, 2)
+    aligned = {"_cut": "aligned_powers_of_two"}
+    t = make_tensor(2 * granules * g, 2, **aligned)
     t.resize_per_segment_(512)  # one block per segment
     assert t.num_handles == 2
     t.resize_per_segment_(granules * g)
@@ -1023,14 +1044,33 @@ def test_adaptive_policy_uses_few_handles(make_tensor: MakeTensor, g: int) -> No
         assert 0 < len(inside) <= bound, (segment, runs)
     assert sum(n for _, n in runs) == 2 * granules
 
-    bulk = make_tensor(2 * granules * g, 2)
+    bulk = make_tensor(2 * granules * g, 2, **aligned)
     bulk.resize_per_segment_(granules * g)  # from empty: one aligned power-of-two run
     assert bulk.handle_runs() == [(0, 2 * granules)]
 
-    capped = make_tensor(16 * g, max_handle_bytes=4 * g)
+    capped = make_tensor(16 * g, max_handle_bytes=4 * g, **aligned)
     capped.resize_(11 * g)
     assert capped.handle_runs() == [(0, 4), (4, 4), (8, 2), (10, 1)]
     check(capped)
+
+
+def test_default_cuts_runs_only_at_cap_multiples(make_tensor: MakeTensor, g: int) -> None:
+    # vLLM's layer-outermost layout: segments a granule apart, each grown from its first
+    # block. Every run then starts one granule past a cap multiple: the default cuts it there
+    # and at the cap multiples inside it, nowhere else.
+    t = make_tensor(3 * 10 * g, 3, max_handle_bytes=4 * g)
+    t.resize_per_segment_(512)
+    t.resize_per_segment_(9 * g)
+    check(t)
+    assert t.handle_runs() == [
+        (0, 1), (1, 3), (4, 4), (8, 1),
+        (10, 1), (11, 1), (12, 4), (16, 3),
+        (20, 1), (21, 3), (24, 4), (28, 1),
+    ]  # fmt: skip
+    # A one-granule grow is one handle per segment.
+    t.resize_per_segment_(10 * g)
+    assert t.num_handles == 15
+    check(t)
 
 
 def test_one_handle_per_run_backs_each_segment_by_one_handle(

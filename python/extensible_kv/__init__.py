@@ -24,13 +24,13 @@ from extensible_kv.kv_cache import (
     MambaLayerSpec,
     StandardLayerSpec,
 )
-from extensible_kv.layouts import BACKEND_PRESETS, STANDARD_LAYOUTS
+from extensible_kv.layouts import ATTENTION_BACKEND_PRESETS, STANDARD_LAYOUTS
 from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
 from extensible_kv.sizing import blocks_within, capacity_blocks_for, measure_budget
 from extensible_kv.tensor import ExtensibleTensor
 
 __all__ = [
-    "BACKEND_PRESETS",
+    "ATTENTION_BACKEND_PRESETS",
     "STANDARD_LAYOUTS",
     "AttentionLayerSpec",
     "ClosedError",

@@ -13,6 +13,9 @@ __all__ = [
     "ExtensibleTensor",
     "OutOfMemoryError",
     "UnsupportedError",
+    "extent_bytes",
+    "footprint_bytes",
+    "host_mem_info",
     "vmm_unavailable_reason",
 ]
 
@@ -40,6 +43,9 @@ class ClosedError(ValueError):
     """The tensor was closed."""
 
 def vmm_unavailable_reason(device: object) -> str | None: ...
+def footprint_bytes(segment_offsets: Sequence[int], prefix_bytes: int, granularity: int) -> int: ...
+def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int: ...
+def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
 
 @disjoint_base
 class ExtensibleTensor:
@@ -53,6 +59,7 @@ class ExtensibleTensor:
         granularity: int | None = None,
         max_handle_bytes: int | None = None,
         fixed_handle_bytes: int | None = None,
+        _cut: str | None = None,
         _fault: tuple[str, int, str] | None = None,
         _profile: bool = False,
     ) -> Self: ...
@@ -72,6 +79,18 @@ class ExtensibleTensor:
         *,
         one_handle_per_run: bool = False,
     ) -> Self: ...
+    def shrink_per_segment_(
+        self,
+        bytes_per_segment: int | Sequence[int],
+        *,
+        exact: bool = False,
+        stream: int | None = None,
+    ) -> Self: ...
+    def shrink_(
+        self, num_bytes: int, *, exact: bool = False, stream: int | None = None
+    ) -> Self: ...
+    def consolidate(self, *, stream: int | None = None) -> None: ...
+    def _is_noop_resize(self, bytes_per_segment: int | Sequence[int]) -> bool: ...
     def release_physical(self) -> None: ...
     def close(self) -> None: ...
     def _capsule(self, offset: int, num_bytes: int, versioned: bool = True) -> Any: ...

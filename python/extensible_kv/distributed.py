@@ -1,4 +1,4 @@
-"""Agreement across ranks (design.md §5, step 3).
+"""Agreement across ranks (docs/design.md §5, step 3).
 
 Tensor-parallel ranks each hold a slice of every layer's KV cache and must hand out the same
 block ids, so they must commit the same block count: the minimum of what each rank's memory

@@ -1,4 +1,4 @@
-"""The extensible flow (design.md §5): reserve → warm up and capture → measure → extend.
+"""The extensible flow (docs/design.md §5): reserve → warm up and capture → measure → extend.
 
     flow = KVCacheFlow.reserve(spec, capacity_blocks, "cuda:0")   # one block committed
     ...warm up, capture CUDA graphs against flow.cache.views...
@@ -15,7 +15,7 @@ Replaying the graphs then uses the new blocks: nothing is re-captured.
 
 `legacy=True` is the same API over a cache committed in full at `reserve` (as engines
 allocate today): `extend_to_fit` measures and reports the same way but has nothing to map.
-Nothing here maps while a stream is capturing a graph (design.md §6): both steps refuse.
+Nothing here maps while a stream is capturing a graph (docs/design.md §6): both steps refuse.
 """
 
 from __future__ import annotations
@@ -230,6 +230,19 @@ class KVCacheFlow:
             handles = sum(buffer.num_handles for buffer in cache.buffers)
         return cache.committed_blocks, cache.physical_bytes, handles
 
+    def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None:
+        """Gives back the memory of the blocks at and past `num_blocks`, keeping the contents
+        of those below (e.g. to lend memory to another model on the GPU); logs `Shrank KV cache
+        to N blocks (X GiB)`. `extend_to_fit` or `cache.commit` grows it again, zeroed. Like
+        any unmap, not while a stream is capturing a graph."""
+        _refuse_while_capturing(self.device, "shrink_to")
+        self.cache.shrink_to(num_blocks, exact=exact)
+        logger.info(
+            "Shrank KV cache to %d blocks (%.2f GiB)",
+            self.cache.committed_blocks,
+            self.cache.physical_bytes / GIB,
+        )
+
     def close(self) -> None:
         self.cache.close()
 
@@ -251,7 +264,8 @@ def _normalize(device: str | torch.device) -> torch.device:
 
 
 def _refuse_while_capturing(device: torch.device, step: str) -> None:
-    """Mapping memory while a stream captures a graph would break the capture (design.md §6)."""
+    """Mapping memory while a stream captures a graph would break the capture
+    (docs/design.md §6)."""
     if device.type != "cuda":
         return
     import torch

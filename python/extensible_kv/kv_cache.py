@@ -1,19 +1,20 @@
 """`ExtensibleKVCache`: a model's KV cache tensors, reserved for a capacity, grown in blocks.
 
 The description mirrors what a serving stack knows (vLLM's `KVCacheTensor`s): a list of
-buffers, each with its page size (`bytes_per_block`) and the layers sharing it. Layers share a
-buffer when their blocks are handed out disjointly (one layer of each KV cache group), so each
-views the whole buffer; the layers of an `[L, B, H, N, C]` buffer each view their slice.
+buffers, each with the bytes of one block (`block_bytes`, vLLM's page size) and the layers
+sharing it. Layers share a buffer when their blocks are handed out disjointly (one layer of
+each KV cache group), so each views the whole buffer; the layers of an `[L, B, H, N, C]` buffer
+each view their slice.
 
-Every buffer is an `ExtensibleTensor` of `capacity_blocks` pages in as many segments as its
-layout has (design.md §4); every layer gets one view in its backend's logical shape with the
-physical strides, spanning the capacity, whose address never changes. `commit(n)` grows every
-buffer to `n` blocks, zeroing the new ones. A model with any Mamba layer is hybrid: its
-attention layouts are made block-major so that every buffer has one segment and a page means
-the same bytes to every layer sharing it.
+Every buffer is an `ExtensibleTensor` of `capacity_blocks` blocks in as many segments as its
+layout has (docs/design.md §4); every layer gets one view in its attention backend's logical
+shape with the physical strides, spanning the capacity, whose address never changes.
+`commit(n)` grows every buffer to `n` blocks, zeroing the new ones. A model with any Mamba
+layer is hybrid: its attention layouts are made block-major so that every buffer has one
+segment and a block means the same bytes to every layer sharing it.
 
 Invariants: the layers of a buffer agree on its segment count and per-segment block stride,
-and their page is the buffer's `bytes_per_block`; segment `s` holds bytes
+and their block takes the buffer's `block_bytes`; segment `s` holds bytes
 `[s * capacity * stride, (s + 1) * capacity * stride)`, exactly where the layouts' outer dims
 step. `legacy=True` builds the same views over a fully committed `torch.zeros` per buffer.
 """
@@ -26,11 +27,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from extensible_kv._native import ClosedError
 from extensible_kv.layouts import (
+    AttentionBackend,
     BlockLayout,
-    KVCacheBackend,
-    ViewGeometry,
-    backend_layout,
-    resolve_backend,
+    StridedView,
+    attention_backend_layout,
+    resolve_attention_backend,
     standard_layout,
 )
 from extensible_kv.mamba import MambaStateSpec
@@ -52,10 +53,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """An attention layer laid out by a backend: a class with vLLM's `get_kv_cache_shape`
-    (and optionally `get_kv_cache_stride_order`), or a preset name from `BACKEND_PRESETS`."""
+    """An attention layer laid out by an attention backend: a class with vLLM's
+    `get_kv_cache_shape` (and optionally `get_kv_cache_stride_order`), or a preset name from
+    `ATTENTION_BACKEND_PRESETS`."""
 
-    backend: KVCacheBackend | str
+    attention_backend: AttentionBackend | str
     block_size: int
     num_kv_heads: int
     head_size: int
@@ -79,7 +81,7 @@ class StandardLayerSpec:
 
 @dataclass(frozen=True)
 class MambaLayerSpec:
-    """A Mamba / linear-attention layer: its states packed in one page per block."""
+    """A Mamba / linear-attention layer: its states packed in each block."""
 
     state: MambaStateSpec
 
@@ -89,20 +91,20 @@ LayerSpec = AttentionLayerSpec | StandardLayerSpec | MambaLayerSpec
 
 @dataclass(frozen=True)
 class KVCacheTensorSpec:
-    """One KV cache buffer: its page size and the layers that view it, by name."""
+    """One KV cache buffer: the bytes of one block and the layers that view it, by name."""
 
-    bytes_per_block: int
+    block_bytes: int
     layers: Mapping[str, LayerSpec]
 
 
 # ---------------------------------------------------------------------------------------------
-# planning: specs → view geometries, checked per buffer
+# planning: specs → strided views, checked per buffer
 
 
 @dataclass(frozen=True)
 class _LayerPlan:
     name: str
-    views: tuple[ViewGeometry, ...]  # one for attention, one per state for Mamba
+    views: tuple[StridedView, ...]  # one for attention, one per state for Mamba
     is_mamba: bool
     num_segments: int
     block_bytes: int  # one block over every segment of the buffer
@@ -129,16 +131,15 @@ def _attention_layout(spec: AttentionLayerSpec | StandardLayerSpec, hybrid: bool
                 "needs one per buffer: use a block-major order (BLHNC, BLNHC, BHLNC)"
             )
         return layout
-    backend = resolve_backend(spec.backend)
-    layout = backend_layout(
-        backend,
+    layout = attention_backend_layout(
+        resolve_attention_backend(spec.attention_backend),
         spec.block_size,
         spec.num_kv_heads,
         spec.head_size,
         spec.dtype,
         spec.cache_dtype_str,
     )
-    # A page must mean the same bytes to an attention layer and a Mamba layer sharing it.
+    # A block must mean the same bytes to an attention layer and a Mamba layer sharing it.
     return layout.block_major() if hybrid and layout.num_segments > 1 else layout
 
 
@@ -146,7 +147,7 @@ def _plan_layer(name: str, spec: LayerSpec, capacity_blocks: int, hybrid: bool) 
     try:
         if isinstance(spec, MambaLayerSpec):
             views = tuple(spec.state.state_views(capacity_blocks))
-            return _LayerPlan(name, views, True, 1, spec.state.page_bytes)
+            return _LayerPlan(name, views, True, 1, spec.state.block_bytes)
         layout = _attention_layout(spec, hybrid)
         view = layout.layer_view(capacity_blocks)
         return _LayerPlan(name, (view,), False, layout.num_segments, layout.block_bytes)
@@ -154,7 +155,7 @@ def _plan_layer(name: str, spec: LayerSpec, capacity_blocks: int, hybrid: bool) 
         raise ValueError(f"layer {name!r}: {error}") from error
 
 
-def _check_buffer(index: int, bytes_per_block: int, plans: Sequence[_LayerPlan]) -> None:
+def _check_buffer(index: int, block_bytes: int, plans: Sequence[_LayerPlan]) -> None:
     first = plans[0]
     for plan in plans[1:]:
         if plan.num_segments != first.num_segments:
@@ -169,10 +170,10 @@ def _check_buffer(index: int, bytes_per_block: int, plans: Sequence[_LayerPlan])
                 f"{plan.block_stride_bytes} bytes) cannot share it"
             )
     for plan in plans:
-        if plan.block_bytes != bytes_per_block:
+        if plan.block_bytes != block_bytes:
             raise ValueError(
                 f"layer {plan.name!r}: a block takes {plan.block_bytes} bytes, but KV cache "
-                f"tensor {index} has {bytes_per_block} bytes per block"
+                f"tensor {index} has {block_bytes} bytes per block"
             )
 
 
@@ -182,10 +183,10 @@ def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list
     hybrid = any(isinstance(s, MambaLayerSpec) for t in specs for s in t.layers.values())
     plans, seen = [], set[str]()
     for index, tensor in enumerate(specs):
-        if not tensor.layers or tensor.bytes_per_block <= 0:
+        if not tensor.layers or tensor.block_bytes <= 0:
             raise ValueError(
-                f"KV cache tensor {index} needs layers and a positive bytes_per_block, got "
-                f"{len(tensor.layers)} layers and {tensor.bytes_per_block} bytes"
+                f"KV cache tensor {index} needs layers and a positive block_bytes, got "
+                f"{len(tensor.layers)} layers and {tensor.block_bytes} bytes"
             )
         if seen & tensor.layers.keys():
             raise ValueError(f"layers {sorted(seen & tensor.layers.keys())} appear twice")
@@ -193,7 +194,7 @@ def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list
         layer_plans = [
             _plan_layer(name, spec, capacity_blocks, hybrid) for name, spec in tensor.layers.items()
         ]
-        _check_buffer(index, tensor.bytes_per_block, layer_plans)
+        _check_buffer(index, tensor.block_bytes, layer_plans)
         plans.append(layer_plans)
     return plans
 
@@ -212,8 +213,10 @@ class _Buffer(Protocol):
     @property
     def physical_bytes(self) -> int: ...
 
-    def view(self, geometry: ViewGeometry) -> torch.Tensor: ...
+    def view(self, strided: StridedView) -> torch.Tensor: ...
     def grow(self, bytes_per_segment: int) -> None: ...
+    def shrink(self, bytes_per_segment: int, exact: bool) -> None: ...
+    def consolidate(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -225,12 +228,18 @@ class _ExtensibleBuffer:
     def physical_bytes(self) -> int:
         return self.tensor.physical_bytes
 
-    def view(self, geometry: ViewGeometry) -> torch.Tensor:
-        g = geometry
+    def view(self, strided: StridedView) -> torch.Tensor:
+        g = strided
         return self.tensor.view(g.dtype, g.shape, g.strides, g.offset_bytes)
 
     def grow(self, bytes_per_segment: int) -> None:
         self.tensor.resize_per_segment_(bytes_per_segment)
+
+    def shrink(self, bytes_per_segment: int, exact: bool) -> None:
+        self.tensor.shrink_per_segment_(bytes_per_segment, exact=exact)
+
+    def consolidate(self) -> None:
+        self.tensor.consolidate()
 
     def close(self) -> None:
         self.tensor.close()
@@ -246,8 +255,8 @@ class _LegacyBuffer:
         self.data: torch.Tensor | None = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         self.physical_bytes = num_bytes
 
-    def view(self, geometry: ViewGeometry) -> torch.Tensor:
-        g = geometry
+    def view(self, strided: StridedView) -> torch.Tensor:
+        g = strided
         if self.data is None:
             raise ClosedError("the KV cache is closed")
         flat = self.data[g.offset_bytes : g.offset_bytes + g.num_bytes].view(g.dtype)
@@ -255,6 +264,12 @@ class _LegacyBuffer:
 
     def grow(self, bytes_per_segment: int) -> None:
         pass
+
+    def shrink(self, bytes_per_segment: int, exact: bool) -> None:
+        pass  # allocated in full: nothing to give back
+
+    def consolidate(self) -> None:
+        pass  # one allocation already
 
     def close(self) -> None:
         self.data = None
@@ -291,7 +306,7 @@ class ExtensibleKVCache:
         self._views: dict[str, list[torch.Tensor]] = {}
         try:
             for tensor_spec, plans in zip(spec, self._plans, strict=True):
-                num_bytes = capacity_blocks * tensor_spec.bytes_per_block
+                num_bytes = capacity_blocks * tensor_spec.block_bytes
                 buffer = self._make_buffer(num_bytes, plans, device, granularity)
                 self._buffers.append(buffer)
                 for plan in plans:
@@ -383,6 +398,38 @@ class ExtensibleKVCache:
         for buffer, plans in zip(self._buffers, self._plans, strict=True):
             buffer.grow(num_blocks * plans[0].block_stride_bytes)
         self._committed_blocks = num_blocks
+
+    def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None:
+        """Shrinks every buffer to `num_blocks` blocks, keeping the contents of blocks below it
+        (their addresses, views and CUDA graphs stay valid); a no-op at or above
+        `committed_blocks`. Whole handles past the new last block are released; `exact` also
+        trims the handles that straddle it (copying their live part), so the physical bytes are
+        the granule-rounded footprint. Growing again with `commit` zeroes the blocks it adds.
+
+        Each buffer shrinks all or nothing. If one fails, the error is raised with
+        `committed_blocks` at `num_blocks` all the same (every buffer still holds at least
+        that many blocks); the buffers that did not shrink keep their blocks past it, and a
+        later `commit` does not zero those."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        if num_blocks < 0:
+            raise ValueError(f"cannot shrink to {num_blocks} blocks")
+        if num_blocks >= self._committed_blocks:
+            return
+        try:
+            for buffer, plans in zip(self._buffers, self._plans, strict=True):
+                buffer.shrink(num_blocks * plans[0].block_stride_bytes, exact)
+        finally:
+            self._committed_blocks = num_blocks
+
+    def consolidate(self) -> None:
+        """Backs each buffer's committed blocks by as few physical allocations as its layout
+        allows (one per segment when segments share no granule), keeping every byte and
+        address; registrations of the old pages (RDMA) must be renewed."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        for buffer in self._buffers:
+            buffer.consolidate()
 
     def committed_views(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         """Views of exactly the committed blocks, each with storage of exactly the bytes it

@@ -1,19 +1,21 @@
-"""KV cache layouts → segments (design.md §4).
+"""KV cache layouts → segments (docs/design.md §4).
 
-A backend describes one layer's cache by its logical shape, `get_kv_cache_shape(num_blocks,
+An attention backend (vLLM's word for an attention implementation: FlashAttention, FlashInfer,
+...) describes one layer's cache by its logical shape, `get_kv_cache_shape(num_blocks,
 block_size, num_kv_heads, head_size, cache_dtype_str)`, and optionally its physical order,
 `get_kv_cache_stride_order()` (vLLM's convention: `order[i]` is the logical dim stored i-th,
 outermost first). Memory is contiguous in physical order, so the dims stored before the block
 dim cut the buffer into segments that each grow by a slice of every block: committing `n`
-blocks is committing `n * bytes_per_block / num_segments` bytes of every segment. Because a
+blocks is committing `n * block_bytes / num_segments` bytes of every segment. Because a
 segment's capacity is `capacity_blocks` such slices, segment boundaries are exactly where the
 outer dims step.
 
-`BlockLayout` is that description, independent of the block count; `ViewGeometry` is one torch
+`BlockLayout` is that description, independent of the block count; `StridedView` is one torch
 view of it (shape, strides in elements, byte offset) for a given count. Both are pure
-arithmetic: `kv_cache` turns geometries into tensors. The standard `[L, B, H, N, C]` vocabulary
-(vLLM #51718, C = 2 * head_size elements: K and V packed) and presets for the usual backends
-are built here too; real vLLM backend classes plug in exactly like the presets.
+arithmetic: `kv_cache` turns strided views into tensors. The standard `[L, B, H, N, C]`
+vocabulary (vLLM #51718, C = 2 * head_size elements: K and V packed) and presets for the usual
+attention backends are built here too; real vLLM attention backend classes plug in exactly like
+the presets. ("Backend" alone, elsewhere, is the device backend: host or CUDA.)
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from extensible_kv import _native
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "BACKEND_PRESETS",
+    "ATTENTION_BACKEND_PRESETS",
+    "KV_LAYOUTS",
     "STANDARD_LAYOUTS",
+    "AttentionBackend",
     "BlockLayout",
     "FlashAttentionHNDLayout",
     "FlashAttentionLayout",
@@ -37,15 +43,14 @@ __all__ = [
     "FlashInferLayout",
     "FlashMLASparseLayout",
     "FlexAttentionLayout",
-    "KVCacheBackend",
     "KVSplitBlockMajorLayout",
     "MLALayout",
+    "StridedView",
     "TritonAttentionHNDLayout",
     "TritonAttentionLayout",
-    "ViewGeometry",
-    "backend_layout",
+    "attention_backend_layout",
     "find_block_dim",
-    "resolve_backend",
+    "resolve_attention_backend",
     "standard_layout",
     "stride_order",
 ]
@@ -56,7 +61,7 @@ STANDARD_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 _STANDARD_DIMS = "LBHNC"
 
 
-class KVCacheBackend(Protocol):
+class AttentionBackend(Protocol):
     """Anything with vLLM's `get_kv_cache_shape`; `get_kv_cache_stride_order` is optional."""
 
     @staticmethod
@@ -84,7 +89,7 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ViewGeometry:
+class StridedView:
     """One strided view of a buffer: `shape` and `strides` in elements, `offset_bytes` from the
     buffer's start. `segment_dims` are the dims whose indices pick a segment (the view spans
     several segments when any is larger than 1)."""
@@ -98,23 +103,21 @@ class ViewGeometry:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes from the first addressable element through the last one."""
-        if 0 in self.shape:
-            return 0
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
-        return (last + 1) * itemsize(self.dtype)
+        """Bytes from the first addressable element through the last one (what the export
+        checks against the capacity: `dlpack::extent_bytes`)."""
+        return _native.extent_bytes(self.shape, self.strides, itemsize(self.dtype))
 
     @property
     def block_stride_bytes(self) -> int:
         return self.strides[self.block_dim] * itemsize(self.dtype)
 
-    def with_blocks(self, num_blocks: int) -> ViewGeometry:
+    def with_blocks(self, num_blocks: int) -> StridedView:
         """The same view cut to the first `num_blocks` blocks (strides, offset unchanged)."""
         shape = list(self.shape)
         shape[self.block_dim] = num_blocks
         return replace(self, shape=tuple(shape))
 
-    def per_segment(self) -> list[ViewGeometry]:
+    def per_segment(self) -> list[StridedView]:
         """One view per segment this view spans, the segment dims dropped: each addresses
         only its own segment, so a view of committed blocks stays inside committed bytes."""
         if not self.segment_dims:
@@ -125,7 +128,7 @@ class ViewGeometry:
         for index in itertools.product(*(range(self.shape[d]) for d in self.segment_dims)):
             skip = sum(i * self.strides[d] for i, d in zip(index, self.segment_dims, strict=True))
             views.append(
-                ViewGeometry(
+                StridedView(
                     self.dtype,
                     tuple(self.shape[d] for d in kept),
                     tuple(self.strides[d] for d in kept),
@@ -206,15 +209,15 @@ class BlockLayout:
         rest = tuple(d for d in self.order if d != self.block_dim)
         return replace(self, order=(self.block_dim, *rest))
 
-    def layer_view(self, num_blocks: int) -> ViewGeometry:
+    def layer_view(self, num_blocks: int) -> StridedView:
         """This layer's view over `num_blocks` blocks of the buffer."""
         shape, strides = self.shape(num_blocks), self.strides(num_blocks)
         outer = set(self.order[: self.order.index(self.block_dim)])
         if self.layer_dim is None:
-            return ViewGeometry(self.dtype, shape, strides, 0, self.block_dim, tuple(sorted(outer)))
+            return StridedView(self.dtype, shape, strides, 0, self.block_dim, tuple(sorted(outer)))
         drop = self.layer_dim
         kept = [d for d in range(len(shape)) if d != drop]
-        return ViewGeometry(
+        return StridedView(
             self.dtype,
             tuple(shape[d] for d in kept),
             tuple(strides[d] for d in kept),
@@ -225,26 +228,26 @@ class BlockLayout:
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM-style backends
+# vLLM-style attention backends
 
 
 def _shape(
-    backend: KVCacheBackend,
+    attention_backend: AttentionBackend,
     num_blocks: int,
     block_size: int,
     num_kv_heads: int,
     head_size: int,
     cache_dtype_str: str,
 ) -> tuple[int, ...]:
-    # By keyword: some backends take cache_dtype_str keyword-only.
-    shape = backend.get_kv_cache_shape(
+    # By keyword: some attention backends take cache_dtype_str keyword-only.
+    shape = attention_backend.get_kv_cache_shape(
         num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str=cache_dtype_str
     )
     return tuple(int(n) for n in shape)
 
 
 def find_block_dim(
-    backend: KVCacheBackend,
+    attention_backend: AttentionBackend,
     block_size: int,
     num_kv_heads: int,
     head_size: int,
@@ -253,7 +256,7 @@ def find_block_dim(
     """The dim of `get_kv_cache_shape` that follows the block count, found by probing with two
     sentinel counts: position alone would mistake a K/V dim of 2 or a layer dim for it."""
     shapes = [
-        _shape(backend, n, block_size, num_kv_heads, head_size, cache_dtype_str)
+        _shape(attention_backend, n, block_size, num_kv_heads, head_size, cache_dtype_str)
         for n in _PROBE_BLOCKS
     ]
     if len(shapes[0]) != len(shapes[1]):
@@ -273,10 +276,10 @@ def find_block_dim(
     return dim
 
 
-def stride_order(backend: object, ndim: int) -> tuple[int, ...]:
-    """The backend's physical order; identity when it has none (missing, or raising
+def stride_order(attention_backend: object, ndim: int) -> tuple[int, ...]:
+    """The attention backend's physical order; identity when it has none (missing, or raising
     NotImplementedError, as vLLM's base class does)."""
-    method = getattr(backend, "get_kv_cache_stride_order", None)
+    method = getattr(attention_backend, "get_kv_cache_stride_order", None)
     if method is None:
         return tuple(range(ndim))
     try:
@@ -288,19 +291,21 @@ def stride_order(backend: object, ndim: int) -> tuple[int, ...]:
     return order
 
 
-def backend_layout(
-    backend: KVCacheBackend,
+def attention_backend_layout(
+    attention_backend: AttentionBackend,
     block_size: int,
     num_kv_heads: int,
     head_size: int,
     dtype: torch.dtype,
     cache_dtype_str: str = "auto",
 ) -> BlockLayout:
-    """One layer's `BlockLayout` as the backend lays it out."""
-    block_dim = find_block_dim(backend, block_size, num_kv_heads, head_size, cache_dtype_str)
-    shape = list(_shape(backend, 1, block_size, num_kv_heads, head_size, cache_dtype_str))
+    """One layer's `BlockLayout` as the attention backend lays it out."""
+    block_dim = find_block_dim(
+        attention_backend, block_size, num_kv_heads, head_size, cache_dtype_str
+    )
+    shape = list(_shape(attention_backend, 1, block_size, num_kv_heads, head_size, cache_dtype_str))
     shape[block_dim] = 1
-    order = stride_order(backend, len(shape))
+    order = stride_order(attention_backend, len(shape))
     return BlockLayout(dtype, tuple(shape), block_dim, order)
 
 
@@ -323,7 +328,8 @@ def standard_layout(
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets: the shapes and orders of vLLM's backends, as classes with the same two methods.
+# Presets: the shapes and orders of vLLM's attention backends, as classes with the same two
+# methods.
 
 
 class FlashAttentionLayout:
@@ -446,7 +452,7 @@ class FlashMLASparseLayout(MLALayout):
         return (num_blocks, block_size, head_size)
 
 
-BACKEND_PRESETS: Mapping[str, KVCacheBackend] = {
+ATTENTION_BACKEND_PRESETS: Mapping[str, AttentionBackend] = {
     "FLASH_ATTN": FlashAttentionLayout,
     "FLASH_ATTN_HND": FlashAttentionHNDLayout,
     "FLEX_ATTENTION": FlexAttentionLayout,
@@ -460,12 +466,21 @@ BACKEND_PRESETS: Mapping[str, KVCacheBackend] = {
 }
 
 
-def resolve_backend(backend: KVCacheBackend | str) -> KVCacheBackend:
-    """A preset by name (`BACKEND_PRESETS`), or the backend itself."""
-    if not isinstance(backend, str):
-        return backend
+# Layouts that store a K and a V for every token: the presets but MLA's, and the standard orders.
+KV_LAYOUTS = (
+    *(name for name in ATTENTION_BACKEND_PRESETS if "MLA" not in name),
+    *STANDARD_LAYOUTS,
+)
+
+
+def resolve_attention_backend(attention_backend: AttentionBackend | str) -> AttentionBackend:
+    """A preset by name (`ATTENTION_BACKEND_PRESETS`), or the attention backend itself."""
+    if not isinstance(attention_backend, str):
+        return attention_backend
     try:
-        return BACKEND_PRESETS[backend]
+        return ATTENTION_BACKEND_PRESETS[attention_backend]
     except KeyError:
-        known = ", ".join(BACKEND_PRESETS)
-        raise ValueError(f"unknown backend layout name {backend!r}; known: {known}") from None
+        known = ", ".join(ATTENTION_BACKEND_PRESETS)
+        raise ValueError(
+            f"unknown backend layout name {attention_backend!r}; known: {known}"
+        ) from None

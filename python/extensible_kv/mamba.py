@@ -1,11 +1,11 @@
-"""Mamba / linear-attention state pages (design.md §4).
+"""Mamba / linear-attention state blocks (docs/design.md §4).
 
 A recurrent layer keeps a few state arrays per sequence (Mamba2: a conv window and an SSM
-state). Each block of the layer's buffer is one page holding every state back to back, each
-start aligned to its dtype, the page optionally padded (`page_size_padded`) so it matches the
-attention page of a hybrid model and both can share one buffer. A state's view is
-`(num_blocks, *shape)` with the page as block stride and its inner dims contiguous. Blocks are
-outermost, so a layer's buffer is one segment.
+state). Each block of the layer's buffer (vLLM's page) holds every state back to back, each
+start aligned to its dtype, the block optionally padded (`page_size_padded`, vLLM's name for
+it) so it matches the attention block of a hybrid model and both can share one buffer. A
+state's view is `(num_blocks, *shape)` with the block as block stride and its inner dims
+contiguous. Blocks are outermost, so a layer's buffer is one segment.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extensible_kv.layouts import ViewGeometry, contiguous_strides, itemsize
+from extensible_kv.layouts import StridedView, contiguous_strides, itemsize
 
 if TYPE_CHECKING:
     import torch
@@ -28,9 +28,9 @@ def _round_up(value: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class MambaStateSpec:
-    """The states of one layer, `((shape, dtype), ...)`, and an optional padded page size.
+    """The states of one layer, `((shape, dtype), ...)`, and an optional padded block size.
 
-    `page_bytes` is the larger of the packed states and `page_size_padded`; it must be a
+    `block_bytes` is the larger of the packed states and `page_size_padded`; it must be a
     multiple of every state's item size, since it is each view's block stride in elements.
     """
 
@@ -48,15 +48,15 @@ class MambaStateSpec:
         if self.page_size_padded is not None and self.page_size_padded <= 0:
             raise ValueError(f"page_size_padded {self.page_size_padded} must be positive")
         for index, (_, dtype) in enumerate(states):
-            if self.page_bytes % itemsize(dtype):
+            if self.block_bytes % itemsize(dtype):
                 raise ValueError(
-                    f"Mamba page of {self.page_bytes} bytes is not a multiple of state {index}'s "
+                    f"Mamba page of {self.block_bytes} bytes is not a multiple of state {index}'s "
                     f"{dtype} items ({itemsize(dtype)} bytes)"
                 )
 
     @property
     def state_offsets(self) -> tuple[int, ...]:
-        """Byte offset of each state in the page."""
+        """Byte offset of each state in the block."""
         offsets, end = [], 0
         for shape, dtype in self.states:
             start = _round_up(end, itemsize(dtype))
@@ -71,16 +71,16 @@ class MambaStateSpec:
         return self.state_offsets[-1] + math.prod(shape) * itemsize(dtype)
 
     @property
-    def page_bytes(self) -> int:
+    def block_bytes(self) -> int:
         return max(self.packed_bytes, self.page_size_padded or 0)
 
-    def state_views(self, num_blocks: int) -> list[ViewGeometry]:
-        """Each state as `(num_blocks, *shape)`, in a buffer of `num_blocks` pages."""
+    def state_views(self, num_blocks: int) -> list[StridedView]:
+        """Each state as `(num_blocks, *shape)`, in a buffer of `num_blocks` blocks."""
         views = []
         for (shape, dtype), offset in zip(self.states, self.state_offsets, strict=True):
-            block_stride = self.page_bytes // itemsize(dtype)
+            block_stride = self.block_bytes // itemsize(dtype)
             views.append(
-                ViewGeometry(
+                StridedView(
                     dtype,
                     (num_blocks, *shape),
                     (block_stride, *contiguous_strides(shape)),

@@ -1,4 +1,4 @@
-"""Sizing the KV cache from measured memory (design.md §5, steps 1 and 3).
+"""Sizing the KV cache from measured memory (docs/design.md §5, steps 1 and 3).
 
 After warm-up and graph capture, what is still free can become KV blocks, less a safety
 margin for transient allocations that the warm-up did not hit at their peak (vLLM #56492:
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from extensible_kv import _native
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec, segment_layout
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_MARGIN_BYTES",
-    "BufferGeometry",
-    "CacheGeometry",
+    "BufferFootprint",
+    "CacheFootprint",
     "MemoryBudget",
     "blocks_within",
     "capacity_blocks_for",
@@ -101,7 +102,7 @@ def measure_budget(
 
 
 @dataclass(frozen=True)
-class BufferGeometry:
+class BufferFootprint:
     """One buffer as its reservation sees it: where each segment starts (bytes from the
     granule-aligned base), the bytes a block adds to every segment, the granule size."""
 
@@ -111,36 +112,31 @@ class BufferGeometry:
 
     def footprint_bytes(self, num_blocks: int) -> int:
         """Physical bytes with `num_blocks` blocks committed: the distinct granules touched by
-        the first `num_blocks * segment_block_bytes` bytes of every segment."""
+        the first `num_blocks * segment_block_bytes` bytes of every segment (the planner's own
+        rounding, `plan::footprint_bytes`)."""
         prefix_bytes = num_blocks * self.segment_block_bytes
         if prefix_bytes <= 0:
             return 0
-        g = self.granularity
-        num_granules, covered_until = 0, 0  # granules counted so far, and the end of the last
-        for offset in sorted(self.segment_offsets):
-            first, end = offset // g, -(-(offset + prefix_bytes) // g)
-            num_granules += max(0, end - max(first, covered_until))
-            covered_until = max(covered_until, end)
-        return num_granules * g
+        return _native.footprint_bytes(self.segment_offsets, prefix_bytes, self.granularity)
 
 
 @dataclass(frozen=True)
-class CacheGeometry:
+class CacheFootprint:
     """Every buffer of a cache, its capacity and its committed block count: all that sizing
     reads. A legacy cache has no buffers here: it committed everything up front, so no block
     costs extra bytes."""
 
-    buffers: tuple[BufferGeometry, ...]
+    buffers: tuple[BufferFootprint, ...]
     capacity_blocks: int
     committed_blocks: int
 
     @classmethod
-    def of(cls, cache: ExtensibleKVCache) -> CacheGeometry:
-        buffers: tuple[BufferGeometry, ...] = ()
+    def of(cls, cache: ExtensibleKVCache) -> CacheFootprint:
+        buffers: tuple[BufferFootprint, ...] = ()
         if not cache.legacy:
             pairs = zip(cache.buffers, cache.segment_block_bytes, strict=True)
             buffers = tuple(
-                BufferGeometry(tuple(t.segment_offsets), block_bytes, t.granularity)
+                BufferFootprint(tuple(t.segment_offsets), block_bytes, t.granularity)
                 for t, block_bytes in pairs
             )
         return cls(buffers, cache.capacity_blocks, cache.committed_blocks)
@@ -155,15 +151,15 @@ class CacheGeometry:
         return self.footprint_bytes(num_blocks) - self.footprint_bytes(self.committed_blocks)
 
 
-def blocks_within(budget_bytes: int, cache: ExtensibleKVCache | CacheGeometry) -> int:
+def blocks_within(budget_bytes: int, cache: ExtensibleKVCache | CacheFootprint) -> int:
     """The most blocks, from `committed_blocks` up to the capacity, whose extra physical
     footprint fits `budget_bytes` (never fewer than are committed: a commit never shrinks)."""
-    geometry = cache if isinstance(cache, CacheGeometry) else CacheGeometry.of(cache)
-    fits, too_many = geometry.committed_blocks, geometry.capacity_blocks + 1
+    footprint = cache if isinstance(cache, CacheFootprint) else CacheFootprint.of(cache)
+    fits, too_many = footprint.committed_blocks, footprint.capacity_blocks + 1
     # The footprint only grows with n: bisect for the last n that fits.
     while too_many - fits > 1:
         mid = (fits + too_many) // 2
-        if geometry.extra_bytes(mid) <= budget_bytes:
+        if footprint.extra_bytes(mid) <= budget_bytes:
             fits = mid
         else:
             too_many = mid
@@ -179,9 +175,9 @@ def capacity_blocks_for(
     if granularity <= 0:
         raise ValueError(f"granularity {granularity} must be positive")
     layout = segment_layout(spec)
-    bytes_per_block = sum(segments * block_bytes for segments, block_bytes in layout)
+    block_bytes = sum(segments * segment_block_bytes for segments, segment_block_bytes in layout)
     step = math.lcm(*(granularity // math.gcd(granularity, b) for _, b in layout))
-    estimate = max(1, upper_bound_bytes // bytes_per_block)
+    estimate = max(1, upper_bound_bytes // block_bytes)
     return -(-estimate // step) * step
 
 
@@ -199,12 +195,9 @@ def device_granularity(device: str | torch.device, granularity: int | None = Non
 
 
 def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """`MemAvailable` from `/proc/meminfo`, in bytes: the host's stand-in for free memory."""
-    with open(meminfo) as lines:
-        for line in lines:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+    """`MemAvailable` from `/proc/meminfo`, in bytes: the host's stand-in for free memory, as
+    the host backend reads it (`DriverError` when the file is unreadable or lacks it)."""
+    return _native.host_mem_info(meminfo)[0]
 
 
 def cuda_transient_peak_bytes(device: str | torch.device) -> int:

@@ -10,8 +10,9 @@ prefix, for consumers that register memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from extensible_kv import _native
 from extensible_kv.layouts import contiguous_strides
@@ -23,6 +24,7 @@ __all__ = ["ExtensibleTensor"]
 
 
 _DLPACK_CODES: dict[torch.dtype, tuple[int, int]] = {}
+_KDL_CUDA = 2
 
 
 def _dlpack_code(dtype: torch.dtype) -> tuple[int, int, bool]:
@@ -60,6 +62,86 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal segments (summing to
     `max_bytes`). Use as a context manager to `close()` on exit.
     """
+
+    def resize_per_segment_(
+        self,
+        bytes_per_segment: int | Sequence[int],
+        zero_new: bool = True,
+        stream: int | None = None,
+        *,
+        one_handle_per_run: bool = False,
+    ) -> Self:
+        """Grows every segment to `bytes_per_segment` (an int, or one size per segment), all or
+        nothing. With `zero_new`, zeroes exactly the new bytes; on a GPU that is ordered on
+        `stream`, a raw CUDA stream of the tensor's device (e.g. `torch.cuda.Stream.cuda_stream`,
+        0 the legacy default stream), by default torch's current stream. `one_handle_per_run`
+        backs each run of new granules by one allocation (for RDMA registration)."""
+        if self._is_noop_resize(bytes_per_segment):
+            return self  # the fast path: no torch call, no GIL release
+        if stream is None and zero_new:
+            stream = self._current_stream()
+        return super().resize_per_segment_(
+            bytes_per_segment, zero_new, stream, one_handle_per_run=one_handle_per_run
+        )
+
+    def resize_(
+        self,
+        num_bytes: int,
+        zero_new: bool = True,
+        stream: int | None = None,
+        *,
+        one_handle_per_run: bool = False,
+    ) -> Self:
+        """`resize_per_segment_` for a one-segment tensor."""
+        if self._is_noop_resize([num_bytes]):  # a list: an int would stand for every segment
+            return self
+        if stream is None and zero_new:
+            stream = self._current_stream()
+        return super().resize_(num_bytes, zero_new, stream, one_handle_per_run=one_handle_per_run)
+
+    def shrink_per_segment_(
+        self,
+        bytes_per_segment: int | Sequence[int],
+        *,
+        exact: bool = False,
+        stream: int | None = None,
+    ) -> Self:
+        """Shrinks every segment to `bytes_per_segment` (an int, or one size per segment),
+        keeping the bytes below, all or nothing. Handles no committed byte needs any more are
+        released once the device is done with them; `exact` also replaces the handles that
+        straddle the new frontier by handles of their live granules (copied on `stream`, by
+        default torch's current stream), so `physical_bytes` is the granule-rounded footprint."""
+        if stream is None and exact:
+            stream = self._current_stream()
+        return super().shrink_per_segment_(bytes_per_segment, exact=exact, stream=stream)
+
+    def shrink_(self, num_bytes: int, *, exact: bool = False, stream: int | None = None) -> Self:
+        """`shrink_per_segment_` for a one-segment tensor."""
+        if stream is None and exact:
+            stream = self._current_stream()
+        return super().shrink_(num_bytes, exact=exact, stream=stream)
+
+    def consolidate(self, *, stream: int | None = None) -> None:
+        """Backs every run of committed granules (each segment's prefix, where segments share
+        no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
+        valid; RDMA registrations of the old pages must be renewed. One run at a time, largest
+        first: at most the largest new handle is extra memory, and `OutOfMemoryError` on it
+        leaves the tensor as it was. Copies run on `stream` (default torch's current one)."""
+        super().consolidate(stream=self._current_stream() if stream is None else stream)
+
+    def _current_stream(self) -> int | None:
+        """torch's current stream on the tensor's GPU; `None` (the default stream) on the host
+        backend, which has no streams."""
+        if self._cuda_index is None:
+            return None
+        import torch
+
+        return int(torch.cuda.current_stream(self._cuda_index).cuda_stream)
+
+    @functools.cached_property
+    def _cuda_index(self) -> int | None:
+        device_type, index = self.__dlpack_device__()
+        return index if device_type == _KDL_CUDA else None
 
     def view(
         self,

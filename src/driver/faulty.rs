@@ -2,9 +2,9 @@
 //! leaves the owner exactly as it was.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 /// How the injected failure looks to the caller.
@@ -14,6 +14,17 @@ pub enum FaultKind {
     Driver,
     /// `Error::OutOfMemory` with code `INJECTED_OOM`.
     OutOfMemory,
+}
+
+impl FaultKind {
+    /// `driver` or `oom`.
+    pub fn from_name(name: &str) -> Option<FaultKind> {
+        match name {
+            "driver" => Some(FaultKind::Driver),
+            "oom" => Some(FaultKind::OutOfMemory),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +39,8 @@ pub struct FaultyDriver {
     inner: Arc<dyn Driver>,
     fault: Fault,
     calls: [AtomicU64; Op::ALL.len()],
+    /// Every call in order, for tests of ordering (e.g. the fence before an unmap).
+    log: Mutex<Vec<Op>>,
 }
 
 impl FaultyDriver {
@@ -36,6 +49,7 @@ impl FaultyDriver {
             inner,
             fault,
             calls: Default::default(),
+            log: Mutex::default(),
         }
     }
 
@@ -44,7 +58,13 @@ impl FaultyDriver {
         self.calls[op as usize].load(Ordering::Relaxed)
     }
 
+    /// Every call so far, in order (the failed one included).
+    pub fn log(&self) -> Vec<Op> {
+        self.log.lock().expect("log poisoned").clone()
+    }
+
     fn check(&self, op: Op, num_bytes: u64) -> Result<()> {
+        self.log.lock().expect("log poisoned").push(op);
         let n = self.calls[op as usize].fetch_add(1, Ordering::Relaxed) + 1;
         if op != self.fault.op || n != self.fault.nth {
             return Ok(());
@@ -117,9 +137,14 @@ impl Driver for FaultyDriver {
         self.inner.set_access(va, num_bytes)
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         self.check(Op::Memset, num_bytes)?;
         self.inner.memset_zero(va, num_bytes, stream)
+    }
+
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: Stream) -> Result<()> {
+        self.check(Op::Copy, num_bytes)?;
+        self.inner.copy(dst, src, num_bytes, stream)
     }
 
     fn synchronize(&self) -> Result<()> {

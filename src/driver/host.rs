@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::books::Books;
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 /// What fresh memory of a `new_dirty` driver reads as.
@@ -145,6 +145,7 @@ fn errno_name(errno: i32) -> String {
         libc::EOVERFLOW => "EOVERFLOW",
         libc::EFBIG => "EFBIG",
         libc::EINTR => "EINTR",
+        libc::ENOENT => "ENOENT",
         _ => return format!("errno {errno}"),
     };
     name.to_string()
@@ -399,7 +400,7 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, _stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, _stream: Stream) -> Result<()> {
         if num_bytes == 0 {
             return Ok(());
         }
@@ -418,32 +419,77 @@ impl Driver for HostDriver {
         Ok(())
     }
 
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, _stream: Stream) -> Result<()> {
+        if num_bytes == 0 {
+            return Ok(());
+        }
+        let books = self.books();
+        for va in [dst, src] {
+            if !books.accessible(va, num_bytes) {
+                return Err(invalid_range(
+                    Op::Copy,
+                    va,
+                    num_bytes,
+                    "is not mapped read-write",
+                ));
+            }
+        }
+        if dst.abs_diff(src) < num_bytes {
+            return Err(invalid_range(
+                Op::Copy,
+                dst,
+                num_bytes,
+                "overlaps the source",
+            ));
+        }
+        // SAFETY: both ranges are covered by live read-write mappings of ours (checked above
+        // under the lock every unmap takes) and are disjoint, so neither aliases a Rust object
+        // nor the other.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src as *const u8,
+                dst as *mut u8,
+                bytes_as_usize(num_bytes),
+            )
+        };
+        Ok(())
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
 
     fn mem_info(&self) -> Result<(u64, u64)> {
-        let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(|e| Error::Driver {
+        mem_info_from(MEMINFO)
+    }
+}
+
+/// Where Linux reports memory.
+pub const MEMINFO: &str = "/proc/meminfo";
+
+/// `(MemAvailable, MemTotal)` in bytes from a file in `/proc/meminfo`'s format: the host's
+/// free and total memory (available counts reclaimable caches, as a new allocation sees it).
+pub fn mem_info_from(path: &str) -> Result<(u64, u64)> {
+    let meminfo = std::fs::read_to_string(path).map_err(|e| Error::Driver {
+        op: Op::MemInfo,
+        code: e
+            .raw_os_error()
+            .map(errno_name)
+            .unwrap_or_else(|| "EIO".into()),
+        detail: format!("reading {path}"),
+    })?;
+    let field = |name: &str| -> Option<u64> {
+        let line = meminfo.lines().find(|l| l.starts_with(name))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    };
+    match (field("MemAvailable:"), field("MemTotal:")) {
+        (Some(free), Some(total)) => Ok((free, total)),
+        _ => Err(Error::Driver {
             op: Op::MemInfo,
-            code: e
-                .raw_os_error()
-                .map(errno_name)
-                .unwrap_or_else(|| "EIO".into()),
-            detail: "reading /proc/meminfo".into(),
-        })?;
-        let field = |name: &str| -> Option<u64> {
-            let line = meminfo.lines().find(|l| l.starts_with(name))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib * 1024)
-        };
-        match (field("MemAvailable:"), field("MemTotal:")) {
-            (Some(free), Some(total)) => Ok((free, total)),
-            _ => Err(Error::Driver {
-                op: Op::MemInfo,
-                code: "EINVAL".into(),
-                detail: "no MemAvailable/MemTotal in /proc/meminfo".into(),
-            }),
-        }
+            code: "EINVAL".into(),
+            detail: format!("no MemAvailable/MemTotal in {path}"),
+        }),
     }
 }
 
@@ -457,5 +503,37 @@ impl Drop for HostDriver {
             // since the driver that hands out its addresses is being dropped.
             unsafe { libc::munmap(start as *mut _, bytes_as_usize(len)) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_info_reads_available_and_total() {
+        let path = std::env::temp_dir().join(format!("ekv-meminfo-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "MemTotal:  100 kB\nMemFree: 10 kB\nMemAvailable:   42 kB\n",
+        )
+        .unwrap();
+        let path = path.to_str().unwrap();
+        assert_eq!(mem_info_from(path).unwrap(), (42 * 1024, 100 * 1024));
+        std::fs::write(path, "MemTotal:  100 kB\n").unwrap();
+        assert!(matches!(
+            mem_info_from(path),
+            Err(Error::Driver {
+                op: Op::MemInfo,
+                ..
+            })
+        ));
+        std::fs::remove_file(path).unwrap();
+        match mem_info_from(path) {
+            Err(Error::Driver { code, .. }) => assert_eq!(code, "ENOENT"),
+            other => panic!("expected ENOENT, got {other:?}"),
+        }
+        let (free, total) = HostDriver::new(4096).unwrap().mem_info().unwrap();
+        assert!(0 < free && free <= total);
     }
 }

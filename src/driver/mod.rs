@@ -4,7 +4,10 @@
 //! knows nothing of CUDA or Linux. Every method is safe to call with any arguments: each backend
 //! checks that an address range lies inside a reservation it made (and, where touching memory,
 //! that it is mapped) before it reaches the OS or the driver, so a bad call is an error, never
-//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`.
+//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`. The one thing
+//! no backend can check is whether a stream is live, so a `Stream` other than the default can
+//! only be made through an `unsafe` constructor, by whoever vouches for it (the bindings, for
+//! a stream torch made).
 //!
 //! Semantics follow CUDA's VMM API: `reserve` takes address space only; `create` takes physical
 //! memory as a handle; `map` places a whole handle at an address (no partial maps);
@@ -19,11 +22,56 @@ pub mod timing;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use std::sync::Arc;
+
 use crate::error::Result;
 
 /// An opaque physical-memory handle: a CUDA `CUmemGenericAllocationHandle`, or a host memfd id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HandleId(pub u64);
+
+/// The stream device work is ordered on: a CUDA `CUstream` as an integer, 0 being the legacy
+/// default stream. The host backend ignores it (it zeroes before returning).
+///
+/// ```
+/// use extensible_kv::driver::Stream;
+/// assert_eq!(Stream::default(), Stream::DEFAULT);
+/// // SAFETY: 0 names the legacy default stream, which every context has.
+/// assert_eq!(unsafe { Stream::from_raw(0) }, Stream::DEFAULT);
+/// ```
+///
+/// Safe code cannot name any other stream, neither by the field nor by `from_raw`:
+///
+/// ```compile_fail,E0603
+/// let stream = extensible_kv::driver::Stream(0x5555);
+/// ```
+///
+/// ```compile_fail,E0133
+/// let stream = extensible_kv::driver::Stream::from_raw(0x5555);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Stream(u64);
+
+impl Stream {
+    /// CUDA's legacy default stream, which every context has and which never dies.
+    pub const DEFAULT: Stream = Stream(0);
+
+    /// A stream named by its raw handle.
+    ///
+    /// # Safety
+    /// `raw` must be 0 or a `CUstream` of the primary context of the device whose driver is
+    /// given the stream (torch's streams are), and that stream must not be destroyed before
+    /// the calls given it have returned: the CUDA backend enqueues work on it, and libcuda
+    /// does not promise to reject a dead or foreign stream.
+    #[allow(unsafe_code)]
+    pub const unsafe fn from_raw(raw: u64) -> Stream {
+        Stream(raw)
+    }
+
+    pub const fn as_raw(self) -> u64 {
+        self.0
+    }
+}
 
 /// Where memory lives, in DLPack's terms (`kDLCPU` = 1, `kDLCUDA` = 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,9 +130,13 @@ pub trait Driver: Send + Sync + 'static {
     /// Grants read-write access to mapped `[va, va + num_bytes)`.
     fn set_access(&self, va: u64, num_bytes: u64) -> Result<()>;
 
-    /// Zeroes mapped, accessible `[va, va + num_bytes)`, ordered on `stream` (0: the backend's
-    /// default stream; ignored by the host backend, which zeroes before returning).
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()>;
+    /// Zeroes mapped, accessible `[va, va + num_bytes)`, ordered on `stream` (ignored by the
+    /// host backend, which zeroes before returning).
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()>;
+
+    /// Copies `num_bytes` from `src` to `dst`, both mapped and accessible and not overlapping,
+    /// ordered on `stream` (the host backend copies before returning).
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: Stream) -> Result<()>;
 
     /// Waits for all work the device may still do on memory of this driver.
     fn synchronize(&self) -> Result<()>;
@@ -118,19 +170,52 @@ pub fn parse_device(device: &str) -> Result<DeviceKind> {
 /// A driver for `device`. The host backend takes `granularity` as its own; CUDA has a fixed
 /// granularity per device (a coarser one is applied by the tensor's geometry) and one shared
 /// driver per device.
-pub fn open(device: &str, granularity: Option<u64>) -> Result<std::sync::Arc<dyn Driver>> {
+pub fn open(device: &str, granularity: Option<u64>) -> Result<Arc<dyn Driver>> {
     match parse_device(device)? {
-        DeviceKind::Cpu => Ok(std::sync::Arc::new(host::HostDriver::new(
+        DeviceKind::Cpu => Ok(Arc::new(host::HostDriver::new(
             granularity.unwrap_or(host::DEFAULT_GRANULARITY),
         )?)),
         DeviceKind::Cuda(ordinal) => open_cuda(ordinal),
     }
 }
 
+/// What `open_with` opens: the granularity `open` takes, and the wrappers that tests and
+/// profiling put around the driver.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenOptions {
+    pub granularity: Option<u64>,
+    /// Fail one call (`FaultyDriver`), for fault-injection tests.
+    pub fault: Option<faulty::Fault>,
+    /// Count calls and host time per operation (`TimingDriver`).
+    pub profile: bool,
+}
+
+/// A driver from `open_with`, and its timing wrapper when profiling, to read the counts from.
+pub struct Opened {
+    pub driver: Arc<dyn Driver>,
+    pub timing: Option<Arc<timing::TimingDriver>>,
+}
+
+/// `open`, then the wrappers `options` asks for: the fault innermost, so that timing sees the
+/// injected failures as calls too.
+pub fn open_with(device: &str, options: OpenOptions) -> Result<Opened> {
+    let mut driver = open(device, options.granularity)?;
+    if let Some(fault) = options.fault {
+        driver = Arc::new(faulty::FaultyDriver::new(driver, fault));
+    }
+    let mut timing = None;
+    if options.profile {
+        let timed = Arc::new(timing::TimingDriver::new(driver));
+        timing = Some(Arc::clone(&timed));
+        driver = timed;
+    }
+    Ok(Opened { driver, timing })
+}
+
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
+fn open_cuda(ordinal: i32) -> Result<Arc<dyn Driver>> {
     use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::{Mutex, OnceLock};
     static DRIVERS: OnceLock<Mutex<HashMap<i32, Arc<cuda::CudaDriver>>>> = OnceLock::new();
     let mut drivers = DRIVERS
         .get_or_init(Default::default)
@@ -145,7 +230,7 @@ fn open_cuda(ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_ordinal: i32) -> Result<std::sync::Arc<dyn Driver>> {
+fn open_cuda(_ordinal: i32) -> Result<Arc<dyn Driver>> {
     Err(crate::error::Error::Unsupported(NO_CUDA_BUILD.into()))
 }
 

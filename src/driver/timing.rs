@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Op, Result};
 
 pub struct TimingDriver {
@@ -101,8 +101,12 @@ impl Driver for TimingDriver {
         self.time(Op::SetAccess, || self.inner.set_access(va, num_bytes))
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         self.time(Op::Memset, || self.inner.memset_zero(va, num_bytes, stream))
+    }
+
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: Stream) -> Result<()> {
+        self.time(Op::Copy, || self.inner.copy(dst, src, num_bytes, stream))
     }
 
     fn synchronize(&self) -> Result<()> {

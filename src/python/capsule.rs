@@ -9,20 +9,22 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned, StridedLayout};
-use crate::tensor::ExportedRegion;
+use crate::tensor::ExtensibleTensor;
 
 const VERSIONED: &CStr = c"dltensor_versioned";
 const LEGACY: &CStr = c"dltensor";
 
-/// A capsule holding `region` as `layout`: DLPack 1.x when `versioned`, else the legacy form.
+/// A capsule of `layout` at byte `offset` of `tensor`: DLPack 1.x when `versioned`, else the
+/// legacy form.
 pub fn new(
     py: Python<'_>,
-    region: ExportedRegion,
+    tensor: &ExtensibleTensor,
+    offset: u64,
     layout: StridedLayout,
     versioned: bool,
 ) -> PyResult<Py<PyAny>> {
     if versioned {
-        let managed = dlpack::export_versioned(region, layout);
+        let managed = dlpack::export_versioned(tensor, offset, layout)?;
         // SAFETY: `managed` is a live export we own; `wrap` hands it to the capsule or, on
         // failure, deletes it once through the closure.
         unsafe {
@@ -31,7 +33,7 @@ pub fn new(
             })
         }
     } else {
-        let managed = dlpack::export_legacy(region, layout);
+        let managed = dlpack::export_legacy(tensor, offset, layout)?;
         // SAFETY: as above, for the legacy struct.
         unsafe {
             wrap(py, managed.cast(), LEGACY, destroy_legacy, || {

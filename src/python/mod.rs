@@ -1,94 +1,23 @@
 //! The Python bindings (`extensible_kv._native`). No logic lives here: each method extracts
-//! its arguments, releases the GIL around the core call, and converts the result or error.
+//! its arguments, releases the GIL around the core call, and converts the result or error
+//! (`errors.rs`). The typed facade (`python/extensible_kv/tensor.py`) adds what needs torch,
+//! such as the stream a grow zeroes on.
 
 mod capsule;
+mod errors;
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyBufferError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyTuple};
 
 use crate::dlpack::StridedLayout;
-use crate::driver::faulty::{Fault, FaultKind, FaultyDriver};
+use crate::driver::faulty::{Fault, FaultKind};
 use crate::driver::timing::TimingDriver;
-use crate::driver::{self, DeviceKind};
-use crate::error::{Error, Op};
-use crate::tensor::{ExtensibleTensor, GrowOptions, Options};
-
-pyo3::create_exception!(
-    _native,
-    OutOfMemoryError,
-    pyo3::exceptions::PyMemoryError,
-    "Physical memory could not be committed; the tensor is unchanged."
-);
-pyo3::create_exception!(
-    _native,
-    DriverError,
-    PyRuntimeError,
-    "The backend (CUDA driver or OS) failed; `code` holds its name for the failure."
-);
-pyo3::create_exception!(
-    _native,
-    UnsupportedError,
-    PyRuntimeError,
-    "The backend or device cannot do this (e.g. no CUDA VMM support)."
-);
-pyo3::create_exception!(_native, ClosedError, PyValueError, "The tensor was closed.");
-
-fn to_pyerr(py: Python<'_>, err: Error) -> PyErr {
-    let message = err.to_string();
-    let (pyerr, attrs): (PyErr, Vec<(&str, Py<PyAny>)>) = match err {
-        Error::InvalidArgument(_) => (PyValueError::new_err(message), vec![]),
-        Error::OutOfMemory {
-            op,
-            requested_bytes,
-            free_bytes,
-            code,
-        } => (
-            OutOfMemoryError::new_err(message),
-            vec![
-                (
-                    "op",
-                    op.name().into_pyobject(py).unwrap().into_any().unbind(),
-                ),
-                ("code", code.into_pyobject(py).unwrap().into_any().unbind()),
-                (
-                    "requested_bytes",
-                    requested_bytes
-                        .into_pyobject(py)
-                        .unwrap()
-                        .into_any()
-                        .unbind(),
-                ),
-                (
-                    "free_bytes",
-                    free_bytes.into_pyobject(py).unwrap().into_any().unbind(),
-                ),
-            ],
-        ),
-        Error::Driver { op, code, .. } => (
-            DriverError::new_err(message),
-            vec![
-                (
-                    "op",
-                    op.name().into_pyobject(py).unwrap().into_any().unbind(),
-                ),
-                ("code", code.into_pyobject(py).unwrap().into_any().unbind()),
-            ],
-        ),
-        Error::Unsupported(_) => (UnsupportedError::new_err(message), vec![]),
-        Error::Closed => (ClosedError::new_err(message), vec![]),
-        Error::ViewsAlive { .. } => (PyBufferError::new_err(message), vec![]),
-    };
-    let value = pyerr.value(py);
-    for (name, attr) in attrs {
-        // Attribute setting on a fresh exception instance cannot fail in practice; if it did,
-        // the exception is still the right type with the right message.
-        let _ = value.setattr(name, attr);
-    }
-    pyerr
-}
+use crate::driver::{self, OpenOptions, Stream};
+use crate::error::Op;
+use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};
 
 /// A non-negative size from an int or anything with `__index__` (numpy ints): TypeError for
 /// other types, ValueError (not OverflowError) for negative or oversized values.
@@ -112,20 +41,37 @@ fn to_u64_opt(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64
         .transpose()
 }
 
-fn parse_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
+fn to_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
     let (op, nth, kind): (String, u64, String) = obj.extract()?;
     let op = Op::from_name(&op)
         .ok_or_else(|| PyValueError::new_err(format!("unknown driver operation {op:?}")))?;
-    let kind = match kind.as_str() {
-        "driver" => FaultKind::Driver,
-        "oom" => FaultKind::OutOfMemory,
-        _ => {
-            return Err(PyValueError::new_err(
-                "fault kind must be 'driver' or 'oom'",
-            ))
-        }
-    };
+    let kind = FaultKind::from_name(&kind)
+        .ok_or_else(|| PyValueError::new_err("fault kind must be 'driver' or 'oom'"))?;
     Ok(Fault { op, nth, kind })
+}
+
+fn to_cut(name: &str) -> PyResult<Cut> {
+    match name {
+        "at_cap_multiples" => Ok(Cut::AtCapMultiples),
+        "aligned_powers_of_two" => Ok(Cut::AlignedPowersOfTwo),
+        "whole_runs" => Ok(Cut::WholeRuns),
+        other => Err(PyValueError::new_err(format!(
+            "_cut must be 'at_cap_multiples', 'aligned_powers_of_two' or 'whole_runs', not \
+             {other:?}"
+        ))),
+    }
+}
+
+/// The stream a Python caller names; none is the default stream.
+#[allow(unsafe_code)]
+fn to_stream(raw: Option<u64>) -> Stream {
+    match raw {
+        None => Stream::DEFAULT,
+        // SAFETY: the caller vouches for the stream, as for any raw stream handed to torch
+        // (`torch.cuda.ExternalStream`): the facade passes torch's current stream on the
+        // tensor's device, which torch keeps live while this call runs.
+        Some(raw) => unsafe { Stream::from_raw(raw) },
+    }
 }
 
 /// One reservation of address space, split into segments that grow in lockstep.
@@ -159,40 +105,6 @@ impl PyExtensibleTensor {
             .map(|b| to_u64(b, "bytes_per_segment"))
             .collect()
     }
-
-    /// The stream to zero on: the caller's, else torch's current stream for a CUDA device.
-    fn resolve_stream(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<u64> {
-        match (stream, self.core.device()) {
-            (Some(s), _) => Ok(s),
-            (None, DeviceKind::Cpu) => Ok(0),
-            (None, DeviceKind::Cuda(ordinal)) => py
-                .import("torch")?
-                .getattr("cuda")?
-                .call_method1("current_stream", (ordinal,))?
-                .getattr("cuda_stream")?
-                .extract(),
-        }
-    }
-
-    fn grow(
-        &self,
-        py: Python<'_>,
-        targets: Vec<u64>,
-        mut options: GrowOptions,
-        stream: Option<u64>,
-    ) -> PyResult<()> {
-        if !self.core.needs_grow(&targets) {
-            // The no-op fast path: validated, nothing to map, no GIL release.
-            return self
-                .core
-                .resize_segments(&targets, options)
-                .map_err(|e| to_pyerr(py, e));
-        }
-        options.stream = self.resolve_stream(py, stream)?;
-        let core = &self.core;
-        py.detach(|| core.resize_segments(&targets, options))
-            .map_err(|e| to_pyerr(py, e))
-    }
 }
 
 #[pymethods]
@@ -200,7 +112,7 @@ impl PyExtensibleTensor {
     #[new]
     #[pyo3(signature = (
         max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
-        max_handle_bytes=None, fixed_handle_bytes=None, _fault=None, _profile=false
+        max_handle_bytes=None, fixed_handle_bytes=None, _cut=None, _fault=None, _profile=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -212,6 +124,7 @@ impl PyExtensibleTensor {
         granularity: Option<&Bound<'_, PyAny>>,
         max_handle_bytes: Option<&Bound<'_, PyAny>>,
         fixed_handle_bytes: Option<&Bound<'_, PyAny>>,
+        _cut: Option<&str>,
         _fault: Option<&Bound<'_, PyAny>>,
         _profile: bool,
     ) -> PyResult<Self> {
@@ -225,6 +138,7 @@ impl PyExtensibleTensor {
             granularity: to_u64_opt(granularity, "granularity")?,
             max_handle_bytes: to_u64_opt(max_handle_bytes, "max_handle_bytes")?,
             fixed_handle_bytes: to_u64_opt(fixed_handle_bytes, "fixed_handle_bytes")?,
+            cut: _cut.map(to_cut).transpose()?.unwrap_or_default(),
         };
         let capacities = match segment_capacities.filter(|c| !c.is_none()) {
             Some(caps) => Some(
@@ -234,36 +148,21 @@ impl PyExtensibleTensor {
             ),
             None => None,
         };
-        let fault = _fault
-            .filter(|f| !f.is_none())
-            .map(parse_fault)
-            .transpose()?;
-        let mut timing = None;
-        let build = || -> crate::Result<ExtensibleTensor> {
-            let mut driver = driver::open(&device, options.granularity)?;
-            if let Some(fault) = fault {
-                driver = Arc::new(FaultyDriver::new(driver, fault));
-            }
-            if _profile {
-                let timed = Arc::new(TimingDriver::new(driver));
-                timing = Some(timed.clone());
-                driver = timed;
-            }
-            match capacities {
-                Some(caps) => {
-                    check_capacities(&caps, max_bytes, num_segments)?;
-                    ExtensibleTensor::with_segment_capacities(driver, caps, options)
-                }
-                None => ExtensibleTensor::with_equal_segments(
-                    driver,
-                    max_bytes,
-                    num_segments.unwrap_or(1),
-                    options,
-                ),
-            }
+        let open_options = OpenOptions {
+            granularity: options.granularity,
+            fault: _fault.filter(|f| !f.is_none()).map(to_fault).transpose()?,
+            profile: _profile,
         };
-        let core = py.detach(build).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyExtensibleTensor { core, timing })
+        let build = || -> crate::Result<PyExtensibleTensor> {
+            let opened = driver::open_with(&device, open_options)?;
+            let segments = Segments::stated(max_bytes, num_segments, capacities)?;
+            let core = ExtensibleTensor::new(opened.driver, segments, options)?;
+            Ok(PyExtensibleTensor {
+                core,
+                timing: opened.timing,
+            })
+        };
+        Ok(py.detach(build)?)
     }
 
     /// Grows every segment to `bytes_per_segment` (an int, or one size per segment).
@@ -279,10 +178,12 @@ impl PyExtensibleTensor {
         let targets = this.segment_targets(bytes_per_segment)?;
         let options = GrowOptions {
             zero_new,
-            stream: 0,
+            stream: to_stream(stream),
             one_handle_per_run,
         };
-        this.grow(slf.py(), targets, options, stream)?;
+        let core = &this.core;
+        slf.py()
+            .detach(|| core.resize_segments(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -295,32 +196,77 @@ impl PyExtensibleTensor {
         stream: Option<u64>,
         one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
-        let this = slf.get();
-        let n = this.core.num_segments();
-        if n != 1 {
-            return Err(PyValueError::new_err(format!(
-                "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
-            )));
-        }
+        let num_bytes = to_u64(num_bytes, "num_bytes")?;
         let options = GrowOptions {
             zero_new,
-            stream: 0,
+            stream: to_stream(stream),
             one_handle_per_run,
         };
-        let targets = vec![to_u64(num_bytes, "num_bytes")?];
-        this.grow(slf.py(), targets, options, stream)?;
+        let core = &slf.get().core;
+        slf.py().detach(|| core.resize(num_bytes, options))?;
         Ok(slf.clone().unbind())
+    }
+
+    /// Whether `resize_per_segment_(bytes_per_segment)` would do nothing and succeed; false
+    /// for anything it would refuse.
+    fn _is_noop_resize(&self, bytes_per_segment: &Bound<'_, PyAny>) -> bool {
+        self.segment_targets(bytes_per_segment)
+            .is_ok_and(|targets| self.core.is_noop_resize(&targets))
+    }
+
+    /// Shrinks every segment to `bytes_per_segment` (an int, or one size per segment), keeping
+    /// the bytes below; `exact` also trims the handles that straddle the new frontier.
+    #[pyo3(signature = (bytes_per_segment, *, exact=false, stream=None))]
+    fn shrink_per_segment_(
+        slf: &Bound<'_, Self>,
+        bytes_per_segment: &Bound<'_, PyAny>,
+        exact: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Py<Self>> {
+        let this = slf.get();
+        let targets = this.segment_targets(bytes_per_segment)?;
+        let options = ShrinkOptions {
+            exact,
+            stream: to_stream(stream),
+        };
+        let core = &this.core;
+        slf.py()
+            .detach(|| core.shrink_segments(&targets, options))?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
+    #[pyo3(signature = (num_bytes, *, exact=false, stream=None))]
+    fn shrink_(
+        slf: &Bound<'_, Self>,
+        num_bytes: &Bound<'_, PyAny>,
+        exact: bool,
+        stream: Option<u64>,
+    ) -> PyResult<Py<Self>> {
+        let num_bytes = to_u64(num_bytes, "num_bytes")?;
+        let options = ShrinkOptions {
+            exact,
+            stream: to_stream(stream),
+        };
+        let core = &slf.get().core;
+        slf.py().detach(|| core.shrink(num_bytes, options))?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// Backs every run of committed granules by one handle, keeping every byte and address.
+    #[pyo3(signature = (*, stream=None))]
+    fn consolidate(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
+        Ok(py.detach(|| self.core.consolidate(to_stream(stream)))?)
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
     fn release_physical(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.core.release_physical())
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.core.release_physical())?)
     }
 
     /// Releases memory and addresses now; BufferError while views exist. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.core.close()).map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.core.close())?)
     }
 
     /// A DLPack capsule of `num_bytes` bytes at `offset` (1-D uint8) that keeps the memory alive.
@@ -333,12 +279,8 @@ impl PyExtensibleTensor {
         versioned: bool,
     ) -> PyResult<Py<PyAny>> {
         let (offset, num_bytes) = (to_u64(offset, "offset")?, to_u64(num_bytes, "num_bytes")?);
-        let layout = StridedLayout::bytes(num_bytes).map_err(|e| to_pyerr(py, e))?;
-        let region = self
-            .core
-            .export(offset, num_bytes)
-            .map_err(|e| to_pyerr(py, e))?;
-        capsule::new(py, region, layout, versioned)
+        let layout = StridedLayout::bytes(num_bytes)?;
+        capsule::new(py, &self.core, offset, layout, versioned)
     }
 
     /// A DLPack capsule of a strided view: element type `(code, bits)` in DLPack's terms,
@@ -360,18 +302,8 @@ impl PyExtensibleTensor {
             bits,
             lanes: 1,
         };
-        let export = || -> crate::Result<(crate::tensor::ExportedRegion, StridedLayout)> {
-            let layout = StridedLayout::new(dtype, shape, strides)?;
-            if offset % layout.itemsize() != 0 {
-                return Err(Error::invalid(format!(
-                    "offset {offset} must be a multiple of the {}-byte item size",
-                    layout.itemsize()
-                )));
-            }
-            Ok((self.core.export(offset, layout.extent_bytes()?)?, layout))
-        };
-        let (region, layout) = export().map_err(|e| to_pyerr(py, e))?;
-        capsule::new(py, region, layout, true)
+        let layout = StridedLayout::new(dtype, shape, strides)?;
+        capsule::new(py, &self.core, offset, layout, true)
     }
 
     /// The DLPack protocol: the whole capacity as a 1-D uint8 tensor.
@@ -400,11 +332,9 @@ impl PyExtensibleTensor {
                 )));
             }
         }
-        let capacity = self.core.capacity_bytes();
-        let layout = StridedLayout::bytes(capacity).map_err(|e| to_pyerr(py, e))?;
-        let region = self.core.export(0, capacity).map_err(|e| to_pyerr(py, e))?;
+        let layout = StridedLayout::bytes(self.core.capacity_bytes())?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        capsule::new(py, region, layout, versioned)
+        capsule::new(py, &self.core, 0, layout, versioned)
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
@@ -457,8 +387,8 @@ impl PyExtensibleTensor {
     }
 
     #[getter]
-    fn base_ptr(&self, py: Python<'_>) -> PyResult<u64> {
-        self.core.base_ptr().map_err(|e| to_pyerr(py, e))
+    fn base_ptr(&self) -> PyResult<u64> {
+        Ok(self.core.base_ptr()?)
     }
 
     #[getter]
@@ -469,10 +399,7 @@ impl PyExtensibleTensor {
     /// The capacity of each segment (raises ValueError when they differ: see segment_capacities).
     #[getter]
     fn segment_capacity_bytes(&self) -> PyResult<u64> {
-        uniform(
-            self.core.geometry().segment_capacities(),
-            "segment_capacities",
-        )
+        Ok(self.core.segment_capacity_bytes()?)
     }
 
     /// The byte offset of each segment from `base_ptr`.
@@ -490,7 +417,7 @@ impl PyExtensibleTensor {
     /// segment_bytes).
     #[getter]
     fn bytes_per_segment(&self) -> PyResult<u64> {
-        uniform(&self.core.segment_bytes(), "segment_bytes")
+        Ok(self.core.bytes_per_segment()?)
     }
 
     #[getter]
@@ -555,29 +482,32 @@ impl PyExtensibleTensor {
     }
 }
 
-fn uniform(values: &[u64], plural: &str) -> PyResult<u64> {
-    match values.split_first() {
-        Some((first, rest)) if rest.iter().all(|v| v == first) => Ok(*first),
-        _ => Err(PyValueError::new_err(format!(
-            "segments differ: use {plural} ({values:?})"
-        ))),
-    }
+/// The physical bytes that committing `prefix_bytes` of every segment maps (`plan.rs`).
+#[pyfunction]
+fn footprint_bytes(
+    segment_offsets: Vec<u64>,
+    prefix_bytes: u64,
+    granularity: u64,
+) -> PyResult<u64> {
+    Ok(crate::plan::footprint_bytes(
+        &segment_offsets,
+        prefix_bytes,
+        granularity,
+    )?)
 }
 
-fn check_capacities(caps: &[u64], max_bytes: u64, num_segments: Option<u64>) -> crate::Result<()> {
-    let total: u128 = caps.iter().map(|&c| u128::from(c)).sum();
-    if total != u128::from(max_bytes) {
-        return Err(Error::invalid(format!(
-            "segment_capacities sum to {total} bytes, but max_bytes is {max_bytes}"
-        )));
-    }
-    match num_segments {
-        Some(n) if n != caps.len() as u64 => Err(Error::invalid(format!(
-            "num_segments is {n} but segment_capacities has {} entries",
-            caps.len()
-        ))),
-        _ => Ok(()),
-    }
+/// The bytes a strided view can address from its first element (`dlpack.rs`).
+#[pyfunction]
+fn extent_bytes(shape: Vec<i64>, strides: Vec<i64>, itemsize: u64) -> PyResult<u64> {
+    Ok(crate::dlpack::extent_bytes(&shape, &strides, itemsize)?)
+}
+
+/// `(available_bytes, total_bytes)` of host memory from a file in `/proc/meminfo`'s format,
+/// as the host backend reads it.
+#[pyfunction]
+#[pyo3(signature = (meminfo=driver::host::MEMINFO), text_signature = "(meminfo='/proc/meminfo')")]
+fn host_mem_info(meminfo: &str) -> PyResult<(u64, u64)> {
+    Ok(driver::host::mem_info_from(meminfo)?)
 }
 
 /// None when `device` can map memory through the VMM API, else the reason it cannot.
@@ -588,13 +518,12 @@ fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>>
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     m.add_class::<PyExtensibleTensor>()?;
     m.add_function(wrap_pyfunction!(vmm_unavailable_reason, m)?)?;
-    m.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
-    m.add("DriverError", py.get_type::<DriverError>())?;
-    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
-    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add_function(wrap_pyfunction!(footprint_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(extent_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(host_mem_info, m)?)?;
+    errors::add_to(m)?;
     m.add(
         "DEFAULT_MAX_HANDLE_BYTES",
         crate::tensor::DEFAULT_MAX_HANDLE_BYTES,

@@ -2,183 +2,35 @@
 //!
 //! Layers, as in cudarc: cudarc's `sys` is the raw FFI (libcuda is loaded at run time, so
 //! building needs no CUDA); cudarc's `result` wraps the calls it knows (init, devices, contexts,
-//! `cuMemGetInfo`); the `vmm` module below adds the same one-call wrappers for the VMM calls
-//! cudarc lacks; `CudaDriver` keeps the books and turns statuses into this crate's `Error`.
+//! `cuMemGetInfo`); `vmm.rs` adds the same one-call wrappers for the VMM calls cudarc lacks;
+//! `context.rs` loads libcuda, probes the device and binds its primary context; `CudaDriver`
+//! (here) keeps the books and turns statuses into this crate's `Error`.
 //!
-//! - Context: the device's primary context, the one torch's runtime uses, retained for the
-//!   driver's life. Callers can be any thread (Python threads, rayon), so each operation binds it
-//!   on the calling thread and then puts back whatever was bound there before: the runtime reads
-//!   the current context as the thread's current device, and we must not change it under torch.
-//! - Loading: cudarc panics when libcuda or one of its symbols is missing, so `open` checks both
-//!   before the first `sys` call. No driver is `Error::Unsupported`, never a panic.
-//! - Soundness: libcuda does not promise to reject every bad argument: a memset is device work,
-//!   so a bad range can surface later as an illegal-address fault that poisons the context for
-//!   every library in the process, and an unknown allocation handle is not documented to be
-//!   caught. So, as in the host backend, every range and handle is checked against this driver's
-//!   books (live reservations, mappings and handles) before it reaches libcuda. The one argument
-//!   taken on trust is `memset_zero`'s stream, which only its creator (torch) can vouch for.
+//! Soundness: libcuda does not promise to reject every bad argument: a memset is device work,
+//! so a bad range can surface later as an illegal-address fault that poisons the context for
+//! every library in the process, and an unknown allocation handle is not documented to be
+//! caught. So, as in the host backend, every range and handle is checked against this driver's
+//! books (live reservations, mappings and handles) before it reaches libcuda. The one argument
+//! taken on trust is `memset_zero`'s stream, which only its creator (torch) can vouch for:
+//! hence `Stream::from_raw` is `unsafe`.
 #![allow(unsafe_code)]
+
+mod context;
+mod vmm;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
+pub use self::context::vmm_unavailable_reason;
+use self::context::{Bound, PrimaryContext};
 use super::books::Books;
-use super::{DeviceKind, Driver, HandleId};
+use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Error, Op, Result};
 
 // Sizes cross the trait as u64 and libcuda as usize; the casts below rely on equal widths.
 const _: () = assert!(usize::BITS == u64::BITS);
-
-/// Every libcuda symbol this backend calls: cudarc panics on the first call of a missing one.
-const REQUIRED_SYMBOLS: [&str; 20] = [
-    "cuInit",
-    "cuGetErrorName",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDeviceGetAttribute",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxGetCurrent",
-    "cuCtxSetCurrent",
-    "cuCtxSynchronize",
-    "cuMemGetInfo_v2",
-    "cuMemGetAllocationGranularity",
-    "cuMemAddressReserve",
-    "cuMemAddressFree",
-    "cuMemCreate",
-    "cuMemRelease",
-    "cuMemMap",
-    "cuMemUnmap",
-    "cuMemSetAccess",
-    "cuMemsetD8Async",
-];
-
-/// The result layer: one wrapper per VMM call, status → `Result`, in cudarc's shape.
-///
-/// All of them need libcuda loaded with `REQUIRED_SYMBOLS` and `cuInit` done (see `open`), and
-/// a context of the device bound on the calling thread.
-mod vmm {
-    use cudarc::driver::result::DriverError;
-    use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle as Handle};
-
-    pub fn device_location(ordinal: i32) -> sys::CUmemLocation {
-        sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal,
-        }
-    }
-
-    /// Pinned memory on device `ordinal`, exportable as nothing: an fd handle type would make
-    /// every later export cost ~0.57 ms, and nothing here shares memory across processes.
-    pub fn pinned_prop(ordinal: i32) -> sys::CUmemAllocationProp {
-        sys::CUmemAllocationProp {
-            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            location: device_location(ordinal),
-            win32HandleMetaData: std::ptr::null_mut(),
-            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
-                compressionType: 0,
-                gpuDirectRDMACapable: 0,
-                usage: 0,
-                reserved: [0; 4],
-            },
-        }
-    }
-
-    pub fn granularity(prop: &sys::CUmemAllocationProp) -> Result<usize, DriverError> {
-        let mut granularity = 0;
-        let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
-        // SAFETY: both pointers are to values that outlive the call; the query writes only
-        // `granularity`.
-        unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, prop, option) }.result()?;
-        Ok(granularity)
-    }
-
-    pub fn address_reserve(num_bytes: usize, alignment: usize) -> Result<CUdeviceptr, DriverError> {
-        let mut va = 0;
-        // SAFETY: `va` outlives the call; address 0 and flags 0 ask for fresh address space
-        // anywhere, which cannot overlap anything already in use.
-        unsafe { sys::cuMemAddressReserve(&mut va, num_bytes, alignment, 0, 0) }.result()?;
-        Ok(va)
-    }
-
-    /// # Safety
-    /// `[va, va + num_bytes)` must be exactly one live reservation with nothing mapped in it.
-    pub unsafe fn address_free(va: CUdeviceptr, num_bytes: usize) -> Result<(), DriverError> {
-        // SAFETY: the caller guarantees the range is a whole, empty, live reservation.
-        unsafe { sys::cuMemAddressFree(va, num_bytes) }.result()
-    }
-
-    pub fn create(
-        num_bytes: usize,
-        prop: &sys::CUmemAllocationProp,
-    ) -> Result<Handle, DriverError> {
-        let mut handle = 0;
-        // SAFETY: `handle` and `prop` outlive the call; creating takes new physical memory and
-        // maps nothing, so no existing memory is touched.
-        unsafe { sys::cuMemCreate(&mut handle, num_bytes, prop, 0) }.result()?;
-        Ok(handle)
-    }
-
-    /// # Safety
-    /// `handle` must come from `create` and not have been released.
-    pub unsafe fn release(handle: Handle) -> Result<(), DriverError> {
-        // SAFETY: the caller guarantees the handle is live; its memory lives on while mapped.
-        unsafe { sys::cuMemRelease(handle) }.result()
-    }
-
-    /// # Safety
-    /// `handle` must be live and `num_bytes` long; `[va, va + num_bytes)` must lie inside a live
-    /// reservation and overlap no mapping.
-    pub unsafe fn map(
-        va: CUdeviceptr,
-        num_bytes: usize,
-        handle: Handle,
-    ) -> Result<(), DriverError> {
-        // SAFETY: the caller guarantees a live handle of this size over free reserved space;
-        // offset 0 because the driver refuses partial maps anyway (design.md §2).
-        unsafe { sys::cuMemMap(va, num_bytes, 0, handle, 0) }.result()
-    }
-
-    /// # Safety
-    /// `[va, va + num_bytes)` must be tiled by whole live mappings.
-    pub unsafe fn unmap(va: CUdeviceptr, num_bytes: usize) -> Result<(), DriverError> {
-        // SAFETY: the caller guarantees the range is whole mappings of its own.
-        unsafe { sys::cuMemUnmap(va, num_bytes) }.result()
-    }
-
-    /// # Safety
-    /// `[va, va + num_bytes)` must be tiled by whole live mappings.
-    pub unsafe fn set_access(
-        va: CUdeviceptr,
-        num_bytes: usize,
-        location: sys::CUmemLocation,
-    ) -> Result<(), DriverError> {
-        let flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        let desc = sys::CUmemAccessDesc { location, flags };
-        // SAFETY: the caller guarantees whole mappings; `desc` is one descriptor that outlives
-        // the call, matching count 1.
-        unsafe { sys::cuMemSetAccess(va, num_bytes, &desc, 1) }.result()
-    }
-
-    /// Byte stores, whatever the alignment: on an H200 cuMemsetD8Async zeroes as fast as
-    /// cuMemsetD32Async (4.55 TB/s on 16 GiB, 4.43 on 1 GiB, for both and for an unaligned
-    /// start), so splitting off aligned words would only add launches.
-    ///
-    /// # Safety
-    /// `[va, va + num_bytes)` must be covered by live read-write mappings, and `stream` must be
-    /// null (the legacy default stream) or a live stream of the bound context.
-    pub unsafe fn memset_zero(
-        va: CUdeviceptr,
-        num_bytes: usize,
-        stream: sys::CUstream,
-    ) -> Result<(), DriverError> {
-        // SAFETY: the caller vouches for the range and the stream.
-        unsafe { sys::cuMemsetD8Async(va, 0, num_bytes, stream) }.result()
-    }
-}
 
 /// The name libcuda gives a status, e.g. `CUDA_ERROR_INVALID_VALUE`.
 fn code_name(err: DriverError) -> String {
@@ -213,156 +65,6 @@ fn refused(op: Op, va: u64, num_bytes: u64, why: &str) -> Error {
     }
 }
 
-/// The device's primary context, retained: the context torch's runtime uses on that device.
-struct PrimaryContext {
-    device: sys::CUdevice,
-    ctx: sys::CUcontext,
-}
-
-// SAFETY: a CUcontext is an opaque driver handle that CUDA lets any thread bind, several at
-// once; this type never dereferences it and only passes it to cuCtxSetCurrent, and it is
-// released exactly once, in Drop.
-unsafe impl Send for PrimaryContext {}
-// SAFETY: as for Send: shared use is only cuCtxSetCurrent, which the driver makes thread-safe.
-unsafe impl Sync for PrimaryContext {}
-
-impl PrimaryContext {
-    fn retain(device: sys::CUdevice) -> Result<PrimaryContext, DriverError> {
-        // SAFETY: `device` came from cuDeviceGet on an initialised driver.
-        let ctx = unsafe { result::primary_ctx::retain(device) }?;
-        Ok(PrimaryContext { device, ctx })
-    }
-
-    /// Binds the context on the calling thread until the guard drops.
-    fn bind(&self) -> Result<Bound, DriverError> {
-        let current = result::ctx::get_current()?;
-        if current == Some(self.ctx) {
-            return Ok(Bound { previous: None });
-        }
-        // SAFETY: `self.ctx` stays retained until `self` drops, and `self` outlives this call.
-        unsafe { result::ctx::set_current(self.ctx) }?;
-        Ok(Bound {
-            previous: Some(current.unwrap_or(std::ptr::null_mut())),
-        })
-    }
-}
-
-impl Drop for PrimaryContext {
-    fn drop(&mut self) {
-        // SAFETY: retained once in `retain`, released once here; nothing can bind it through
-        // this value any more.
-        let _ = unsafe { result::primary_ctx::release(self.device) };
-    }
-}
-
-/// Puts back the thread's previous context (null: none) if `bind` changed it. A raw pointer
-/// inside keeps it `!Send`, so it drops on the thread that bound.
-struct Bound {
-    previous: Option<sys::CUcontext>,
-}
-
-impl Drop for Bound {
-    fn drop(&mut self) {
-        if let Some(previous) = self.previous {
-            // SAFETY: `previous` was bound on this thread when the guard was made; rebinding it
-            // is wrong only if its owner destroyed it meanwhile, which CUDA forbids while the
-            // context may be in use by another caller.
-            let _ = unsafe { result::ctx::set_current(previous) };
-        }
-    }
-}
-
-/// Loads libcuda and checks it has every symbol this backend calls.
-fn load_libcuda() -> Result<(), String> {
-    // SAFETY: only opens and closes the candidate libraries; loading runs libcuda's
-    // initialisers, which are made to run in any process.
-    if !unsafe { sys::is_culib_present() } {
-        let tried = cudarc::get_lib_name_candidates("cuda");
-        return Err(format!(
-            "libcuda not found (tried {} names such as libcuda.so.1): install the NVIDIA driver \
-             or put its directory on LD_LIBRARY_PATH",
-            tried.len()
-        ));
-    }
-    // cudarc panics if the library went away since the check; that must not reach callers.
-    // SAFETY: as above; the library stays loaded for the process's life.
-    let lib = std::panic::catch_unwind(|| unsafe { sys::culib() })
-        .map_err(|_| "libcuda was found but could not be loaded".to_string())?;
-    // SAFETY: symbols are only looked up, never called through this placeholder type.
-    let missing: Vec<&str> = REQUIRED_SYMBOLS
-        .into_iter()
-        .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-        .collect();
-    if !missing.is_empty() {
-        return Err(format!(
-            "libcuda lacks {missing:?}: the NVIDIA driver is too old for VMM"
-        ));
-    }
-    Ok(())
-}
-
-fn find_device(ordinal: i32) -> Result<sys::CUdevice, String> {
-    let count = result::device::get_count()
-        .map_err(|e| format!("cuDeviceGetCount failed with {}", code_name(e)))?;
-    if !(0..count).contains(&ordinal) {
-        let visible = std::env::var("CUDA_VISIBLE_DEVICES")
-            .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v:?})"))
-            .unwrap_or_default();
-        return Err(format!(
-            "no CUDA device {ordinal}: {count} device(s) visible{visible}"
-        ));
-    }
-    result::device::get(ordinal)
-        .map_err(|e| format!("cuDeviceGet({ordinal}) failed with {}", code_name(e)))
-}
-
-fn check_vmm_support(device: sys::CUdevice, ordinal: i32) -> Result<(), String> {
-    let attribute =
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
-    // SAFETY: `device` came from cuDeviceGet; the query writes only its result.
-    let supported = unsafe { result::device::get_attribute(device, attribute) }.map_err(|e| {
-        format!(
-            "querying VMM support of CUDA device {ordinal}: {}",
-            code_name(e)
-        )
-    })?;
-    if supported == 0 {
-        return Err(format!(
-            "CUDA device {ordinal} does not support virtual memory management \
-             (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
-        ));
-    }
-    Ok(())
-}
-
-/// Everything a working device needs, in order; `Err` is the first reason it cannot be used.
-fn open(ordinal: i32) -> Result<(PrimaryContext, u64), String> {
-    load_libcuda()?;
-    result::init().map_err(|e| format!("cuInit failed with {}", code_name(e)))?;
-    let device = find_device(ordinal)?;
-    check_vmm_support(device, ordinal)?;
-    let primary = PrimaryContext::retain(device).map_err(|e| {
-        format!(
-            "retaining the primary context of CUDA device {ordinal}: {}",
-            code_name(e)
-        )
-    })?;
-    let granularity = primary
-        .bind()
-        .and_then(|_bound| vmm::granularity(&vmm::pinned_prop(ordinal)))
-        .map_err(|e| format!("cuMemGetAllocationGranularity failed with {}", code_name(e)))?;
-    Ok((primary, granularity as u64))
-}
-
-/// `None` when CUDA's VMM API works on device `ordinal`; otherwise why not, in words fit for a
-/// user (no driver, cuInit's status, no such device, no VMM support, no context). Never panics.
-///
-/// It retains the primary context and lets it go: when nothing else holds that context, this
-/// creates and destroys it, so prefer `CudaDriver::new`, which probes the same way and keeps it.
-pub fn vmm_unavailable_reason(ordinal: i32) -> Option<String> {
-    open(ordinal).err()
-}
-
 /// CUDA's VMM API on one device, through its primary context.
 pub struct CudaDriver {
     ordinal: i32,
@@ -376,7 +78,7 @@ impl CudaDriver {
     /// Opens device `ordinal`: `Error::Unsupported` with `vmm_unavailable_reason`'s words when
     /// it cannot work.
     pub fn new(ordinal: i32) -> Result<CudaDriver> {
-        let (primary, granularity) = open(ordinal).map_err(Error::Unsupported)?;
+        let (primary, granularity) = context::open(ordinal).map_err(Error::Unsupported)?;
         Ok(CudaDriver {
             ordinal,
             granularity,
@@ -540,7 +242,7 @@ impl Driver for CudaDriver {
         Ok(())
     }
 
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: u64) -> Result<()> {
+    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
         if num_bytes == 0 {
             return Ok(());
         }
@@ -554,12 +256,45 @@ impl Driver for CudaDriver {
                 "is not mapped read-write",
             ));
         }
+        let raw_stream = stream.as_raw();
         // SAFETY: accessible mappings of ours cover the range, and the lock held until the
-        // enqueue returns keeps any unmap out; `stream` is the caller's (0: legacy default).
-        unsafe { vmm::memset_zero(va, num_bytes as usize, stream as usize as sys::CUstream) }
+        // enqueue returns keeps any unmap out; `stream` is the legacy default or a live stream
+        // of this device's primary context, as whoever made it with `Stream::from_raw` vouched.
+        unsafe { vmm::memset_zero(va, num_bytes as usize, raw_stream as usize as sys::CUstream) }
             .on(Op::Memset, || {
-                format!("{num_bytes} bytes at {va:#x}, stream {stream:#x}")
+                format!("{num_bytes} bytes at {va:#x}, stream {raw_stream:#x}")
             })
+    }
+
+    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: Stream) -> Result<()> {
+        if num_bytes == 0 {
+            return Ok(());
+        }
+        let _bound = self.bind(Op::Copy)?;
+        let books = self.books();
+        for va in [dst, src] {
+            if !books.accessible(va, num_bytes) {
+                return Err(refused(Op::Copy, va, num_bytes, "is not mapped read-write"));
+            }
+        }
+        if dst.abs_diff(src) < num_bytes {
+            return Err(refused(Op::Copy, dst, num_bytes, "overlaps the source"));
+        }
+        let raw_stream = stream.as_raw();
+        // SAFETY: accessible, disjoint mappings of ours cover both ranges, and the lock held
+        // until the enqueue returns keeps any unmap out; `stream` is the legacy default or a
+        // live stream of this device's primary context, as `Stream::from_raw`'s caller vouched.
+        let enqueued = unsafe {
+            vmm::copy(
+                dst,
+                src,
+                num_bytes as usize,
+                raw_stream as usize as sys::CUstream,
+            )
+        };
+        enqueued.on(Op::Copy, || {
+            format!("{num_bytes} bytes {src:#x} -> {dst:#x}, stream {raw_stream:#x}")
+        })
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -693,7 +428,9 @@ mod tests {
         driver.set_access(va, num_bytes).unwrap();
         fill(&driver, va, num_bytes, 0xab);
         // Unaligned at both ends: zeroing must stop exactly at the range, not at a word.
-        driver.memset_zero(va + 1, num_bytes - 3, 0).unwrap();
+        driver
+            .memset_zero(va + 1, num_bytes - 3, Stream::DEFAULT)
+            .unwrap();
         driver.synchronize().unwrap();
         let bytes = read_back(&driver, va, num_bytes);
         let n = num_bytes as usize;
@@ -716,9 +453,9 @@ mod tests {
             Op::Map,
         );
         assert_refused(driver.map(va, granularity, HandleId(handle.0 ^ 1)), Op::Map);
-        assert_refused(driver.memset_zero(va, 4, 0), Op::Memset);
+        assert_refused(driver.memset_zero(va, 4, Stream::DEFAULT), Op::Memset);
         driver.map(va, granularity, handle).unwrap();
-        assert_refused(driver.memset_zero(va, 4, 0), Op::Memset);
+        assert_refused(driver.memset_zero(va, 4, Stream::DEFAULT), Op::Memset);
         assert_refused(driver.set_access(va, 2 * granularity), Op::SetAccess);
         assert_refused(
             driver.free_reservation(va, 2 * granularity),
@@ -780,7 +517,9 @@ mod tests {
         let handle = driver.create(granularity).unwrap();
         driver.map(va, granularity, handle).unwrap();
         driver.set_access(va, granularity).unwrap();
-        driver.memset_zero(va, granularity, 0).unwrap();
+        driver
+            .memset_zero(va, granularity, Stream::DEFAULT)
+            .unwrap();
         drop(driver); // unmaps, releases and frees without a synchronize by the caller
         let again = CudaDriver::new(0).unwrap();
         again

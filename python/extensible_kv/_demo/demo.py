@@ -1,6 +1,6 @@
 """The main job, `python -m extensible_kv demo`: the extensible flow end to end, checked.
 
-A small decoder-only transformer (`extensible_kv.model`, seeded random weights, paged
+A small decoder-only transformer (`extensible_kv._demo.model`, seeded random weights, paged
 attention in plain torch) greedy-decodes a few sequences twice, with the same inputs:
 
 1. on an extensible cache: reserve a capacity from an estimate, commit one block, warm up and
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from extensible_kv import sizing, vmm_unavailable_reason
+from extensible_kv._demo.model import DecodeInputs, DecoderModel, LayerCache, ModelConfig
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import KVCacheTensorSpec
-from extensible_kv.model import DecodeInputs, DecoderModel, LayerCache, ModelConfig
 
 __all__ = ["DemoOptions", "DemoResult", "PathResult", "format_report", "pick_device", "run"]
 
@@ -107,7 +107,7 @@ class DemoResult:
     block_size: int
     blocks_needed: int
     estimate_bytes: int
-    bytes_per_block: int
+    block_bytes: int
     extensible: PathResult
     legacy: PathResult
     cuda_note: str | None = None
@@ -175,7 +175,7 @@ def run(options: DemoOptions | None = None) -> DemoResult:
         block_size=model.block_size,
         blocks_needed=work.blocks_needed,
         estimate_bytes=estimate,
-        bytes_per_block=sum(t.bytes_per_block for t in spec),
+        block_bytes=sum(t.block_bytes for t in spec),
         extensible=extensible,
         legacy=legacy,
         cuda_note=note,
@@ -334,7 +334,7 @@ def _generate(
 # the report
 
 
-_HYBRID_NOTE = " (block-major: each buffer shares its pages with a Mamba-like layer's states)"
+_HYBRID_NOTE = " (block-major: each buffer shares its blocks with a Mamba-like layer's states)"
 
 
 def _size(num_bytes: int) -> str:
@@ -346,7 +346,7 @@ def format_report(result: DemoResult) -> str:
     r = ext.report
     kinds = "attention + Mamba-like" if o.hybrid else "attention"
     segments = ", ".join(str(n) for n in ext.num_segments)
-    reserved = ext.capacity_blocks * result.bytes_per_block
+    reserved = ext.capacity_blocks * result.block_bytes
     lines = [
         "extensible-kv demo: paged decode on an extensible KV cache vs a legacy one",
         f"device:    {_device_line(result)}",

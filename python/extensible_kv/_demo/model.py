@@ -10,10 +10,10 @@ start and masked out.
 
 `hybrid=True` makes every odd layer a Mamba-like recurrent layer (a causal depthwise conv and
 a gated linear state-space recurrence, Mamba2's recurrent form) whose conv window and state
-live in a Mamba page of the KV cache: each sequence owns one block as its state slot. Each
+live in a Mamba block of the KV cache: each sequence owns one block as its state slot. Each
 buffer then holds one attention layer and one recurrent layer, whose blocks come from one
 pool and never overlap (vLLM's hybrid allocator), and the attention block size is raised
-until its page holds the recurrent state, as vLLM does.
+until its block holds the recurrent state, as vLLM does.
 
 Every computation reads the cache only through gathers (copies into fresh tensors), so the
 same inputs give the same bits over any cache with the same contents: what the demo checks.
@@ -36,14 +36,13 @@ from extensible_kv.kv_cache import (
     MambaLayerSpec,
     StandardLayerSpec,
 )
-from extensible_kv.layouts import BACKEND_PRESETS, STANDARD_LAYOUTS, itemsize
+from extensible_kv.layouts import KV_LAYOUTS, STANDARD_LAYOUTS, itemsize
 from extensible_kv.mamba import MambaStateSpec, mamba2_state_spec
 
 if TYPE_CHECKING:
     from extensible_kv.kv_cache import ExtensibleKVCache
 
 __all__ = [
-    "KV_LAYOUTS",
     "AttentionCache",
     "DecodeInputs",
     "DecoderModel",
@@ -51,11 +50,6 @@ __all__ = [
     "ModelConfig",
 ]
 
-# Layouts that store K and V of every token: the presets but MLA, and the standard orders.
-KV_LAYOUTS = (
-    *(name for name in BACKEND_PRESETS if "MLA" not in name),
-    *STANDARD_LAYOUTS,
-)
 _NORM_EPS = 1e-6
 
 
@@ -188,11 +182,11 @@ class DecoderModel:
 
     # -- the KV cache this model needs
 
-    def attention_page_bytes(self, block_size: int | None = None) -> int:
+    def attention_block_bytes(self, block_size: int | None = None) -> int:
         c = self.config
         return 2 * (block_size or self.block_size) * c.num_kv_heads * c.head_size * self._item
 
-    def state_spec(self, page_bytes: int | None = None) -> MambaStateSpec:
+    def state_spec(self, block_bytes: int | None = None) -> MambaStateSpec:
         c = self.config
         return mamba2_state_spec(
             conv_kernel=c.conv_kernel,
@@ -202,7 +196,7 @@ class DecoderModel:
             d_state=c.d_state,
             conv_dtype=self.dtype,
             ssm_dtype=torch.float32,
-            page_size_padded=page_bytes,
+            page_size_padded=block_bytes,
         )
 
     def kv_cache_spec(self, layout: str) -> list[KVCacheTensorSpec]:
@@ -210,7 +204,7 @@ class DecoderModel:
         one per attention layer, shared with the recurrent layer that follows it."""
         if layout not in KV_LAYOUTS:
             raise ValueError(f"layout {layout!r} holds no K and V; pick one of {KV_LAYOUTS}")
-        c, page = self.config, self.attention_page_bytes()
+        c, block_bytes = self.config, self.attention_block_bytes()
         attention = [i for i in range(c.num_layers) if not c.is_mamba(i)]
         if layout in STANDARD_LAYOUTS:
             if c.hybrid:
@@ -227,15 +221,15 @@ class DecoderModel:
                 )
                 for j, i in enumerate(attention)
             }
-            return [KVCacheTensorSpec(len(attention) * page, layers)]
+            return [KVCacheTensorSpec(len(attention) * block_bytes, layers)]
         attn = AttentionLayerSpec(layout, self.block_size, c.num_kv_heads, c.head_size, self.dtype)
-        state = MambaLayerSpec(self.state_spec(page))
+        state = MambaLayerSpec(self.state_spec(block_bytes))
         spec = []
         for i in attention:
             layers = {f"layers.{i}.attn": attn}
             if i + 1 < c.num_layers and c.is_mamba(i + 1):
                 layers[f"layers.{i + 1}.mamba"] = state
-            spec.append(KVCacheTensorSpec(page, layers))
+            spec.append(KVCacheTensorSpec(block_bytes, layers))
         return spec
 
     def bind(self, cache: ExtensibleKVCache) -> list[LayerCache]:
@@ -344,12 +338,12 @@ class DecoderModel:
         return itemsize(self.dtype)
 
     def _block_size(self) -> int:
-        """The configured block size; hybrid: its smallest multiple whose attention page holds
+        """The configured block size; hybrid: its smallest multiple whose attention block holds
         the recurrent state (vLLM raises the attention block size the same way)."""
         block_size = self.config.block_size
         if self.config.hybrid:
             state_bytes = self.state_spec().packed_bytes
-            while self.attention_page_bytes(block_size) < state_bytes:
+            while self.attention_block_bytes(block_size) < state_bytes:
                 block_size += self.config.block_size
         return block_size
 

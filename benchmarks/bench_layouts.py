@@ -1,0 +1,428 @@
+"""Bulk extend on vLLM 0.34's own layouts, ours beside vLLM's `ExtensibleTensor`, the legacy
+allocation and the memset floor, in one process and run.
+
+    python3 benchmarks/bench_layouts.py --out DIR [--quick] [--shapes a,b] [--contenders a,b]
+
+vLLM 0.34 backs every layer with one allocation. Under its default layer-outermost layout
+(LBNHC) each layer is a segment of `capacity x block_stride` bytes, padded apart to the granule
+(`pad_kv_cache_segments`), and a commit grows every segment from its first block; under
+block-outermost (BLNHC) the allocation is one segment whose first two blocks are committed at
+allocation. This bench builds exactly those geometries, commits the minimum, then times the
+extend to ~120 GiB (zeroed) per contender:
+
+- `ours`: `extensible_kv.ExtensibleTensor`, default handle policy; `ours:<cut>[@GiB]`: the
+  same with another cut of runs into handles (`at_cap_multiples`, `whole_runs`, ...) or cap;
+- `vllm`: vLLM 0.34.0's `ExtensibleTensor` (from .vendor/vllm034, git-ignored; carry it);
+- `legacy`: one `torch.zeros` of the same bytes, as engines allocate the cache today;
+- `floor`: `zero_()` over memory allocated beforehand: the device's memset time, no mapping.
+
+Steady state: each repetition starts after a pause (the driver scrubs released memory in the
+background and cuMemCreate waits for it: docs/design.md §2); `just freed`: one repetition
+right after the previous teardown. Also: the teardown (free) time, the first read of the
+committed bytes (TLB warm-up), and with `--profile` the per-call host time of ours. Prints
+markdown tables and writes DIR/bench_layouts.json (rewritten after every shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+DEVICE = "cuda:0"
+REPO = Path(__file__).resolve().parent.parent
+VENDOR = REPO / ".vendor" / "vllm034"
+
+torch: Any = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's KV cache per GPU: layers, KV heads, head sizes (one per layer, cycled)."""
+
+    label: str
+    num_layers: int
+    num_kv_heads: int
+    head_sizes: tuple[int, ...]
+    layout: str  # "LBNHC" (a segment per layer, padded to the granule) or "BLNHC" (one)
+    block_size: int = 16
+    itemsize: int = 2  # bf16
+
+    def block_strides(self) -> list[int]:
+        """Bytes one block takes in each layer: N tokens x H heads x (K and V) x D."""
+        return [
+            self.block_size
+            * self.num_kv_heads
+            * 2
+            * self.head_sizes[i % len(self.head_sizes)]
+            * self.itemsize
+            for i in range(self.num_layers)
+        ]
+
+
+SHAPES = {
+    "qwen3_0.6b": Shape("Qwen3-0.6B-like, LBNHC", 28, 8, (128,), "LBNHC"),
+    "llama3_8b": Shape("Llama-3-8B-like, LBNHC", 32, 8, (128,), "LBNHC"),
+    "llama2_7b": Shape("Llama-2-7B-like, LBNHC", 32, 32, (128,), "LBNHC"),
+    "mixed_heads": Shape(
+        "40 layers, head sizes 128/256 alternating, LBNHC", 40, 4, (128, 256), "LBNHC"
+    ),
+    "llama3_70b_tp8": Shape("Llama-3-70B-like TP8 (1 KV head/rank), LBNHC", 80, 1, (128,), "LBNHC"),
+    "llama3_70b_tp8_blnhc": Shape("Llama-3-70B-like TP8, BLNHC", 80, 1, (128,), "BLNHC"),
+}
+QUICK_SHAPES = "llama3_70b_tp8,llama3_70b_tp8_blnhc"
+CONTENDERS = ",".join(
+    [
+        "ours",
+        "ours:+ahead",
+        "ours:at_cap_multiples",
+        "ours:at_cap_multiples+ahead",
+        "ours:whole_runs",
+        "vllm",
+        "legacy",
+        "floor",
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The allocation as vLLM 0.34 lays it out for `capacity_blocks`."""
+
+    segment_capacities: tuple[int, ...]
+    segment_strides: tuple[int, ...]  # bytes one block adds to each segment
+    min_blocks: int
+
+    @property
+    def size(self) -> int:
+        return sum(self.segment_capacities)
+
+    def sizes(self, num_blocks: int) -> list[int]:
+        return [num_blocks * s for s in self.segment_strides]
+
+
+def geometry(shape: Shape, capacity_blocks: int, granule: int) -> Geometry:
+    strides = shape.block_strides()
+    if shape.layout == "BLNHC":
+        stride = sum(strides)
+        return Geometry((capacity_blocks * stride,), (stride,), 2)
+    assert shape.layout == "LBNHC", shape.layout
+    padded = tuple(-(-capacity_blocks * s // granule) * granule for s in strides)
+    return Geometry(padded, tuple(strides), 1)
+
+
+def footprint(geo: Geometry, num_blocks: int, granule: int) -> int:
+    """Physical bytes of `num_blocks` committed: whole granules per (granule-aligned) segment."""
+    if len(geo.segment_capacities) == 1:
+        return -(-num_blocks * geo.segment_strides[0] // granule) * granule
+    return sum(-(-num_blocks * s // granule) * granule for s in geo.segment_strides)
+
+
+# --------------------------------------------------------------------------------------------
+# contenders
+
+
+class Ours:
+    """`ours[:<cut>][@<cap GiB>][+ahead]`: the default policy, or another cut, cap, schedule."""
+
+    def __init__(self, geo: Geometry, variant: str, profile: bool) -> None:
+        from extensible_kv import ExtensibleTensor
+
+        kw: dict[str, Any] = {"_profile": profile}
+        variant, ahead, _ = variant.partition("+ahead")
+        if ahead:
+            kw["_schedule"] = "create_ahead"
+        cut, _, cap_gib = variant.partition("@")
+        if cut:
+            kw["_cut"] = cut
+        if cap_gib:
+            kw["max_handle_bytes"] = int(float(cap_gib) * GIB)
+        self.t = ExtensibleTensor(
+            geo.size, None, DEVICE, segment_capacities=list(geo.segment_capacities), **kw
+        )
+
+    def grow(self, sizes: list[int]) -> None:
+        self.t.resize_per_segment_(sizes, zero_new=True)
+
+    def handles(self) -> int:
+        return int(self.t.num_handles)
+
+    def segment(self, i: int) -> Any:
+        return self.t.segment_view(i)
+
+    def teardown(self) -> None:
+        self.t.close()
+
+
+class Vllm:
+    cls: Any = None
+
+    def __init__(self, geo: Geometry) -> None:
+        self.t = Vllm.cls(geo.size, device=DEVICE, segment_capacities=list(geo.segment_capacities))
+
+    def grow(self, sizes: list[int]) -> None:
+        self.t.resize_segments_(sizes, zero_new=True)
+
+    def handles(self) -> int:
+        return int(self.t.num_physical_chunks)
+
+    def segment(self, i: int) -> Any:
+        return self.t.segment_view(i)
+
+    def teardown(self) -> None:
+        self.t.free()
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def settle(pause_s: float) -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if pause_s:
+        time.sleep(pause_s)
+
+
+def read_tbps(tensors: list[Any], num_bytes: int) -> float:
+    """One read pass over the committed bytes (the first: TLB warm-up included)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for t in tensors:
+        if t.numel():
+            t.view(torch.int64 if t.numel() % 8 == 0 else torch.uint8).max()
+    torch.cuda.synchronize()
+    return num_bytes / (time.perf_counter() - start) / 1e12
+
+
+def one_extend(
+    name: str, geo: Geometry, target: int, pause_s: float, read: bool, profile: bool
+) -> dict[str, Any]:
+    """Reserve, commit the minimum, pause, extend to `target` blocks (timed), read, free."""
+    kind, _, variant = name.partition(":")
+    c: Ours | Vllm = Ours(geo, variant, profile) if kind == "ours" else Vllm(geo)
+    c.grow(geo.sizes(geo.min_blocks))
+    settle(pause_s)
+    if profile:
+        assert isinstance(c, Ours)
+        c.t._op_times(reset=True)
+    start = time.perf_counter()
+    c.grow(geo.sizes(target))
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1e3
+    out: dict[str, Any] = {"ms": ms, "handles": c.handles()}
+    if profile:
+        assert isinstance(c, Ours)
+        out["ops"] = {op: [n, ns / 1e6] for op, (n, ns) in c.t._op_times(reset=True).items()}
+    if read:
+        views = [c.segment(i) for i in range(len(geo.segment_capacities))]
+        out["read_tbps"] = read_tbps(views, sum(v.numel() for v in views))
+        del views
+    gc.collect()
+    start = time.perf_counter()
+    c.teardown()
+    torch.cuda.synchronize()
+    out["teardown_ms"] = (time.perf_counter() - start) * 1e3
+    return out
+
+
+def legacy_once(num_bytes: int, pause_s: float) -> float:
+    settle(pause_s)
+    start = time.perf_counter()
+    buf = torch.zeros(num_bytes, dtype=torch.uint8, device=DEVICE)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1e3
+    del buf
+    return ms
+
+
+def floor_once(num_bytes: int, pause_s: float) -> float:
+    buf = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
+    settle(pause_s)
+    start = time.perf_counter()
+    buf.zero_()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1e3
+    del buf
+    return ms
+
+
+def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
+    strides = shape.block_strides()
+    free_bytes = int(torch.cuda.mem_get_info(DEVICE)[0])
+    commit_bytes = min(int(args.commit_gib * GIB), free_bytes - 6 * GIB)
+    target = commit_bytes // sum(strides)
+    geo = geometry(shape, int(target * 1.05) + 2, granule)
+    num_bytes = footprint(geo, target, granule)
+    res: dict[str, Any] = {
+        "shape": asdict(shape),
+        "segments": len(geo.segment_capacities),
+        "target_blocks": target,
+        "committed_bytes": num_bytes,
+        "contenders": {},
+    }
+    log(
+        f"== {shape.label}: {len(geo.segment_capacities)} segments, {target} blocks, "
+        f"{num_bytes / GIB:.1f} GiB"
+    )
+    for name in args.contenders.split(","):
+        if name == "vllm" and Vllm.cls is None:
+            res["contenders"][name] = {"skipped": "vLLM 0.34 baseline absent (.vendor)"}
+            continue
+        entry: dict[str, Any] = {}
+        try:
+            if name == "legacy":
+                entry["steady_ms"] = [legacy_once(num_bytes, args.pause) for _ in range(args.reps)]
+                entry["just_freed_ms"] = legacy_once(num_bytes, 0)
+            elif name == "floor":
+                entry["steady_ms"] = [floor_once(num_bytes, args.pause) for _ in range(args.reps)]
+            else:
+                runs = [
+                    one_extend(name, geo, target, args.pause, args.read, False)
+                    for _ in range(args.reps)
+                ]
+                entry["steady_ms"] = [r["ms"] for r in runs]
+                entry["handles"] = runs[-1]["handles"]
+                entry["teardown_ms"] = [r["teardown_ms"] for r in runs]
+                if args.read:
+                    entry["read_tbps"] = [r["read_tbps"] for r in runs]
+                fresh = one_extend(name, geo, target, 0, False, False)
+                entry["just_freed_ms"] = fresh["ms"]
+                if args.profile and name.startswith("ours"):
+                    entry["profile"] = one_extend(name, geo, target, args.pause, False, True)
+        except Exception as exc:  # one contender failing must not lose the others
+            traceback.print_exc()
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            settle(0)
+        res["contenders"][name] = entry
+        log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'profile'})}")
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def med(values: Any) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(x: Any, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def table(res: dict[str, Any]) -> str:
+    c = res["contenders"]
+    num_bytes = res["committed_bytes"]
+
+    def ms(name: str, key: str = "steady_ms") -> float:
+        v = c.get(name, {}).get(key)
+        return med(v) if isinstance(v, list) else (v if v is not None else float("nan"))
+
+    lines = [
+        f"### {res['shape']['label']}: {res['segments']} segments, "
+        f"{num_bytes / GIB:.1f} GiB ({res['target_blocks']} blocks)",
+        "",
+        "| contender | handles | steady ms (runs) | TB/s | just freed ms | teardown ms "
+        "| first read TB/s | vLLM / it | legacy / it | it / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in c.items():
+        if "steady_ms" not in e:
+            lines.append(f"| {name} | {e.get('skipped') or e.get('error')} |||||||||")
+            continue
+        steady = med(e["steady_ms"])
+        runs = ", ".join(f"{v:.1f}" for v in e["steady_ms"])
+        fresh = e.get("just_freed_ms")
+        ratio_v = ms("vllm") / steady
+        ratio_l = ms("legacy") / steady
+        ratio_f = steady / ms("floor")
+        teardown = med(e.get("teardown_ms", []))
+        lines.append(
+            f"| {name} | {e.get('handles', '-')} | {steady:.1f} ({runs}) "
+            f"| {num_bytes / steady / 1e9:.2f} | {fmt(fresh)} | {fmt(teardown)} "
+            f"| {fmt(med(e.get('read_tbps', [])), 2)} | {fmt(ratio_v, 2)} | {fmt(ratio_l, 2)} "
+            f"| {fmt(ratio_f, 2)} |"
+        )
+    just_freed = ms("vllm", "just_freed_ms") / ms("ours", "just_freed_ms")
+    lines.append(f"\nJust freed: vLLM / ours (default) = {fmt(just_freed, 2)}")
+    for name, e in c.items():
+        prof = e.get("profile")
+        if prof and "ops" in prof:
+            ops = ", ".join(
+                f"{op} {n}x {t:.1f} ms" for op, (n, t) in sorted(prof["ops"].items()) if n
+            )
+            lines.append(
+                f"\nProfile of {name} ({prof['ms']:.1f} ms, {prof['handles']} handles): {ops}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench_layouts"))
+    parser.add_argument("--quick", action="store_true", help="two shapes, small, one rep")
+    parser.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--contenders", default=CONTENDERS)
+    parser.add_argument("--commit-gib", type=float, default=120.0)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=3.0)
+    parser.add_argument("--no-read", dest="read", action="store_false")
+    parser.add_argument("--profile", action="store_true", help="per-call host time of ours")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes = args.shapes or QUICK_SHAPES
+        args.commit_gib, args.reps, args.pause = min(args.commit_gib, 8.0), 1, 0.5
+    shapes = (args.shapes or ",".join(SHAPES)).split(",")
+
+    global torch
+    import torch as torch_module
+
+    torch = torch_module
+    from extensible_kv import ExtensibleTensor, vmm_unavailable_reason
+
+    reason = vmm_unavailable_reason(DEVICE)
+    if reason is not None:
+        log(f"no CUDA VMM device: {reason}")
+        return 2
+    with ExtensibleTensor(1, 1, DEVICE) as probe:
+        granule = probe.granularity
+    if (VENDOR / "extensible_tensor.py").exists():
+        sys.path.insert(0, str(VENDOR))
+        from extensible_tensor import ExtensibleTensor as VllmTensor  # type: ignore
+
+        Vllm.cls = VllmTensor
+    else:
+        log(f"vLLM baseline skipped: {VENDOR} is absent")
+    torch.zeros(1, device=DEVICE)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_layouts.json"
+    results: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
+    for key in shapes:
+        try:
+            results[key] = bench_shape(SHAPES[key], args, granule)
+        except Exception as exc:
+            traceback.print_exc()
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        path.write_text(json.dumps(results, indent=2))
+        if "contenders" in results[key]:
+            print(table(results[key]), flush=True)
+            print(flush=True)
+    print(f"JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+//! The exception classes of `extensible_kv._native` and the one conversion from the crate's
+//! `Error`: each variant becomes one class, subclassing the builtin a user would catch
+//! (`ValueError`, `MemoryError`, `BufferError`), with the variant's numbers as attributes.
+
+use pyo3::exceptions::{PyBaseException, PyBufferError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::error::Error;
+
+pyo3::create_exception!(
+    _native,
+    OutOfMemoryError,
+    pyo3::exceptions::PyMemoryError,
+    "Physical memory could not be committed; the tensor is unchanged."
+);
+pyo3::create_exception!(
+    _native,
+    DriverError,
+    PyRuntimeError,
+    "The backend (CUDA driver or OS) failed; `code` holds its name for the failure."
+);
+pyo3::create_exception!(
+    _native,
+    UnsupportedError,
+    PyRuntimeError,
+    "The backend or device cannot do this (e.g. no CUDA VMM support)."
+);
+pyo3::create_exception!(_native, ClosedError, PyValueError, "The tensor was closed.");
+
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        let message = err.to_string();
+        match err {
+            Error::InvalidArgument(_) => PyValueError::new_err(message),
+            Error::OutOfMemory {
+                op,
+                requested_bytes,
+                free_bytes,
+                code,
+            } => with_attrs(OutOfMemoryError::new_err(message), |e| {
+                e.setattr("op", op.name())?;
+                e.setattr("code", code)?;
+                e.setattr("requested_bytes", requested_bytes)?;
+                e.setattr("free_bytes", free_bytes)
+            }),
+            Error::Driver { op, code, .. } => with_attrs(DriverError::new_err(message), |e| {
+                e.setattr("op", op.name())?;
+                e.setattr("code", code)
+            }),
+            Error::Unsupported(_) => UnsupportedError::new_err(message),
+            Error::Closed => ClosedError::new_err(message),
+            Error::ViewsAlive { .. } => PyBufferError::new_err(message),
+        }
+    }
+}
+
+/// `err` with the attributes `set` gives it. Setting an attribute on a fresh exception cannot
+/// fail in practice; if it did, the exception still has the right type and message.
+fn with_attrs(err: PyErr, set: impl FnOnce(&Bound<'_, PyBaseException>) -> PyResult<()>) -> PyErr {
+    Python::attach(|py| {
+        let _ = set(err.value(py));
+    });
+    err
+}
+
+pub fn add_to(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = module.py();
+    module.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
+    module.add("DriverError", py.get_type::<DriverError>())?;
+    module.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    module.add("ClosedError", py.get_type::<ClosedError>())
+}
