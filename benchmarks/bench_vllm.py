@@ -3,10 +3,10 @@ plugin, side by side in one process, on vLLM 0.34 layouts.
 
     python3 benchmarks/bench_vllm.py --out DIR [--quick] [--reps 2] [--pause 3]
 
-Per layout and repetition, for each contender -- vLLM's class, and ours with each handle cut
-of `EXTENSIBLE_KV_VLLM_HANDLES` (adaptive, the default; runs: one handle per run, as vLLM's;
-1gib: 1 GiB pieces from each run's start); the plugin's `unregister()`/`register()` switch
-the module global vLLM's cache reads -- the steps a vLLM
+Per layout and repetition, for each contender -- vLLM's class, and ours with two handle cuts
+of `EXTENSIBLE_KV_VLLM_HANDLES` (at_cap_multiples, the default; whole_runs: one handle per
+run, vLLM's count); the plugin's `unregister()`/`register()` switch the module global vLLM's
+cache reads -- the steps a vLLM
 worker runs, each timed with `time.perf_counter()` around the call and a
 `torch.cuda.synchronize()`:
   allocate     `ExtensibleKVCache(...)` + `allocate()`: reserve the capacity, commit the
@@ -50,13 +50,8 @@ GIB = 1 << 30
 MARGIN = 2 * GIB
 STEPS = ("allocate", "extend", "defragment", "sleep", "wake", "free")
 # Ours, by EXTENSIBLE_KV_VLLM_HANDLES.
-OURS = {"ours": "adaptive", "ours_runs": "runs", "ours_1gib": "1gib"}
-LABELS = {
-    "vllm": "vLLM 0.34",
-    "ours": "ours (adaptive)",
-    "ours_runs": "ours (runs)",
-    "ours_1gib": "ours (1 GiB pieces)",
-}
+OURS = {"ours": "at_cap_multiples", "ours_runs": "whole_runs"}
+LABELS = {"vllm": "vLLM 0.34", "ours": "ours (default cut)", "ours_runs": "ours (whole runs)"}
 
 torch: Any = None
 

@@ -250,7 +250,7 @@ def test_segments_backed_by_one_chunk(make: Callable[..., ExtensibleTensor], g: 
     assert t.num_physical_chunks == 4
     assert t.segments_backed_by_one_chunk([1] * 4) == [True] * 4
     assert t.segments_backed_by_one_chunk([g, g + 1, 0, g]) == [True, False, True, True]
-    t.resize_per_segment_(3 * g - 1)  # incremental: the adaptive policy's aligned pieces
+    t.resize_per_segment_(3 * g - 1)  # incremental: a second handle per segment
     assert t.num_physical_chunks > 4
     assert not all(t.segments_backed_by_one_chunk([3 * g - 1] * 4))
 
@@ -269,18 +269,24 @@ def test_segments_backed_by_one_chunk(make: Callable[..., ExtensibleTensor], g: 
     assert t.segments_backed_by_one_chunk([3 * g] * 4) == [True] * 4
 
 
-@pytest.mark.parametrize(("policy", "chunks"), [("adaptive", 10), ("runs", 8), ("1gib", 8)])
-def test_handle_policy_of_later_grows(
+@pytest.mark.parametrize(
+    ("cut", "chunks"),
+    [(None, 8), ("at_cap_multiples", 8), ("whole_runs", 8), ("aligned_powers_of_two", 10)],
+)
+def test_handle_cut_of_later_grows(
     make: Callable[..., ExtensibleTensor],
     g: int,
     monkeypatch: pytest.MonkeyPatch,
-    policy: str,
+    cut: str | None,
     chunks: int,
 ) -> None:
     """Four segments of 3 granules, grown to 1 byte (a handle each: from empty), then to all
-    but a byte: the second grow's runs (granules 1-2, 4-5, 7-8, 10-11) are cut by the policy;
-    aligned powers of two split the runs that start on an odd granule."""
-    monkeypatch.setenv(HANDLES_ENV_VAR, policy)
+    but a byte: the second grow's runs (granules 1-2, 4-5, 7-8, 10-11) are cut by the chosen
+    cut; aligned powers of two split the runs that start on an odd granule."""
+    if cut is None:
+        monkeypatch.delenv(HANDLES_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(HANDLES_ENV_VAR, cut)
     t = make(12 * g, num_segments=4)
     t.resize_per_segment_(1)
     t.resize_per_segment_(3 * g - 1, zero_new=True)

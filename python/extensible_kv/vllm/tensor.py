@@ -1,20 +1,21 @@
 """A drop-in for vLLM 0.34's `vllm.utils.extensible_tensor.ExtensibleTensor`, on extensible-kv.
 
 Same constructor, methods, properties, defaults and error types and wording as vLLM's class
-(`../shared/design.md` §7 lists what vLLM calls), and no vLLM import: vLLM's
+(`docs/design.md` §7 lists what vLLM calls), and no vLLM import: vLLM's
 `ExtensibleKVCache` runs on it unchanged, through the plugin (`extensible_kv.vllm.plugin`) or
 by assignment. Where it differs, it is to be safer, never to surprise vLLM's callers:
 
 - **Handles.** vLLM's class maps one driver allocation per run of missing granules, on every
-  grow. Ours cuts a grow into aligned power-of-two handles (at most 1 GiB each: bulk commits
-  run near memset speed, incremental ones cost one small handle) -- except a grow of an empty
-  tensor (new, or after `release_physical()`), which maps one handle per run as vLLM does.
-  That keeps vLLM's RDMA contract: `commit(defragment=True)` releases everything and grows
-  again, after which every granule-aligned segment lies in one allocation (UCX cannot
-  register a range across allocations), and a `recommit()` after sleep gives connectors the
-  same. `EXTENSIBLE_KV_VLLM_HANDLES` (read when a tensor is made) picks how the other grows
-  are cut, for measurements: `adaptive` (the default), `runs` (one handle per run, as
-  vLLM's), `1gib` (1 GiB pieces from each run's start).
+  grow. Ours cuts a run only where it crosses a multiple of 1 GiB in the reservation (the
+  core's default: few handles whatever granule a layer's run starts at, so a segment's memset
+  starts while the next handle is created) -- except a grow of an empty tensor (new, or after
+  `release_physical()`), which maps one handle per run as vLLM does. That keeps vLLM's RDMA
+  contract: `commit(defragment=True)` releases everything and grows again, after which every
+  granule-aligned segment lies in one allocation (UCX cannot register a range across
+  allocations), and a `recommit()` after sleep gives connectors the same.
+  `EXTENSIBLE_KV_VLLM_HANDLES` (read when a tensor is made) picks the core's cut for the other
+  grows, for measurements: `at_cap_multiples` (the default), `whole_runs` (vLLM's count),
+  `aligned_powers_of_two`.
 - **All or nothing.** A failed grow leaves the tensor exactly as it was (vLLM's may leave
   chunks mapped). Out of memory: torch's caching allocator is emptied and the grow retried
   once, as vLLM does; then `extensible_kv.OutOfMemoryError` (a `MemoryError`; vLLM raises the
@@ -52,13 +53,8 @@ if TYPE_CHECKING:
 __all__ = ["HANDLES_ENV_VAR", "ExtensibleTensor", "granule_size"]
 
 HANDLES_ENV_VAR = "EXTENSIBLE_KV_VLLM_HANDLES"
-# Handle cut of a grow that does not start from empty: (the core's fixed_handle_bytes, one
-# handle per run).
-_HANDLE_POLICIES: dict[str, tuple[int | None, bool]] = {
-    "adaptive": (None, False),
-    "runs": (None, True),
-    "1gib": (1 << 30, False),
-}
+# The core's cuts of a grow that does not start from empty; the first is its default.
+_CUTS = ("at_cap_multiples", "whole_runs", "aligned_powers_of_two")
 
 # vLLM floors its commit granule at 2 MiB (ROCm reports 4 KiB); `granularity` must match
 # `granule_size()`, which vLLM pads layer segments with.
@@ -175,12 +171,9 @@ class ExtensibleTensor:
                 "KV connectors that import the cache (LMCache's VMM mode, NIXL) need. Run "
                 "vLLM's own ExtensibleTensor for them: set EXTENSIBLE_KV_VLLM=0."
             )
-        policy = os.environ.get(HANDLES_ENV_VAR, "adaptive")
-        if policy not in _HANDLE_POLICIES:
-            raise ValueError(
-                f"{HANDLES_ENV_VAR}={policy!r}: expected one of {sorted(_HANDLE_POLICIES)}"
-            )
-        fixed_handle_bytes, self._whole_runs = _HANDLE_POLICIES[policy]
+        cut = os.environ.get(HANDLES_ENV_VAR) or _CUTS[0]
+        if cut not in _CUTS:
+            raise ValueError(f"{HANDLES_ENV_VAR}={cut!r}: expected one of {', '.join(_CUTS)}")
         self._device = _resolve_device(device)
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
@@ -190,7 +183,7 @@ class ExtensibleTensor:
             device=_device_name(self._device),
             segment_capacities=capacities,
             granularity=self._granularity,
-            fixed_handle_bytes=fixed_handle_bytes,
+            _cut=cut,
         )
         self._segment_offsets = list(self._tensor.segment_offsets)
 
@@ -236,7 +229,7 @@ class ExtensibleTensor:
                     f"Requested {new} bytes per segment exceeds the segment capacity {capacity}."
                 )
         # From empty, one handle per run of granules: the RDMA contract (module docstring).
-        whole_runs = self._whole_runs or tensor.num_handles == 0
+        whole_runs = tensor.num_handles == 0
         try:
             tensor.resize_per_segment_(sizes, zero_new, one_handle_per_run=whole_runs)
         except OutOfMemoryError:
