@@ -16,6 +16,7 @@ from typing import Any
 
 import extensible_kv
 import pytest
+import vllm_env
 from extensible_kv import ExtensibleTensor
 
 CPU_GRANULARITY = 4096
@@ -126,3 +127,34 @@ def leak_check() -> Callable[[], tuple[int, int]]:
     so that views left in cycles by earlier tests do not die in the middle of this one."""
     gc.collect()
     return memfd_counts
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Any:
+    """vLLM 0.34.0, installed or vendored (`vllm_env`); skips with the reason where absent,
+    fails instead where EKV_REQUIRE_VLLM is set (CI)."""
+    reason = vllm_env.load()
+    if reason is not None:
+        if vllm_env.required():
+            pytest.fail(f"EKV_REQUIRE_VLLM is set, but {reason}")
+        pytest.skip(reason)
+    import vllm
+
+    return vllm
+
+
+@pytest.fixture(scope="session")
+def vllm_plugin(vllm: Any) -> Any:
+    """vLLM's own plugin loader has run, the way every vLLM process runs it: through our
+    `vllm.general_plugins` entry point, vLLM's extensible KV cache now builds our tensor."""
+    from extensible_kv.vllm import ExtensibleTensor as DropIn
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import vllm.v1.worker.extensible_kv_cache as module
+
+    assert module.ExtensibleTensor is DropIn, (
+        "the vllm.general_plugins entry point did not install extensible_kv.vllm "
+        f"(VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r}; vLLM from {vllm_env.source()})"
+    )
+    return module

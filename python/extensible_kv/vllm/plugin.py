@@ -1,0 +1,133 @@
+"""The vLLM plugin: vLLM's extensible KV cache on extensible-kv, with vLLM's code unchanged.
+
+Declared in `pyproject.toml` as the entry point `extensible_kv` of the group
+`vllm.general_plugins`, which vLLM loads once in every process it starts (engine core, each
+worker before the worker module is imported). `register()` replaces
+`vllm.utils.extensible_tensor.ExtensibleTensor` and `granule_size` by
+`extensible_kv.vllm.ExtensibleTensor` and `granule_size`, and the names already bound in
+`vllm.v1.worker.extensible_kv_cache` and `vllm.v1.worker.gpu_worker` if those are loaded
+(`ExtensibleKVCache.__init__` reads its module global at call time). It logs one INFO line.
+
+It stays out of the way: `EXTENSIBLE_KV_VLLM=0` switches it off; it imports no vLLM module
+unless vLLM is loaded (vLLM is the caller); and on ROCm, or on a vLLM whose `ExtensibleTensor`
+it does not recognise (constructor signature, or public attributes the drop-in lacks), it
+changes nothing and logs a warning naming the version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from typing import Any
+
+from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
+
+__all__ = ["ENV_VAR", "register", "unregister"]
+
+ENV_VAR = "EXTENSIBLE_KV_VLLM"
+_TARGET = "vllm.utils.extensible_tensor"
+# Modules that bind the names with `from ... import`: patched too when already imported.
+_BINDERS = ("vllm.v1.worker.extensible_kv_cache", "vllm.v1.worker.gpu_worker")
+_NAMES = ("ExtensibleTensor", "granule_size")
+# vLLM 0.34.0's constructor: (name, default) after `self`.
+_SIGNATURE = (
+    ("max_num_bytes", inspect.Parameter.empty),
+    ("device", None),
+    ("num_segments", 1),
+    ("segment_capacities", None),
+    ("export_handle_types", 0),
+)
+_REPLACEMENTS: dict[str, Any] = {
+    "ExtensibleTensor": ExtensibleTensor,
+    "granule_size": granule_size,
+}
+# (module, name) -> vLLM's object, for `unregister`.
+_originals: dict[tuple[str, str], Any] = {}
+
+# A child of vLLM's "vllm" logger, whose handler vLLM configures: the line shows in its log.
+logger = logging.getLogger("vllm.extensible_kv")
+
+
+def _switched_off() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _unrecognised(module: Any) -> str | None:
+    """Why `module` is not vLLM 0.34's `extensible_tensor`, or None when it is."""
+    cls = getattr(module, "ExtensibleTensor", None)
+    granule = getattr(module, "granule_size", None)
+    if not inspect.isclass(cls) or not callable(granule):
+        return "it has no ExtensibleTensor class or granule_size function"
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    found = tuple((p.name, p.default) for p in params)
+    if found != _SIGNATURE:
+        return f"ExtensibleTensor{inspect.signature(cls.__init__)} is not 0.34's signature"
+    public = (name for name in dir(cls) if not name.startswith("_"))
+    missing = sorted(name for name in public if not hasattr(ExtensibleTensor, name))
+    if missing:
+        return f"its ExtensibleTensor has {missing}, which extensible-kv's drop-in lacks"
+    if list(inspect.signature(granule).parameters) != ["device_index"]:
+        return f"granule_size{inspect.signature(granule)} is not 0.34's signature"
+    return None
+
+
+def register() -> bool:
+    """Install the drop-in into vLLM; True when it is installed (now or before)."""
+    if "vllm" not in sys.modules:
+        return False  # not called by vLLM: import nothing
+    if _switched_off():
+        logger.info("extensible-kv: %s=0, vLLM keeps its own ExtensibleTensor.", ENV_VAR)
+        return False
+    import importlib
+
+    vllm = sys.modules["vllm"]
+    version = getattr(vllm, "__version__", "unknown")
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch.version, "hip", None):
+        logger.warning(
+            "extensible-kv: not replacing vLLM %s's ExtensibleTensor: ROCm is not supported "
+            "(extensible-kv drives CUDA); set %s=0 to silence this.",
+            version,
+            ENV_VAR,
+        )
+        return False
+    module = importlib.import_module(_TARGET)
+    if module.ExtensibleTensor is ExtensibleTensor:
+        return True
+    reason = _unrecognised(module)
+    if reason is not None:
+        logger.warning(
+            "extensible-kv: not replacing vLLM %s's ExtensibleTensor: %s. The plugin "
+            "supports vLLM 0.34; set %s=0 to silence this.",
+            version,
+            reason,
+            ENV_VAR,
+        )
+        return False
+    originals = {name: getattr(module, name) for name in _NAMES}
+    for module_name in (_TARGET, *_BINDERS):
+        target = sys.modules.get(module_name)
+        if target is None:
+            continue
+        for name in _NAMES:
+            if getattr(target, name, None) is originals[name]:
+                _originals[(module_name, name)] = originals[name]
+                setattr(target, name, _REPLACEMENTS[name])
+    logger.info(
+        "extensible-kv: vLLM %s's extensible KV cache runs on extensible-kv's Rust core "
+        "(ExtensibleTensor, granule_size replaced; %s=0 turns this off).",
+        version,
+        ENV_VAR,
+    )
+    return True
+
+
+def unregister() -> None:
+    """Put vLLM's own objects back where `register` replaced them."""
+    for (module_name, name), original in list(_originals.items()):
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, name, None) is _REPLACEMENTS[name]:
+            setattr(module, name, original)
+        del _originals[(module_name, name)]

@@ -1,0 +1,237 @@
+"""Builds `.vendor/` (git-ignored): vLLM 0.34.0's code for the GPU machine, where vLLM cannot
+be installed (no network; its wheel pins torch 2.14). Run by `scripts/vendor-vllm`; needs
+network access to PyPI and the `.venv` of `scripts/setup` (with vLLM's light dependencies).
+
+    scripts/vendor-vllm [--python 3.12] [--check]
+
+Writes:
+  .vendor/vllm034/            vLLM's `extensible_tensor.py` and `vmm_driver.py` alone, under a
+                              stub `vllm` package (benchmarks/bench_cuda.py's baseline)
+  .vendor/vllm034-py.zip      every `.py` file of the vLLM 0.34.0 wheel (tests/vllm_env.py
+                              extracts it on the machine)
+  .vendor/vllm034-wheels/     wheels, for the machine's Python (`--python`, default 3.12), of
+                              the packages vLLM's modules import beyond torch, numpy and
+                              transformers (and their dependencies, which the machine has),
+                              at the versions installed in .venv
+
+`--check` then runs the `vllm` tests here as the GPU machine would: a Python that sees only
+torch, numpy, transformers, pytest, hypothesis (and their dependencies) and extensible-kv,
+with the vendored copy built for this machine's Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VERSION = "0.34.0"
+# Distributions vLLM's modules import (tests/vllm_env.py's imports, measured on a CPU machine)
+# that a bare torch + transformers machine lacks. The three stubbed there instead (Pillow,
+# uvloop, llguidance: big, and never called by the code under test) are not in the list.
+WHEELS = [
+    "aiohappyeyeballs",
+    "aiohttp",
+    "aiosignal",
+    "annotated-types",
+    "apache-tvm-ffi",
+    "attrs",
+    "cachetools",
+    "cbor2",
+    "certifi",
+    "charset-normalizer",
+    "cloudpickle",
+    "einops",
+    "frozenlist",
+    "idna",
+    "msgspec",
+    "multidict",
+    "prometheus_client",
+    "propcache",
+    "psutil",
+    "py-cpuinfo",
+    "pybase64",
+    "pydantic",
+    "pydantic_core",
+    "pyzmq",
+    "requests",
+    "typing-inspection",
+    "urllib3",
+    "xgrammar",
+    "yarl",
+]
+# What the GPU machine has (docs: torch, transformers, numpy, pytest, hypothesis), for --check.
+DEVICE_HAS = ["torch", "numpy", "transformers", "pytest", "hypothesis"]
+# vLLM's modules that benchmarks/bench_cuda.py imports, and the stubs it needs around them.
+BASELINE_FILES = ["vllm/utils/extensible_tensor.py", "vllm/utils/vmm_driver.py"]
+BASELINE_STUBS = {
+    "vllm/__init__.py": "",
+    "vllm/utils/__init__.py": "",
+    "vllm/logger.py": (
+        "import logging\n\n\ndef init_logger(name):\n    return logging.getLogger(name)\n"
+    ),
+    "extensible_tensor.py": (
+        "# vLLM 0.34.0 ExtensibleTensor, vendored for benchmarks only (git-ignored)\n"
+        "from vllm.utils.extensible_tensor import ExtensibleTensor, granule_size  # noqa\n"
+    ),
+}
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def vllm_wheel(cache: Path) -> Path:
+    """The vLLM 0.34.0 wheel: $EKV_VLLM_WHEEL, or downloaded from PyPI (no dependencies)."""
+    local = os.environ.get("EKV_VLLM_WHEEL")
+    if local:
+        return Path(local)
+    pip("download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(cache), f"vllm=={VERSION}")
+    (wheel,) = cache.glob(f"vllm-{VERSION}-*.whl")
+    return wheel
+
+
+def write_code(wheel: Path, vendor: Path) -> None:
+    baseline = vendor / "vllm034"
+    shutil.rmtree(baseline, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as source:
+        names = [n for n in source.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+        target = vendor / "vllm034-py.zip"
+        with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out:
+            for name in names:
+                out.writestr(name, source.read(name))
+        log(f"{target}: {len(names)} files, {target.stat().st_size / 2**20:.1f} MiB")
+        for name in BASELINE_FILES:
+            path = baseline / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(source.read(name))
+    for name, text in BASELINE_STUBS.items():
+        path = baseline / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    log(f"{baseline}: vLLM's ExtensibleTensor for benchmarks/bench_cuda.py")
+
+
+def write_wheels(target: Path, python: str) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    pins = [f"{name}=={md.version(name)}" for name in WHEELS]
+    tag = python.replace(".", "")
+    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+    pip(
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        "--abi",
+        f"cp{tag}",
+        *(arg for platform in platforms for arg in ("--platform", platform)),
+        "-d",
+        str(target),
+        *pins,
+    )
+    size = sum(p.stat().st_size for p in target.glob("*.whl"))
+    log(f"{target}: {len(pins)} wheels for Python {python}, {size / 2**20:.1f} MiB")
+
+
+# ---- --check: the GPU machine's view, here
+
+
+def _requirement_names(dist: str) -> list[str]:
+    names = []
+    for req in md.requires(dist) or []:
+        if "extra ==" in req:
+            continue
+        names.append(re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0])
+    return names
+
+
+def _closure(roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue  # a platform-specific requirement this machine does not have
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        todo.extend(_requirement_names(name))
+    return seen
+
+
+def device_like_site(root: Path) -> Path:
+    """A site dir of symlinks to what the GPU machine has, plus extensible-kv's metadata."""
+    site = root / "site"
+    site.mkdir(parents=True)
+    keep = _closure(DEVICE_HAS) | {"extensible-kv"}
+    for dist in md.distributions():
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key not in keep or dist.files is None:
+            continue
+        tops = {f.parts[0] for f in dist.files if f.parts and f.parts[0] != ".."}
+        for top in tops:
+            source = Path(str(dist.locate_file(top)))
+            if source.exists() and not (site / top).exists() and not top.endswith(".pth"):
+                (site / top).symlink_to(source)
+    return site
+
+
+def check() -> int:
+    with tempfile.TemporaryDirectory(prefix="ekv-vendor-check-") as tmp:
+        root = Path(tmp)
+        vendor = root / "vendor"
+        vendor.mkdir()
+        shutil.copy2(REPO / ".vendor" / "vllm034-py.zip", vendor)
+        here = f"{sys.version_info.major}.{sys.version_info.minor}"
+        write_wheels(vendor / "vllm034-wheels", here)
+        site = device_like_site(root)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(site), str(REPO / "python"), str(REPO / "tests")]),
+            "EKV_VENDOR": str(vendor),
+            "EKV_REQUIRE_VLLM": "1",
+            "TMPDIR": str(root),
+        }
+        command = [sys.executable, "-S", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        command += ["-m", "vllm", str(REPO / "tests")]
+        log("check:", " ".join(command))
+        return subprocess.run(command, env=env, cwd=REPO).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default="3.12", help="the GPU machine's Python (3.12)")
+    parser.add_argument("--check", action="store_true", help="then run the vllm tests as there")
+    args = parser.parse_args()
+    vendor = REPO / ".vendor"
+    vendor.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ekv-vllm-wheel-") as cache:
+        write_code(vllm_wheel(Path(cache)), vendor)
+    write_wheels(vendor / "vllm034-wheels", args.python)
+    total = sum(p.stat().st_size for p in vendor.rglob("*") if p.is_file())
+    log(f"{vendor}: {total / 2**20:.1f} MiB in all (a device call carries 64 MiB, with dist)")
+    return check() if args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""benchmarks/bench_vllm.py runs end to end (on the host backend, ours alone): it cannot rot
+between GPU runs. Nothing here is timed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vllm.py"
+
+
+def test_bench_vllm_smoke(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bench_vllm", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--pause", "0"]
+    assert bench.main(argv) == 0
+    results = json.loads((tmp_path / "bench_vllm.json").read_text())
+    assert len(results["cases"]) == 2
+    for entry in results["cases"].values():
+        assert entry["blocks"] > 0
+        for kind in ("ours", "ours_runs"):
+            assert entry[kind]["one_chunk_per_segment"] is True
+            assert entry[kind]["chunks_after_defragment"] <= entry["segments"]
+            assert all(entry[kind][step] > 0 for step in bench.STEPS)
+    assert "| extend |" in capsys.readouterr().out

@@ -1,0 +1,166 @@
+"""Where vLLM 0.34.0's code comes from in the tests and benchmarks.
+
+`load()` makes `import vllm` work, or says why it cannot:
+
+1. vLLM installed in this Python (CI, `scripts/setup`): imported as is.
+2. Otherwise the copy `scripts/vendor-vllm` leaves in `.vendor/` (git-ignored; carried to the
+   GPU machine, where vLLM cannot be installed: no network, and its wheel pins torch 2.14):
+   - `vllm034-py.zip`: every `.py` file of the vLLM 0.34.0 wheel, extracted once per machine
+     into a temp dir that goes first on `sys.path`;
+   - `vllm034-wheels/*.whl`: the light packages vLLM's modules import (pydantic, msgspec,
+     pyzmq, ...) for the device's Python, extracted beside it and put next on `sys.path`:
+     none of them is torch's, numpy's or transformers', so they shadow nothing those use;
+   - the few heavy packages that are imported but never called here (`STUBBED`: Pillow,
+     uvloop, llguidance) become empty stub modules when absent;
+   - vLLM's platform is pinned to `UnspecifiedPlatform` (what it resolves to on a CPU
+     machine): resolving it on a GPU machine imports the CUDA platform's compiled modules
+     (`vllm._C_stable_libtorch`, built for torch 2.14). The code under test only asks the
+     platform `is_rocm()`.
+
+vLLM's own modules run unchanged either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+VENDOR = Path(os.environ.get("EKV_VENDOR") or REPO / ".vendor")  # `scripts/vendor-vllm --check`
+VLLM_ZIP = VENDOR / "vllm034-py.zip"
+WHEELS = VENDOR / "vllm034-wheels"
+VLLM_VERSION = "0.34.0"
+# Imported at module level by vLLM, never called by the code these tests run: stubbed only
+# where absent (big binary wheels, or none for the device's Python).
+STUBBED = ("PIL", "uvloop", "llguidance")
+
+_state: dict[str, Any] = {}
+
+
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _stamp() -> str:
+    digest = hashlib.sha256()
+    for path in [VLLM_ZIP, *sorted(WHEELS.glob("*.whl"))]:
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _extract() -> tuple[Path, Path]:
+    """`(code, site)`: the vendored vLLM and wheels, unpacked once per machine."""
+    root = Path(tempfile.gettempdir()) / f"extensible-kv-vllm034-{_stamp()}"
+    if not (root / "done").exists():
+        tmp = Path(tempfile.mkdtemp(prefix="extensible-kv-vllm034-"))
+        with zipfile.ZipFile(VLLM_ZIP) as archive:
+            archive.extractall(tmp / "code")
+        for wheel in sorted(WHEELS.glob("*.whl")):
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(tmp / "site")
+        (tmp / "site").mkdir(exist_ok=True)
+        (tmp / "done").touch()
+        try:
+            tmp.rename(root)
+        except OSError:  # another process won the race: use its copy
+            pass
+    return root / "code", root / "site"
+
+
+class _StubModule(types.ModuleType):
+    """Any attribute is a fresh empty class: importable, subclassable, usable in annotations
+    and `isinstance`, and loud if anything calls into it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: set[str]) -> None:
+        self.packages = packages
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] not in self.packages:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _StubModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []
+        module.__version__ = "0+stub"
+
+
+def _use_vendored() -> None:
+    code, site = _extract()
+    sys.path[:0] = [str(code), str(site)]
+    absent = {name for name in STUBBED if importlib.util.find_spec(name) is None}
+    if absent:
+        sys.meta_path.append(_StubFinder(absent))
+    _state["stubbed"] = sorted(absent)
+    import vllm.platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    vllm.platforms._current_platform = UnspecifiedPlatform()  # type: ignore[attr-defined]
+
+
+def load() -> str | None:
+    """Make vLLM 0.34.0 importable; None on success, else why not (a skip reason)."""
+    if "reason" in _state:
+        return _state["reason"]  # type: ignore[no-any-return]
+    reason: str | None = None
+    try:
+        if _installed():
+            _state["source"] = "installed"
+        elif VLLM_ZIP.exists():
+            _state["source"] = f"vendored ({VLLM_ZIP})"
+            _use_vendored()
+        else:
+            reason = (
+                f"vLLM {VLLM_VERSION} is not installed (scripts/setup installs it) and "
+                f"{VLLM_ZIP} is absent (scripts/vendor-vllm makes it)"
+            )
+        if reason is None:
+            import vllm
+
+            if vllm.__version__ != VLLM_VERSION:
+                reason = f"vLLM {vllm.__version__} is installed; these tests need {VLLM_VERSION}"
+            else:
+                importlib.import_module("vllm.v1.worker.extensible_kv_cache")
+    except Exception as exc:  # a broken vLLM environment is a reason, not a crash
+        reason = f"vLLM {VLLM_VERSION} does not import: {type(exc).__name__}: {exc}"
+    _state["reason"] = reason
+    return reason
+
+
+def source() -> str:
+    """Where vLLM came from (after `load()`), for logs."""
+    stubbed = _state.get("stubbed")
+    suffix = f"; stubbed: {', '.join(stubbed)}" if stubbed else ""
+    return f"{_state.get('source', 'not loaded')}{suffix}"
+
+
+def required() -> bool:
+    """CI sets EKV_REQUIRE_VLLM=1: there, vLLM missing is a failure, not a skip."""
+    return os.environ.get("EKV_REQUIRE_VLLM", "") not in ("", "0")
