@@ -10,8 +10,9 @@ block-outermost (BLNHC) the allocation is one segment whose first two blocks are
 allocation. This bench builds exactly those geometries, commits the minimum, then times the
 extend to ~120 GiB (zeroed) per contender:
 
-- `ours`: `extensible_kv.ExtensibleTensor`, default handle policy; `ours:<cut>[@GiB]`: the
-  same with another cut of runs into handles (`at_cap_multiples`, `whole_runs`, ...) or cap;
+- `ours`: `extensible_kv.ExtensibleTensor`, default handle policy (cut at cap multiples);
+  `ours:<cut>[@GiB]`: the same with another cut of runs into handles
+  (`aligned_powers_of_two`, `whole_runs`) or cap;
 - `vllm`: vLLM 0.34.0's `ExtensibleTensor` (from .vendor/vllm034, git-ignored; carry it);
 - `legacy`: one `torch.zeros` of the same bytes, as engines allocate the cache today;
 - `floor`: `zero_()` over memory allocated beforehand: the device's memset time, no mapping.
@@ -83,9 +84,7 @@ QUICK_SHAPES = "llama3_70b_tp8,llama3_70b_tp8_blnhc"
 CONTENDERS = ",".join(
     [
         "ours",
-        "ours:+ahead",
-        "ours:at_cap_multiples",
-        "ours:at_cap_multiples+ahead",
+        "ours:aligned_powers_of_two",
         "ours:whole_runs",
         "vllm",
         "legacy",
@@ -132,15 +131,12 @@ def footprint(geo: Geometry, num_blocks: int, granule: int) -> int:
 
 
 class Ours:
-    """`ours[:<cut>][@<cap GiB>][+ahead]`: the default policy, or another cut, cap, schedule."""
+    """`ours[:<cut>][@<cap GiB>]`: the default policy, or another cut or cap."""
 
     def __init__(self, geo: Geometry, variant: str, profile: bool) -> None:
         from extensible_kv import ExtensibleTensor
 
         kw: dict[str, Any] = {"_profile": profile}
-        variant, ahead, _ = variant.partition("+ahead")
-        if ahead:
-            kw["_schedule"] = "create_ahead"
         cut, _, cap_gib = variant.partition("@")
         if cut:
             kw["_cut"] = cut
@@ -257,8 +253,18 @@ def floor_once(num_bytes: int, pause_s: float) -> float:
     return ms
 
 
+def steady_once(name: str, geo: Geometry, target: int, num_bytes: int, args: Any) -> dict:
+    """One steady-state repetition of contender `name` (after the pause)."""
+    if name == "legacy":
+        return {"ms": legacy_once(num_bytes, args.pause)}
+    if name == "floor":
+        return {"ms": floor_once(num_bytes, args.pause)}
+    return one_extend(name, geo, target, args.pause, args.read, False)
+
+
 def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
     strides = shape.block_strides()
+    settle(0)  # what torch cached for the previous shape is free memory too
     free_bytes = int(torch.cuda.mem_get_info(DEVICE)[0])
     commit_bytes = min(int(args.commit_gib * GIB), free_bytes - 6 * GIB)
     target = commit_bytes // sum(strides)
@@ -275,36 +281,48 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
         f"== {shape.label}: {len(geo.segment_capacities)} segments, {target} blocks, "
         f"{num_bytes / GIB:.1f} GiB"
     )
+    names = []
     for name in args.contenders.split(","):
         if name == "vllm" and Vllm.cls is None:
             res["contenders"][name] = {"skipped": "vLLM 0.34 baseline absent (.vendor)"}
             continue
-        entry: dict[str, Any] = {}
+        names.append(name)
+        res["contenders"][name] = {"steady_ms": []}
+    # Repetitions interleave the contenders, in a rotated order each time, so that no
+    # contender always follows the same one (whose free the driver may still be scrubbing).
+    for rep in range(args.reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            entry = res["contenders"][name]
+            if "error" in entry:
+                continue
+            try:
+                run = steady_once(name, geo, target, num_bytes, args)
+            except Exception as exc:  # one contender failing must not lose the others
+                traceback.print_exc()
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                settle(0)
+                continue
+            entry["steady_ms"].append(run["ms"])
+            for key in ("handles", "teardown_ms", "read_tbps"):
+                if key in run:
+                    entry.setdefault(key, []).append(run[key])
+    for name in names:
+        entry = res["contenders"][name]
+        if "error" in entry or name == "floor":
+            continue
         try:
             if name == "legacy":
-                entry["steady_ms"] = [legacy_once(num_bytes, args.pause) for _ in range(args.reps)]
                 entry["just_freed_ms"] = legacy_once(num_bytes, 0)
-            elif name == "floor":
-                entry["steady_ms"] = [floor_once(num_bytes, args.pause) for _ in range(args.reps)]
             else:
-                runs = [
-                    one_extend(name, geo, target, args.pause, args.read, False)
-                    for _ in range(args.reps)
-                ]
-                entry["steady_ms"] = [r["ms"] for r in runs]
-                entry["handles"] = runs[-1]["handles"]
-                entry["teardown_ms"] = [r["teardown_ms"] for r in runs]
-                if args.read:
-                    entry["read_tbps"] = [r["read_tbps"] for r in runs]
-                fresh = one_extend(name, geo, target, 0, False, False)
-                entry["just_freed_ms"] = fresh["ms"]
+                entry["just_freed_ms"] = one_extend(name, geo, target, 0, False, False)["ms"]
                 if args.profile and name.startswith("ours"):
                     entry["profile"] = one_extend(name, geo, target, args.pause, False, True)
-        except Exception as exc:  # one contender failing must not lose the others
+        except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {exc}"
             settle(0)
-        res["contenders"][name] = entry
+        if isinstance(entry.get("handles"), list):
+            entry["handles"] = entry["handles"][-1]
         log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'profile'})}")
     return res
 

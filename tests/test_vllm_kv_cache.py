@@ -260,6 +260,47 @@ def test_defragmenting_commit_ends_with_one_chunk_per_segment(setup: Setup) -> N
     assert all(setup.one_chunk(CAPACITY))
 
 
+@pytest.fixture
+def keep_data(vllm_plugin: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The plugin registered with EXTENSIBLE_KV_VLLM_KEEP_DATA=1, vLLM's commit put back after."""
+    from extensible_kv.vllm import plugin
+
+    monkeypatch.setenv(plugin.KEEP_DATA_ENV_VAR, "1")
+    assert plugin.register()
+    yield vllm_plugin
+    plugin.unregister()
+    monkeypatch.delenv(plugin.KEEP_DATA_ENV_VAR)
+    plugin.register()  # the drop-in stays, vLLM's own commit is back
+    assert vllm_plugin.ExtensibleKVCache.commit is not plugin._commit_keeping_data
+
+
+def test_keep_data_shrinks_and_defragments_without_losing_blocks(
+    keep_data: Any, case: Case, device: torch.device
+) -> None:
+    setup = Setup(keep_data, case, device, CAPACITY)
+    try:
+        kv = setup.kv
+        for n in (50, 300, 500):
+            kv.commit(n)
+        setup.fill(500)
+        kv.commit(200, shrink=True)
+        assert kv.num_committed_blocks == 200
+        setup.assert_physical(200)  # given back down to the granules 200 blocks need
+        setup.assert_filled(200)  # vLLM's own commit would have zeroed them
+        kv.commit(250)
+        setup.assert_filled(200)
+        setup.assert_zero(200, 250)
+        kv.commit(450, defragment=True)
+        assert kv.num_committed_blocks == 450
+        setup.assert_filled(200)
+        setup.assert_zero(200, 450)
+        if case.aligned:
+            assert all(setup.one_chunk(450))
+    finally:
+        setup.views.clear()
+        setup.kv.free()
+
+
 def _containing_mapping(address: int) -> str | None:
     """The permissions of the mapping of this process that holds `address`, if any."""
     with open("/proc/self/maps") as maps:

@@ -129,11 +129,39 @@ def test_constructor_errors_use_vllms_wording(
     assert str(info.value).startswith(message)
 
 
-@pytest.mark.parametrize("handle_types", [1, 8, 9])
-def test_export_handle_types_are_unsupported_not_ignored(dev: torch.device, handle_types: int):
-    with pytest.raises(UnsupportedError, match=f"export_handle_types={handle_types} "):
-        ExtensibleTensor(1 << 20, device=dev, export_handle_types=handle_types)
-    assert issubclass(UnsupportedError, RuntimeError)
+@pytest.mark.parametrize("handle_types", [1, 9])
+def test_export_handle_types_make_the_memory_shareable(dev: torch.device, handle_types: int):
+    t = ExtensibleTensor(4 << 20, device=dev, num_segments=2, export_handle_types=handle_types)
+    t.resize_per_segment_(1 << 20)
+    core = t._open()
+    # Both asked: fabric alone where the device has it (as vLLM), fds otherwise.
+    assert core.export_handle_types in (1, 8)
+    description = core.share()
+    assert len(description.handles) == t.num_physical_chunks
+    imported = extensible_kv.ExtensibleTensor.from_shared(description)
+    assert imported.segment_bytes == core.segment_bytes
+    imported.close()
+    t.free()
+    with pytest.raises(UnsupportedError, match="only POSIX fd"):
+        ExtensibleTensor(1 << 20, device=dev, export_handle_types=2)
+
+
+def test_shrink_and_consolidate_keep_the_contents(dev: torch.device) -> None:
+    g = granule_size(dev.index if dev.type == "cuda" else "cpu")
+    t = ExtensibleTensor(2 * 8 * g, device=dev, num_segments=2)
+    for n in (1, 3, 7):
+        t.resize_per_segment_(n * g, zero_new=True)
+    for i in range(2):
+        t.segment_view(i).fill_(i + 1)
+    assert not all(t.segments_backed_by_one_chunk([7 * g, 7 * g]))
+    t.consolidate()
+    assert all(t.segments_backed_by_one_chunk([7 * g, 7 * g]))
+    t.shrink_segments_([2 * g + 5, 3 * g])
+    assert t.physical_bytes == 6 * g
+    assert [bool(t.segment_view(i).eq(i + 1).all()) for i in range(2)] == [True, True]
+    with pytest.raises(ValueError, match="Expected 2 sizes"):
+        t.shrink_segments_([0])
+    t.free()
 
 
 def test_devices() -> None:

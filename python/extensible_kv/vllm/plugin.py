@@ -8,6 +8,10 @@ worker before the worker module is imported). `register()` replaces
 `vllm.v1.worker.extensible_kv_cache` and `vllm.v1.worker.gpu_worker` if those are loaded
 (`ExtensibleKVCache.__init__` reads its module global at call time). It logs one INFO line.
 
+With `EXTENSIBLE_KV_VLLM_KEEP_DATA=1` it also replaces `ExtensibleKVCache.commit`, so that a
+shrinking or defragmenting commit keeps the blocks below the count (vLLM's releases everything
+and re-grows zeroed): it shrinks in place and consolidates instead.
+
 It stays out of the way: `EXTENSIBLE_KV_VLLM=0` switches it off; it imports no vLLM module
 unless vLLM is loaded (vLLM is the caller); and on ROCm, or on a vLLM whose `ExtensibleTensor`
 it does not recognise (constructor signature, or public attributes the drop-in lacks), it
@@ -24,9 +28,11 @@ from typing import Any
 
 from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
 
-__all__ = ["ENV_VAR", "register", "unregister"]
+__all__ = ["ENV_VAR", "KEEP_DATA_ENV_VAR", "register", "unregister"]
 
 ENV_VAR = "EXTENSIBLE_KV_VLLM"
+KEEP_DATA_ENV_VAR = "EXTENSIBLE_KV_VLLM_KEEP_DATA"
+_KV_CACHE_MODULE = "vllm.v1.worker.extensible_kv_cache"
 _TARGET = "vllm.utils.extensible_tensor"
 # Modules that bind the names with `from ... import`: patched too when already imported.
 _BINDERS = ("vllm.v1.worker.extensible_kv_cache", "vllm.v1.worker.gpu_worker")
@@ -52,6 +58,50 @@ logger = logging.getLogger("vllm.extensible_kv")
 
 def _switched_off() -> bool:
     return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _keep_data() -> bool:
+    return os.environ.get(KEEP_DATA_ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _commit_keeping_data(
+    self: Any, num_blocks: int, defragment: bool = False, shrink: bool = False
+) -> None:
+    """vLLM 0.34's `ExtensibleKVCache.commit`, keeping the live blocks: a shrink gives back
+    the memory past `num_blocks` in place, and a defragment consolidates (one allocation per
+    segment, contents and addresses kept), where vLLM's releases everything and re-grows
+    zeroed. New blocks are zeroed, as in vLLM."""
+    num_blocks = min(num_blocks, self.capacity_blocks)
+    sizes = [num_blocks * stride for stride in self.segment_strides]
+    if shrink and num_blocks < self.num_committed_blocks:
+        self.buffer.shrink_segments_(sizes)
+        self.num_committed_blocks = num_blocks
+    if num_blocks > self.num_committed_blocks:
+        self.buffer.resize_segments_(sizes, zero_new=True)
+        self.num_committed_blocks = num_blocks
+    if defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes)):
+        self.buffer.consolidate()
+    logger.debug(
+        "Committed %d of %d KV cache blocks (%.2f GiB physical, contents kept).",
+        self.num_committed_blocks,
+        self.capacity_blocks,
+        self.physical_bytes / (1 << 30),
+    )
+
+
+def _install_keep_data() -> None:
+    import importlib
+
+    cls = importlib.import_module(_KV_CACHE_MODULE).ExtensibleKVCache
+    if cls.commit is _commit_keeping_data:
+        return
+    _originals[(_KV_CACHE_MODULE, "ExtensibleKVCache.commit")] = cls.commit
+    cls.commit = _commit_keeping_data
+    logger.info(
+        "extensible-kv: %s=1: shrinking and defragmenting KV cache commits keep the blocks "
+        "below the count.",
+        KEEP_DATA_ENV_VAR,
+    )
 
 
 def _unrecognised(module: Any) -> str | None:
@@ -95,6 +145,8 @@ def register() -> bool:
         return False
     module = importlib.import_module(_TARGET)
     if module.ExtensibleTensor is ExtensibleTensor:
+        if _keep_data():
+            _install_keep_data()
         return True
     reason = _unrecognised(module)
     if reason is not None:
@@ -121,6 +173,8 @@ def register() -> bool:
         version,
         ENV_VAR,
     )
+    if _keep_data():
+        _install_keep_data()
     return True
 
 
@@ -128,6 +182,9 @@ def unregister() -> None:
     """Put vLLM's own objects back where `register` replaced them."""
     for (module_name, name), original in list(_originals.items()):
         module = sys.modules.get(module_name)
-        if module is not None and getattr(module, name, None) is _REPLACEMENTS[name]:
+        if name == "ExtensibleKVCache.commit":
+            if module is not None and module.ExtensibleKVCache.commit is _commit_keeping_data:
+                module.ExtensibleKVCache.commit = original
+        elif module is not None and getattr(module, name, None) is _REPLACEMENTS[name]:
             setattr(module, name, original)
         del _originals[(module_name, name)]

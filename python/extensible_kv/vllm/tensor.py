@@ -28,9 +28,15 @@ by assignment. Where it differs, it is to be safer, never to surprise vLLM's cal
   memory raise `extensible_kv.ClosedError` (a `ValueError`); vLLM's would use a null pointer.
 - **`device="cpu"`** is accepted: the host backend (mmap + memfd), which is how CI runs
   vLLM's own code without a GPU. Other non-CUDA devices raise `ValueError`, as in vLLM.
-- **`export_handle_types`** other than 0 (POSIX fd = 1, fabric = 8) raises
-  `extensible_kv.UnsupportedError` until exporting physical handles lands, rather than being
-  ignored: a connector that imports the memory would otherwise fail far from the cause.
+- **`export_handle_types`** (POSIX fd = 1, fabric = 8) is asked of every physical allocation,
+  with the GPUDirect-RDMA flag where the device allows it on VMM memory, so connectors that
+  retain the allocation from a pointer (`cuMemRetainAllocationHandle`) and export it (LMCache,
+  UCX cuda_ipc) work. As in vLLM, both together give fabric alone where the device has it
+  (fds with fabric are unverified) and fds otherwise.
+- **Keeping data** (`EXTENSIBLE_KV_VLLM_KEEP_DATA=1`, through the plugin): vLLM's
+  `commit(shrink=True)` and `commit(defragment=True)` release everything and re-grow zeroed;
+  with the opt-in they shrink in place and consolidate instead (`shrink_segments_`,
+  `consolidate`), and the blocks below the count keep their contents.
 - **`max_num_bytes=0`** raises `ValueError`: the core reserves no empty range (vLLM reserves
   one granule); vLLM's KV cache never asks for one.
 - ROCm is not supported: the core drives CUDA (and the host), not HIP.
@@ -55,6 +61,18 @@ __all__ = ["HANDLES_ENV_VAR", "ExtensibleTensor", "granule_size"]
 HANDLES_ENV_VAR = "EXTENSIBLE_KV_VLLM_HANDLES"
 # The core's cuts of a grow that does not start from empty; the first is its default.
 _CUTS = ("at_cap_multiples", "whole_runs", "aligned_powers_of_two")
+
+_POSIX_FD, _FABRIC = 1, 8
+
+
+@functools.cache
+def _fabric_supported(device: str) -> bool:
+    """Whether `device` gives allocations fabric handles (a probe that maps nothing)."""
+    probe = _NativeTensor(1, 1, device, export_handle_types=_FABRIC)
+    supported = bool(probe.export_handle_types & _FABRIC)
+    probe.close()
+    return supported
+
 
 # vLLM floors its commit granule at 2 MiB (ROCm reports 4 KiB); `granularity` must match
 # `granule_size()`, which vLLM pads layer segments with.
@@ -164,17 +182,19 @@ class ExtensibleTensor:
             raise ValueError(
                 "max_num_bytes must be positive: extensible-kv reserves no empty address range."
             )
-        if export_handle_types:
+        if export_handle_types & ~(_POSIX_FD | _FABRIC):
             raise UnsupportedError(
-                f"export_handle_types={export_handle_types} (1: POSIX fd, 8: fabric): "
-                "extensible-kv cannot export physical memory to other processes yet, which "
-                "KV connectors that import the cache (LMCache's VMM mode, NIXL) need. Run "
-                "vLLM's own ExtensibleTensor for them: set EXTENSIBLE_KV_VLLM=0."
+                f"export_handle_types={export_handle_types}: only POSIX fd (1) and fabric (8) "
+                "are supported"
             )
         cut = os.environ.get(HANDLES_ENV_VAR) or _CUTS[0]
         if cut not in _CUTS:
             raise ValueError(f"{HANDLES_ENV_VAR}={cut!r}: expected one of {', '.join(_CUTS)}")
         self._device = _resolve_device(device)
+        if export_handle_types == _POSIX_FD | _FABRIC:
+            # As vLLM: fabric alone where the device has it (fds with fabric are unverified).
+            fabric = _fabric_supported(_device_name(self._device))
+            export_handle_types = _FABRIC if fabric else _POSIX_FD
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
         self._granularity = granule_size(self._device)
@@ -183,6 +203,7 @@ class ExtensibleTensor:
             device=_device_name(self._device),
             segment_capacities=capacities,
             granularity=self._granularity,
+            export_handle_types=export_handle_types,
             _cut=cut,
         )
         self._segment_offsets = list(self._tensor.segment_offsets)
@@ -235,6 +256,20 @@ class ExtensibleTensor:
         except OutOfMemoryError:
             _empty_torch_cache(self._device)
             tensor.resize_per_segment_(sizes, zero_new, one_handle_per_run=whole_runs)
+
+    def shrink_segments_(self, sizes: Sequence[int]) -> None:
+        """Shrink each segment's committed prefix to `sizes[i]`, keeping its bytes below and
+        giving back every granule no committed byte needs (extensible-kv's own: vLLM's class
+        is grow-only). All or nothing."""
+        tensor = self._open()
+        if len(sizes) != self.num_segments:
+            raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
+        tensor.shrink_per_segment_(list(sizes), exact=True)
+
+    def consolidate(self) -> None:
+        """Back each segment's committed prefix by one allocation, keeping its contents and
+        addresses (extensible-kv's own; vLLM releases and re-grows, losing them)."""
+        self._open().consolidate()
 
     def release_physical(self) -> None:
         """Drop all physical pages but keep the reservation and its views."""
