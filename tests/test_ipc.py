@@ -380,3 +380,18 @@ def test_a_handle_retained_from_a_view_exports_and_imports() -> None:
     ok(cu.cuMemRelease(handle))
     del view
     owner.close()
+
+
+def test_readme_share_example_runs() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = re.findall(r"```python share\n(.*?)```", readme, flags=re.S)
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[7, 7, 7, 7]"
