@@ -17,6 +17,7 @@ import socket
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import extensible_kv
 import pytest
@@ -159,3 +160,114 @@ def test_two_nccl_ranks_commit_the_minimum_and_replay_their_graphs(tmp_path: Pat
     assert results[0]["lines"] == results[1]["lines"]
     assert results[0]["lines"][-1].startswith(f"Extended KV cache to {min(fits)} blocks")
     assert all(r["graph_wrote_the_new_block"] and r["neighbour_untouched"] for r in results)
+
+
+def _peer_main(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0 owns an exportable cache on GPU 0; rank 1 maps it on GPU 1 (peer access) through
+    `from_shared`, reads and writes it with kernels on its own GPU, follows a grow with
+    `refresh`, and times a peer read against a plain cross-GPU copy of the same bytes."""
+    import pickle
+    import time as clock
+
+    import torch.distributed as dist
+    from extensible_kv import ExtensibleTensor
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    path = Path(out_dir, "description.pickle")
+    per_segment = 4 * GIB
+    try:
+        if rank == 0:
+            owner = ExtensibleTensor(
+                2 * 2 * per_segment, 2, "cuda:0", export_handle_types="posix_fd"
+            )
+            owner.resize_per_segment_(per_segment)
+            owner.segment_view(0)[:4096].fill_(7)
+            torch.cuda.synchronize()
+            path.write_bytes(pickle.dumps(owner.share()))
+            dist.barrier()  # 1: rank 1 imports
+            dist.barrier()  # 2: rank 1 wrote
+            wrote_back = int(owner.segment_view(1)[0].item())
+            owner.resize_per_segment_(2 * per_segment)
+            owner.segment_view(0)[per_segment : per_segment + 16].fill_(9)
+            torch.cuda.synchronize()
+            path.write_bytes(pickle.dumps(owner.share()))
+            dist.barrier()  # 3: rank 1 refreshes
+            dist.barrier()  # 4: rank 1 is done
+            Path(out_dir, "rank0.json").write_text(json.dumps({"wrote_back": wrote_back}))
+            owner.close()
+        else:
+            dist.barrier()
+            imported = ExtensibleTensor.from_shared(pickle.loads(path.read_bytes()), "cuda:1")
+            seen = int(imported.segment_view(0)[:4096].sum().item())  # a kernel on GPU 1
+            imported.segment_view(1)[:1].fill_(5)
+            torch.cuda.synchronize(1)
+            dist.barrier()
+            dist.barrier()
+            imported.refresh(pickle.loads(path.read_bytes()))
+            grown = imported.segment_view(0)[per_segment : per_segment + 16].tolist()
+            region = imported.segment_view(0)[:per_segment]
+            local = torch.empty(per_segment, dtype=torch.uint8, device="cuda:1")
+            remote = torch.empty(per_segment, dtype=torch.uint8, device="cuda:0")
+
+            def best_gbps(fn: Any) -> float:
+                fn()
+                torch.cuda.synchronize(0)
+                torch.cuda.synchronize(1)
+                times = []
+                for _ in range(5):
+                    start = clock.perf_counter()
+                    fn()
+                    torch.cuda.synchronize(0)
+                    torch.cuda.synchronize(1)
+                    times.append(clock.perf_counter() - start)
+                return per_segment / min(times) / 1e9
+
+            peer = best_gbps(lambda: local.copy_(region))  # a GPU-1 kernel reads GPU-0 memory
+            plain = best_gbps(lambda: local.copy_(remote))  # torch's own cross-GPU copy
+            result = {
+                "seen": seen,
+                "grown": grown,
+                "peer_read_gbps": peer,
+                "plain_copy_gbps": plain,
+            }
+            del region, local, remote
+            imported.close()
+            Path(out_dir, "rank1.json").write_text(json.dumps(result))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_maps_another_gpus_kv_memory_and_follows_it(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _peer_main,
+        args=(_free_port(), str(tmp_path)),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish in time"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    owner = json.loads((tmp_path / "rank0.json").read_text())
+    importer = json.loads((tmp_path / "rank1.json").read_text())
+    print(json.dumps({"owner": owner, "importer": importer}, indent=1))
+    assert importer["seen"] == 7 * 4096  # GPU 1 read what GPU 0 wrote
+    assert owner["wrote_back"] == 5  # and GPU 0 reads what GPU 1 wrote
+    assert importer["grown"] == [9] * 16  # refresh followed the grow
+    assert importer["peer_read_gbps"] > 0 and importer["plain_copy_gbps"] > 0
