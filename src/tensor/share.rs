@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use super::{Ctx, ExtensibleTensor, Inner, Mapping, PhysicalHandle, Reservation, State};
 use crate::driver::{ipc, DeviceKind, Driver, ExportTypes, Exported, ImportSource};
@@ -271,9 +271,9 @@ impl ExtensibleTensor {
         let ctx = &self.inner.ctx;
         let mut local = fds.map(Vec::into_iter);
         let mut handles = Vec::with_capacity(shared.len());
-        for handle in shared {
-            let num_bytes = ctx.span(handle.run).1;
-            let id = match &handle.export {
+        for wanted in shared {
+            let num_bytes = ctx.span(wanted.run).1;
+            let id = match &wanted.export {
                 SharedExport::Fd { pid, fd } => {
                     let owned = match local.as_mut() {
                         Some(fds) => fds.next().ok_or_else(|| {
@@ -288,13 +288,7 @@ impl ExtensibleTensor {
                     ctx.driver.import(ImportSource::Fabric(bytes), num_bytes)?
                 }
             };
-            let handle = PhysicalHandle {
-                ctx: Arc::clone(ctx),
-                id,
-                serial: handle.serial,
-                exported: OnceLock::new(),
-            };
-            handles.push((shared[handles.len()].run, handle));
+            handles.push((wanted.run, PhysicalHandle::adopt(ctx, id, wanted.serial)));
         }
         Ok(handles)
     }
