@@ -101,6 +101,21 @@ def g(make_tensor: MakeTensor) -> int:
     return granularity
 
 
+def needed_granules(t: ExtensibleTensor) -> set[int]:
+    """The granules that hold a committed byte of some segment."""
+    g = t.granularity
+    granules: set[int] = set()
+    for offset, num_bytes in zip(t.segment_offsets, t.segment_bytes, strict=True):
+        if num_bytes:
+            granules.update(range(offset // g, -(-(offset + num_bytes) // g)))
+    return granules
+
+
+def mapped_granules(t: ExtensibleTensor) -> list[int]:
+    """The granules of every mapped handle, in address order (a repeat is a double map)."""
+    return [first + i for first, n in t.handle_runs() for i in range(n)]
+
+
 def memfd_counts() -> tuple[int, int]:
     """`(open fds, mappings)` of this process that belong to extensible-kv memfds.
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from extensible_kv.flow import KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
+from ranks import run_ranks
 
 WORLD_SIZE = 2
 GRANULARITY = 4096
@@ -26,12 +24,6 @@ TIMEOUT_S = 60
 def _spec() -> list[KVCacheTensorSpec]:
     layer = AttentionLayerSpec("FLASH_ATTN", 16, 2, 32, torch.bfloat16)
     return [KVCacheTensorSpec(2 * 16 * 2 * 32 * 2, {"attn": layer})]
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
@@ -59,21 +51,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_commit_the_minimum(tmp_path: Path) -> None:
-    context = mp.start_processes(
-        _rank_main,
-        args=(_free_loopback_port(), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the ranks did not finish in time"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    run_ranks(_rank_main, WORLD_SIZE, TIMEOUT_S, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     fits = [r["fit"] for r in results]
     # Each budget alone fits a different count (1 block mapped: 2 + 2 per granule pair).

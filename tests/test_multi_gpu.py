@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
+from ranks import run_ranks
 
 WORLD_SIZE = 2
 EXTRA_GIB_ON_RANK_1 = 16
@@ -51,12 +50,6 @@ def _spec() -> list[extensible_kv.KVCacheTensorSpec]:
     layer = extensible_kv.AttentionLayerSpec("FLASH_ATTN", 16, 1, 128, torch.bfloat16)
     page = 2 * 16 * 1 * 128 * 2
     return [extensible_kv.KVCacheTensorSpec(page, {f"layers.{i}": layer}) for i in range(8)]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class _Lines(logging.Handler):
@@ -133,23 +126,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_nccl_ranks_commit_the_minimum_and_replay_their_graphs(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        _rank_main,
-        args=(_free_port(), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the ranks did not finish in time"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    run_ranks(_rank_main, WORLD_SIZE, TIMEOUT_S, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     print(json.dumps(results, indent=1))
     fits = [r["fit"] for r in results]
@@ -247,23 +224,7 @@ def _peer_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_a_rank_maps_another_gpus_kv_memory_and_follows_it(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        _peer_main,
-        args=(_free_port(), str(tmp_path)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the ranks did not finish in time"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    run_ranks(_peer_main, WORLD_SIZE, TIMEOUT_S, str(tmp_path))
     owner = json.loads((tmp_path / "rank0.json").read_text())
     importer = json.loads((tmp_path / "rank1.json").read_text())
     print(json.dumps({"owner": owner, "importer": importer}, indent=1))

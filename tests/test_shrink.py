@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MakeTensor
+from conftest import MakeTensor, mapped_granules, needed_granules
 from extensible_kv import ClosedError, DriverError, ExtensibleTensor, OutOfMemoryError
 
 BLOCK = 512  # bytes per block per segment
@@ -32,24 +32,11 @@ def expected(t: ExtensibleTensor, s: int, num_bytes: int, seed: int) -> torch.Te
     return ((31 * s + 7 * blocks + seed) % 251 + 1).to(torch.uint8)
 
 
-def footprint_granules(t: ExtensibleTensor) -> set[int]:
-    g = t.granularity
-    granules: set[int] = set()
-    for offset, num_bytes in zip(t.segment_offsets, t.segment_bytes, strict=True):
-        if num_bytes:
-            granules.update(range(offset // g, -(-(offset + num_bytes) // g)))
-    return granules
-
-
-def mapped_granules(t: ExtensibleTensor) -> list[int]:
-    return [first + i for first, n in t.handle_runs() for i in range(n)]
-
-
 def check(t: ExtensibleTensor, exact: bool) -> None:
     t._check_invariants()
     mapped = mapped_granules(t)
     assert len(mapped) == len(set(mapped)), "a granule is mapped twice"
-    needed = footprint_granules(t)
+    needed = needed_granules(t)
     assert needed <= set(mapped)
     if exact:
         assert set(mapped) == needed

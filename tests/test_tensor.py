@@ -18,7 +18,7 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
-from conftest import CPU_GRANULARITY, MakeTensor
+from conftest import CPU_GRANULARITY, MakeTensor, mapped_granules, needed_granules
 from extensible_kv import (
     ClosedError,
     DriverError,
@@ -52,20 +52,6 @@ def committed_contents(t: ExtensibleTensor) -> list[torch.Tensor]:
 
 def snapshot(t: ExtensibleTensor) -> tuple[Any, ...]:
     return (t.segment_bytes, t.physical_bytes, t.num_handles, list(t.handle_runs()))
-
-
-def needed_granules(t: ExtensibleTensor) -> set[int]:
-    """The granules that hold a committed byte of some segment."""
-    g = t.granularity
-    granules: set[int] = set()
-    for offset, num_bytes in zip(t.segment_offsets, t.segment_bytes, strict=True):
-        if num_bytes:
-            granules.update(range(offset // g, -(-(offset + num_bytes) // g)))
-    return granules
-
-
-def mapped_granules(t: ExtensibleTensor) -> list[int]:
-    return [first + i for first, n in t.handle_runs() for i in range(n)]
 
 
 def check(t: ExtensibleTensor) -> None:

@@ -536,13 +536,18 @@ impl ExtensibleTensor {
 
     /// Grows a one-segment tensor to `num_bytes`.
     pub fn resize(&self, num_bytes: u64, options: GrowOptions) -> Result<()> {
-        let n = self.num_segments();
-        if n != 1 {
-            return Err(Error::invalid(format!(
-                "resize_ is for one segment; this tensor has {n}: use resize_per_segment_"
-            )));
-        }
+        self.check_one_segment("resize_")?;
         self.resize_segments(&[num_bytes], options)
+    }
+
+    /// `InvalidArgument` unless the tensor has one segment (for `method`, a one-size call).
+    fn check_one_segment(&self, method: &str) -> Result<()> {
+        match self.num_segments() {
+            1 => Ok(()),
+            n => Err(Error::invalid(format!(
+                "{method} is for one segment; this tensor has {n}: use {method}per_segment_"
+            ))),
+        }
     }
 
     /// Grows every segment to `bytes_per_segment`.

@@ -54,12 +54,7 @@ struct Staging {
 impl ExtensibleTensor {
     /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
     pub fn shrink(&self, num_bytes: u64, options: ShrinkOptions) -> Result<()> {
-        let n = self.num_segments();
-        if n != 1 {
-            return Err(Error::invalid(format!(
-                "shrink_ is for one segment; this tensor has {n}: use shrink_per_segment_"
-            )));
-        }
+        self.check_one_segment("shrink_")?;
         self.shrink_segments(&[num_bytes], options)
     }
 
