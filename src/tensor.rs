@@ -566,6 +566,12 @@ impl ExtensibleTensor {
             false => self.inner.policy,
         };
         let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
+        let ctx = &self.inner.ctx;
+        let new_bytes: u64 = plan.new_handles.iter().map(|&run| ctx.span(run).1).sum();
+        if new_bytes > 0 {
+            // All the new handles at once: a grow that cannot fit fails before its first create.
+            ctx.driver.check_room(new_bytes)?;
+        }
         let mut zeroing = Zeroing::new(options.zero_new, options.stream);
         // Owned here, not in `map_and_zero`, so that on error the mappings unmap (as `fresh`
         // drops) only after the fence below.

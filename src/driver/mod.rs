@@ -16,6 +16,7 @@
 
 mod books;
 pub mod faulty;
+pub mod headroom;
 pub mod host;
 pub mod timing;
 
@@ -143,6 +144,15 @@ pub trait Driver: Send + Sync + 'static {
 
     /// `(free_bytes, total_bytes)` of the memory `create` draws from.
     fn mem_info(&self) -> Result<(u64, u64)>;
+
+    /// Refuses, with `Error::OutOfMemory`, to create `num_bytes` in all when the backend can
+    /// tell up front that they will not fit: a grow asks once for all its new handles, so it
+    /// fails before its first create rather than after taking what it could. The default
+    /// allows everything (CUDA's `cuMemCreate` fails cleanly by itself).
+    fn check_room(&self, num_bytes: u64) -> Result<()> {
+        let _ = num_bytes;
+        Ok(())
+    }
 }
 
 /// Parses a torch-style device name: `cpu`, `cuda` (device 0) or `cuda:N`.

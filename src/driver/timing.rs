@@ -116,6 +116,11 @@ impl Driver for TimingDriver {
     fn mem_info(&self) -> Result<(u64, u64)> {
         self.time(Op::MemInfo, || self.inner.mem_info())
     }
+
+    fn check_room(&self, num_bytes: u64) -> Result<()> {
+        // Counted as a read of the free memory, which is what it costs.
+        self.time(Op::MemInfo, || self.inner.check_room(num_bytes))
+    }
 }
 
 #[cfg(test)]
@@ -142,7 +147,8 @@ mod tests {
                 (Op::Reserve, 1),
                 (Op::Create, 6),
                 (Op::Map, 6),
-                (Op::SetAccess, 6)
+                (Op::SetAccess, 6),
+                (Op::MemInfo, 1), // the grow's one room check (`check_room`)
             ]
         );
         timing.reset();
