@@ -45,12 +45,16 @@ def _memfd_bytes(pid: int) -> int:
 def run_watched(body: str, timeout_s: float = 60) -> dict[str, object]:
     """Runs `body` (Python, which must set `result` to a JSON-able dict) in a child process;
     kills the child if its memfds hold more than `WATCHDOG_BYTES`. Returns `result`."""
-    code = textwrap.dedent(
-        """
+    code = (
+        textwrap.dedent(
+            """
         import json, sys
         from extensible_kv import ExtensibleTensor, OutOfMemoryError, _native
         """
-    ) + textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
+        )
+        + textwrap.dedent(body)
+        + "\nprint(json.dumps(result))\n"
+    )
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
