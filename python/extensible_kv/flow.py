@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extensible_kv import sizing
+from extensible_kv import _torch, sizing
 from extensible_kv.distributed import min_over_group
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec
 
@@ -87,6 +87,7 @@ class KVCacheFlow:
         device: str | torch.device,
         free_at_init_bytes: int | None = None,
     ) -> None:
+        _torch.require("KVCacheFlow")
         import torch
 
         self.cache = cache
@@ -106,6 +107,7 @@ class KVCacheFlow:
     ) -> KVCacheFlow:
         """Step 1: note free memory, reserve every buffer for `capacity_blocks`, commit
         `initial_blocks` (legacy: allocate and zero everything)."""
+        _torch.require("KVCacheFlow")
         device = _normalize(device)
         _refuse_while_capturing(device, "reserve")
         free_at_init = _free_bytes_or_none(device)

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from extensible_kv import _torch
 from extensible_kv._native import ClosedError
 from extensible_kv.layouts import (
     AttentionBackend,
@@ -297,6 +298,7 @@ class ExtensibleKVCache:
         legacy: bool = False,
         granularity: int | None = None,
     ) -> None:
+        _torch.require("ExtensibleKVCache")
         self._plans = _plan(spec, capacity_blocks)
         self._capacity_blocks = capacity_blocks
         self._committed_blocks = 0

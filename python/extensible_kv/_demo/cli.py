@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from extensible_kv import _torch
 from extensible_kv.layouts import KV_LAYOUTS
 
 
@@ -125,7 +126,12 @@ def run(options: dict[str, Any]) -> int:
     # The flow logs `Extended KV cache to N blocks (X GiB)`: show it with the report.
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stdout)
 
-    from extensible_kv._demo import demo  # torch, at run time only: `--help` stays light
+    try:
+        _torch.require("the demo")
+    except ModuleNotFoundError as error:
+        print(f"demo: {error}", file=sys.stderr)
+        return 2
+    from extensible_kv._demo import demo  # torch, at run time only: `--help` needs none
 
     try:
         result = demo.run(demo.DemoOptions(**options))
