@@ -566,10 +566,11 @@ impl ExtensibleTensor {
             false => self.inner.policy,
         };
         let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
-        let ctx = &self.inner.ctx;
-        let new_bytes: u64 = plan.new_handles.iter().map(|&run| ctx.span(run).1).sum();
-        if new_bytes > 0 {
-            // All the new handles at once: a grow that cannot fit fails before its first create.
+        if plan.new_handles.len() > 1 {
+            // All the new handles at once: a grow that cannot fit fails before its first create
+            // rather than after taking what it could (one handle's create checks itself).
+            let ctx = &self.inner.ctx;
+            let new_bytes = plan.new_handles.iter().map(|&run| ctx.span(run).1).sum();
             ctx.driver.check_room(new_bytes)?;
         }
         let mut zeroing = Zeroing::new(options.zero_new, options.stream);

@@ -8,8 +8,10 @@
 //! OOM killer ends some process, maybe not ours. Refusing up front turns that into
 //! `Error::OutOfMemory` with the numbers.
 //!
-//! The cgroup is found once per process (`/proc/self/cgroup` against the usual mount points);
-//! the limit and usage files are read on every check, a few small reads. The room under a
+//! The cgroup is found once per process (`/proc/self/cgroup` against the usual mount points),
+//! keeping only the levels that have a limit then: without one (the usual case outside
+//! containers) a check reads `/proc/meminfo` alone; with one, also that level's limit, usage
+//! and statistics. A limit set on a level that had none when the process started is not seen. The room under a
 //! limit counts the cgroup's inactive file cache as free, since the kernel reclaims it before
 //! it kills anything (the figure container runtimes call the working set). Both v2
 //! (`memory.max`, `memory.current`, walked up to the mount root, as a parent's limit binds
@@ -55,16 +57,17 @@ pub fn current() -> Option<Headroom> {
     })
 }
 
-/// The memory cgroup of this process, found once.
+/// The memory cgroup of this process, found once, if it or an ancestor has a limit.
 fn memory_cgroup() -> &'static Option<Cgroup> {
     static CGROUP: OnceLock<Option<Cgroup>> = OnceLock::new();
     CGROUP.get_or_init(|| {
         let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-        find_cgroup(
+        let found = find_cgroup(
             &membership,
             Path::new("/sys/fs/cgroup"),
             Path::new("/sys/fs/cgroup/memory"),
-        )
+        )?;
+        found.limited()
     })
 }
 
@@ -79,6 +82,25 @@ pub enum Cgroup {
 }
 
 impl Cgroup {
+    /// This cgroup with only the levels that have a limit now, or `None` if none has.
+    pub fn limited(self) -> Option<Cgroup> {
+        let read = |dir: &Path, name: &str| std::fs::read_to_string(dir.join(name)).ok();
+        match self {
+            Cgroup::V2(dirs) => {
+                let limited: Vec<PathBuf> = dirs
+                    .into_iter()
+                    .filter(|dir| read(dir, "memory.max").is_some_and(|max| max.trim() != "max"))
+                    .collect();
+                (!limited.is_empty()).then_some(Cgroup::V2(limited))
+            }
+            Cgroup::V1(dir) => {
+                let stat = read(&dir, "memory.stat")?;
+                let limit = stat_field(&stat, "hierarchical_memory_limit")?;
+                (limit < V1_UNLIMITED).then_some(Cgroup::V1(dir))
+            }
+        }
+    }
+
     /// Room under the tightest limit, or `None` without one (or when unreadable).
     pub fn room(&self) -> Option<u64> {
         let read = |dir: &Path, name: &str| std::fs::read_to_string(dir.join(name)).ok();
@@ -283,14 +305,20 @@ mod tests {
         let found = find_cgroup("0::/box/job\n", &v2, &tree.0.join("v1")).unwrap();
         assert_eq!(found, Cgroup::V2(vec![v2.join("box/job"), v2.join("box")]));
         assert_eq!(found.room(), Some(200));
+        assert_eq!(
+            found.clone().limited(),
+            Some(Cgroup::V2(vec![v2.join("box")]))
+        );
         tree.file("v2/box/job/memory.max", "150\n")
             .file("v2/box/job/memory.current", "100\n");
         assert_eq!(found.room(), Some(50));
+        assert_eq!(found.clone().limited(), Some(found.clone()));
         // In a namespace the path is "/" and the mount root is the process's cgroup.
         tree.file("v2/memory.max", "max\n");
         let namespaced = find_cgroup("0::/\n", &v2, &tree.0.join("v1")).unwrap();
         assert_eq!(namespaced, Cgroup::V2(vec![v2.clone()]));
         assert_eq!(namespaced.room(), None);
+        assert_eq!(namespaced.limited(), None);
     }
 
     #[test]
@@ -305,6 +333,11 @@ mod tests {
         let found = found.unwrap();
         assert_eq!(found, Cgroup::V1(tree.0.join("memory/job")));
         assert_eq!(found.room(), Some(1500));
+        assert_eq!(found.clone().limited(), Some(found.clone()));
+        let unlimited = "hierarchical_memory_limit 9223372036854771712\n";
+        tree.file("memory/job/memory.stat", unlimited);
+        assert_eq!(found.room(), None);
+        assert_eq!(found.limited(), None);
         // No cgroup files at all: no limit known.
         let none = find_cgroup(membership, &tree.0.join("x"), &tree.0.join("y"));
         assert_eq!(none, None);
