@@ -4,6 +4,7 @@ quiet: skips for one reason fold into one line."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -97,3 +98,27 @@ def test_rust_gpu_tests_are_reported_ignored_not_ok() -> None:
         "gpu_drop_gives_back_what_owners_leaked",
     }
     assert expected <= ignored, sorted(ignored)
+
+
+MODEL = ["--nocapture", "--exact", "matches_the_model"]
+
+
+def test_ekv_proptest_cases_sets_the_model_s_case_count() -> None:
+    """The long mode of tests/tensor_model.rs (10,000 cases in CI and on the device) really
+    runs that many: proptest's `PROPTEST_CASES` was silently overridden by the config."""
+    cargo = shutil.which("cargo")
+    if cargo is None:
+        pytest.skip("cargo not found (the device machine runs the built test executables)")
+    result = subprocess.run(
+        [cargo, "test", "-q", "--features", "cuda", "--test", "tensor_model", "--", *MODEL],
+        cwd=ROOT,
+        env={**os.environ, "EKV_PROPTEST_CASES": "7"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=True,
+    )
+    match = re.search(r"tensor model: (\d+) cases configured, (\d+) run", result.stdout)
+    assert match, result.stdout[-2000:]
+    configured, ran = int(match[1]), int(match[2])
+    assert configured == 7 and 7 <= ran < 50, (configured, ran)
