@@ -71,7 +71,12 @@ pub enum Cut {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Segments {
     /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
-    Equal { max_bytes: u64, num_segments: u64 },
+    Equal {
+        /// The total capacity in bytes.
+        max_bytes: u64,
+        /// How many segments share it.
+        num_segments: u64,
+    },
     /// Segments of these capacities, back to back.
     Capacities(Vec<u64>),
 }
@@ -390,10 +395,12 @@ impl ExportedRegion {
         self.ptr
     }
 
+    /// The region's length in bytes.
     pub fn num_bytes(&self) -> u64 {
         self.num_bytes
     }
 
+    /// Where the region's memory lives.
     pub fn device(&self) -> DeviceKind {
         self.device
     }
@@ -873,6 +880,7 @@ impl ExtensibleTensor {
             .map_or(Ok(()), Err)
     }
 
+    /// Whether `close` has run: the addresses are gone and every call but `close` fails.
     pub fn is_closed(&self) -> bool {
         self.lock().reservation.is_none()
     }
@@ -901,34 +909,42 @@ impl ExtensibleTensor {
         })
     }
 
+    /// The reservation's first address (views are offsets from it); `Error::Closed` once closed.
     pub fn base_ptr(&self) -> Result<u64> {
         self.lock_open().map(|_| self.inner.ctx.base)
     }
 
+    /// The segments' capacities and offsets, and the granularity.
     pub fn geometry(&self) -> &Geometry {
         &self.inner.geometry
     }
 
+    /// How grows cut runs of granules into handles.
     pub fn policy(&self) -> HandlePolicy {
         self.inner.policy
     }
 
+    /// The reserved bytes the segments can grow into.
     pub fn capacity_bytes(&self) -> u64 {
         self.inner.geometry.capacity_bytes()
     }
 
+    /// The mapping granularity in bytes.
     pub fn granularity(&self) -> u64 {
         self.inner.geometry.granularity()
     }
 
+    /// How many segments grow in lockstep.
     pub fn num_segments(&self) -> usize {
         self.inner.geometry.num_segments()
     }
 
+    /// Where the memory lives.
     pub fn device(&self) -> DeviceKind {
         self.inner.ctx.driver.device()
     }
 
+    /// `host` or `cuda`.
     pub fn backend_name(&self) -> &'static str {
         self.inner.ctx.driver.backend_name()
     }
@@ -953,6 +969,7 @@ impl ExtensibleTensor {
         self.lock().mappings.values().map(Mapping::num_bytes).sum()
     }
 
+    /// How many physical handles are mapped.
     pub fn num_handles(&self) -> usize {
         self.lock().mappings.len()
     }
@@ -962,6 +979,7 @@ impl ExtensibleTensor {
         self.lock().mappings.values().map(|m| m.run).collect()
     }
 
+    /// How many exported views are alive (`close` refuses while any is).
     pub fn live_views(&self) -> usize {
         self.inner.live_views.load(Ordering::Acquire)
     }

@@ -122,3 +122,26 @@ def test_ekv_proptest_cases_sets_the_model_s_case_count() -> None:
     assert match, result.stdout[-2000:]
     configured, ran = int(match[1]), int(match[2])
     assert configured == 7 and 7 <= ran < 50, (configured, ran)
+
+
+def test_the_crate_has_a_runnable_example_and_documents_its_public_items() -> None:
+    """`cargo test` runs the crate-level example, and an undocumented public item fails
+    scripts/test (missing_docs warns; clippy's -D warnings makes it an error)."""
+    import tomllib
+
+    lints = tomllib.loads((ROOT / "Cargo.toml").read_text())["lints"]["rust"]
+    assert lints.get("missing_docs") in ("warn", "deny"), lints
+    assert "-D warnings" in (ROOT / "scripts" / "test").read_text()
+    cargo = shutil.which("cargo")
+    if cargo is None:
+        pytest.skip("cargo not found (the device machine runs the built test executables)")
+    listing = subprocess.run(
+        [cargo, "test", "-q", "--doc", "--features", "cuda", "--", "--list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=True,
+    ).stdout
+    runnable = [line for line in listing.splitlines() if line.startswith("src/lib.rs - (line")]
+    assert runnable, listing

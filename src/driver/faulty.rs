@@ -27,14 +27,18 @@ impl FaultKind {
     }
 }
 
+/// Which call fails, and how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fault {
+    /// The operation whose call fails.
     pub op: Op,
     /// 1-based: the `nth` call of `op` fails, every other call passes through.
     pub nth: u64,
+    /// What the failure looks like.
     pub kind: FaultKind,
 }
 
+/// A driver that passes every call to `inner` except the one `fault` names.
 pub struct FaultyDriver {
     inner: Arc<dyn Driver>,
     fault: Fault,
@@ -44,6 +48,7 @@ pub struct FaultyDriver {
 }
 
 impl FaultyDriver {
+    /// `inner`, failing as `fault` says.
     pub fn new(inner: Arc<dyn Driver>, fault: Fault) -> FaultyDriver {
         FaultyDriver {
             inner,

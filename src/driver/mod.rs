@@ -69,6 +69,7 @@ impl Stream {
         Stream(raw)
     }
 
+    /// The raw handle, for the backend that enqueues work on it.
     pub const fn as_raw(self) -> u64 {
         self.0
     }
@@ -77,11 +78,14 @@ impl Stream {
 /// Where memory lives, in DLPack's terms (`kDLCPU` = 1, `kDLCUDA` = 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
+    /// Host memory (the host backend).
     Cpu,
+    /// A CUDA device, by ordinal.
     Cuda(i32),
 }
 
 impl DeviceKind {
+    /// `(device_type, device_id)` as DLPack names them.
     pub fn dlpack(self) -> (i32, i32) {
         match self {
             DeviceKind::Cpu => (1, 0),
@@ -98,10 +102,12 @@ impl DeviceKind {
     }
 }
 
+/// The operations the owner needs from a backend; see the module doc for the contract.
 pub trait Driver: Send + Sync + 'static {
     /// `host` or `cuda`.
     fn backend_name(&self) -> &'static str;
 
+    /// Where the memory of this driver lives.
     fn device(&self) -> DeviceKind;
 
     /// The mapping granularity in bytes: reservations, handles and maps are multiples of it.
@@ -120,6 +126,7 @@ pub trait Driver: Send + Sync + 'static {
     /// Takes `num_bytes` (a granularity multiple) of physical memory.
     fn create(&self, num_bytes: u64) -> Result<HandleId>;
 
+    /// Drops a handle from `create`; its memory lives on while it is mapped.
     fn release(&self, handle: HandleId) -> Result<()>;
 
     /// Maps all of `handle` (`num_bytes` long) at `va`, inside a reservation, over unmapped space.
@@ -193,6 +200,7 @@ pub fn open(device: &str, granularity: Option<u64>) -> Result<Arc<dyn Driver>> {
 /// profiling put around the driver.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenOptions {
+    /// The host backend's granularity (see `open`); `None` for its default.
     pub granularity: Option<u64>,
     /// Fail one call (`FaultyDriver`), for fault-injection tests.
     pub fault: Option<faulty::Fault>,
@@ -202,7 +210,9 @@ pub struct OpenOptions {
 
 /// A driver from `open_with`, and its timing wrapper when profiling, to read the counts from.
 pub struct Opened {
+    /// The driver, wrapped as asked.
     pub driver: Arc<dyn Driver>,
+    /// The timing wrapper, when profiling was asked for.
     pub timing: Option<Arc<timing::TimingDriver>>,
 }
 

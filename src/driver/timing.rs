@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::{DeviceKind, Driver, HandleId, Stream};
 use crate::error::{Op, Result};
 
+/// A driver that passes every call to `inner`, counting calls and host time per operation.
 pub struct TimingDriver {
     inner: Arc<dyn Driver>,
     calls: [AtomicU64; Op::ALL.len()],
@@ -15,6 +16,7 @@ pub struct TimingDriver {
 }
 
 impl TimingDriver {
+    /// `inner`, timed.
     pub fn new(inner: Arc<dyn Driver>) -> TimingDriver {
         TimingDriver {
             inner,
