@@ -18,7 +18,9 @@ use std::ffi::c_void;
 use crate::error::{Error, Result};
 use crate::tensor::{ExportedRegion, ExtensibleTensor};
 
+/// The DLPack version this crate implements: 1.x (`DLManagedTensorVersioned`).
 pub const DLPACK_MAJOR: u32 = 1;
+/// The DLPack minor version this crate implements.
 pub const DLPACK_MINOR: u32 = 1;
 /// `DLDataTypeCode::kDLUInt`.
 pub const KDL_UINT: u8 = 1;
@@ -26,8 +28,11 @@ pub const KDL_UINT: u8 = 1;
 /// Element type, shape and strides (in elements) of an export.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StridedLayout {
+    /// The element type.
     pub dtype: DLDataType,
+    /// Elements along each dim.
     pub shape: Vec<i64>,
+    /// Elements between neighbours along each dim (not bytes, as in DLPack).
     pub strides: Vec<i64>,
 }
 
@@ -60,6 +65,7 @@ impl StridedLayout {
         })
     }
 
+    /// Bytes per element.
     pub fn itemsize(&self) -> u64 {
         u64::from(self.dtype.bits / 8)
     }
@@ -104,53 +110,81 @@ pub fn extent_bytes(shape: &[i64], strides: &[i64], itemsize: u64) -> Result<u64
         .ok_or_else(overflow)
 }
 
+/// `DLPackVersion`: the ABI version of a versioned export.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DLPackVersion {
+    /// Incompatible changes.
     pub major: u32,
+    /// Compatible additions.
     pub minor: u32,
 }
 
+/// `DLDevice`: where the memory lives (see `DeviceKind::dlpack`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DLDevice {
+    /// `kDLCPU` (1) or `kDLCUDA` (2).
     pub device_type: i32,
+    /// The device ordinal (0 on the host).
     pub device_id: i32,
 }
 
+/// `DLDataType`: an element type.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DLDataType {
+    /// `DLDataTypeCode`: signed int, unsigned int, float, bfloat, bool, ...
     pub code: u8,
+    /// Bits per lane.
     pub bits: u8,
+    /// Lanes per element; 1 (no vector types are exported).
     pub lanes: u16,
 }
 
+/// `DLTensor`: a strided view of memory.
 #[repr(C)]
 #[derive(Debug)]
 pub struct DLTensor {
+    /// The first element's address (offsets go here, as torch ignores `byte_offset`).
     pub data: *mut c_void,
+    /// Where `data` lives.
     pub device: DLDevice,
+    /// The number of dims: the length of `shape` and `strides`.
     pub ndim: i32,
+    /// The element type.
     pub dtype: DLDataType,
+    /// `ndim` sizes, owned by the export's holder.
     pub shape: *mut i64,
+    /// `ndim` strides in elements, owned by the export's holder.
     pub strides: *mut i64,
+    /// Always 0 (see `data`).
     pub byte_offset: u64,
 }
 
+/// `DLManagedTensorVersioned` (DLPack 1.x): a tensor and the deleter that releases it.
 #[repr(C)]
 pub struct DLManagedTensorVersioned {
+    /// The ABI version of this struct.
     pub version: DLPackVersion,
+    /// The holder of the export (its guard keeps the memory alive).
     pub manager_ctx: *mut c_void,
+    /// Called once by the consumer when done: frees the holder, dropping its guard.
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    /// `DLPACK_FLAG_BITMASK_*`: 0 (writable, not a copy).
     pub flags: u64,
+    /// The tensor itself.
     pub dl_tensor: DLTensor,
 }
 
+/// `DLManagedTensor` (legacy, pre-1.0): a tensor and the deleter that releases it.
 #[repr(C)]
 pub struct DLManagedTensor {
+    /// The tensor itself.
     pub dl_tensor: DLTensor,
+    /// The holder of the export (its guard keeps the memory alive).
     pub manager_ctx: *mut c_void,
+    /// Called once by the consumer when done: frees the holder, dropping its guard.
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 

@@ -6,22 +6,36 @@ use std::fmt;
 /// The operation of the driver boundary that failed; used in messages and by fault injection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
+    /// `Driver::reserve`.
     Reserve,
+    /// `Driver::free_reservation`.
     FreeReservation,
+    /// `Driver::create`, and the room check before it (`Driver::check_room`).
     Create,
+    /// `Driver::release`.
     Release,
+    /// `Driver::map`.
     Map,
+    /// `Driver::unmap`.
     Unmap,
+    /// `Driver::set_access`.
     SetAccess,
+    /// `Driver::memset_zero`.
     Memset,
+    /// `Driver::copy`.
     Copy,
+    /// `Driver::synchronize`.
     Synchronize,
+    /// `Driver::mem_info`.
     MemInfo,
+    /// `Driver::export`.
     Export,
+    /// `Driver::import`.
     Import,
 }
 
 impl Op {
+    /// Every operation, in declaration order (`op as usize` indexes it).
     pub const ALL: [Op; 13] = [
         Op::Reserve,
         Op::FreeReservation,
@@ -38,6 +52,7 @@ impl Op {
         Op::Import,
     ];
 
+    /// The operation's name in messages and in Python (`create`, `set_access`, ...).
     pub fn name(self) -> &'static str {
         match self {
             Op::Reserve => "reserve",
@@ -56,6 +71,7 @@ impl Op {
         }
     }
 
+    /// The operation of that `name`, if any.
     pub fn from_name(name: &str) -> Option<Op> {
         Op::ALL.into_iter().find(|op| op.name() == name)
     }
@@ -67,6 +83,7 @@ impl fmt::Display for Op {
     }
 }
 
+/// Everything that can fail, each variant with the numbers a user needs to act on it.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A size, offset, count or shape that cannot work; nothing was changed.
@@ -80,8 +97,11 @@ pub enum Error {
         match .free_bytes { Some(b) => format!(", {b} bytes free"), None => String::new() }
     )]
     OutOfMemory {
+        /// The operation that could not get memory.
         op: Op,
+        /// The bytes it asked for.
         requested_bytes: u64,
+        /// The bytes the backend said were free, if it could tell.
         free_bytes: Option<u64>,
         /// The backend's name for the failure: a CUresult name or an errno name.
         code: String,
@@ -90,9 +110,11 @@ pub enum Error {
     /// Any other failure of the backend, named as the backend names it.
     #[error("{op} failed: {code}{}", if .detail.is_empty() { String::new() } else { format!(" ({})", .detail) })]
     Driver {
+        /// The operation that failed.
         op: Op,
         /// A CUresult name (`CUDA_ERROR_INVALID_VALUE`) or an errno name (`EINVAL`).
         code: String,
+        /// What was asked (sizes, addresses), for the message.
         detail: String,
     },
 
@@ -109,13 +131,18 @@ pub enum Error {
         "cannot close: {live_views} view(s) still point into the reservation; \
          drop them first (the memory is released with the last view if the tensor is dropped instead)"
     )]
-    ViewsAlive { live_views: usize },
+    ViewsAlive {
+        /// How many views still point into the reservation.
+        live_views: usize,
+    },
 }
 
 impl Error {
+    /// `Error::InvalidArgument` with `msg`.
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }
 }
 
+/// The crate's `Result`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -4,6 +4,40 @@
 //! `plan` (pure arithmetic: which granules to map and how to cut them into handles), `tensor`
 //! (the owner that applies plans all-or-nothing), `dlpack` (handing memory to consumers), and,
 //! behind the `python` feature, the bindings, which only convert.
+//!
+//! # Example
+//!
+//! ```
+//! use extensible_kv::{driver, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
+//!
+//! // The host backend (Linux mmap + memfd) with 4 KiB granules; "cuda:0" on a GPU.
+//! let driver = driver::open("cpu", Some(4096))?;
+//! // 1 MiB of address space in 2 segments (K and V) that grow in lockstep; nothing committed.
+//! let kv = ExtensibleTensor::with_equal_segments(driver, 1 << 20, 2, Options::default())?;
+//! let base = kv.base_ptr()?; // every view is an offset from it, for the tensor's life
+//!
+//! // Commit the first 10,000 bytes of each segment, zeroed: 3 whole granules each.
+//! kv.resize_per_segment(10_000, GrowOptions::zeroed())?;
+//! assert_eq!(kv.segment_bytes(), [10_000, 10_000]);
+//! assert_eq!(kv.physical_bytes(), 2 * 3 * 4096);
+//!
+//! // A view (what DLPack hands to torch) keeps the memory alive: close refuses meanwhile.
+//! let view = kv.export(0, 10_000)?;
+//! assert_eq!(view.ptr(), base);
+//! assert!(kv.close().is_err());
+//! drop(view);
+//!
+//! // Give memory back, keeping the first 4 KiB of each segment and every address. Each
+//! // segment's 3 granules are one handle: a plain shrink keeps it whole, an exact one
+//! // replaces it by a copy of the granule still needed.
+//! kv.shrink_segments(&[4096, 4096], ShrinkOptions::default())?;
+//! assert_eq!(kv.physical_bytes(), 2 * 3 * 4096);
+//! let exact = ShrinkOptions { exact: true, ..ShrinkOptions::default() };
+//! kv.shrink_segments(&[4096, 4096], exact)?;
+//! assert_eq!(kv.physical_bytes(), 2 * 4096);
+//! kv.close()?;
+//! # Ok::<(), extensible_kv::Error>(())
+//! ```
 
 pub mod dlpack;
 pub mod driver;

@@ -14,11 +14,14 @@ use crate::error::{Error, Result};
 /// A half-open range of granules `[first_granule, first_granule + num_granules)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Run {
+    /// The first granule, counted from the reservation's start.
     pub first_granule: u64,
+    /// How many granules.
     pub num_granules: u64,
 }
 
 impl Run {
+    /// `num_granules` granules from `first_granule`.
     pub fn new(first_granule: u64, num_granules: u64) -> Run {
         Run {
             first_granule,
@@ -26,6 +29,7 @@ impl Run {
         }
     }
 
+    /// One past the last granule.
     pub fn end_granule(self) -> u64 {
         self.first_granule + self.num_granules
     }
@@ -42,11 +46,14 @@ impl Run {
 /// A half-open byte range `[offset, offset + num_bytes)` relative to the reservation's start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ByteRange {
+    /// The first byte, counted from the reservation's start.
     pub offset: u64,
+    /// How many bytes.
     pub num_bytes: u64,
 }
 
 impl ByteRange {
+    /// One past the last byte.
     pub fn end(self) -> u64 {
         self.offset + self.num_bytes
     }
@@ -129,18 +136,22 @@ impl Geometry {
         })
     }
 
+    /// The mapping granularity in bytes.
     pub fn granularity(&self) -> u64 {
         self.granularity
     }
 
+    /// How many segments.
     pub fn num_segments(&self) -> usize {
         self.segment_capacities.len()
     }
 
+    /// Each segment's capacity in bytes.
     pub fn segment_capacities(&self) -> &[u64] {
         &self.segment_capacities
     }
 
+    /// Each segment's first byte, from the reservation's start.
     pub fn segment_offsets(&self) -> &[u64] {
         &self.segment_offsets
     }
@@ -156,6 +167,7 @@ impl Geometry {
         self.reserved_bytes
     }
 
+    /// Granules in the reservation.
     pub fn num_granules(&self) -> u64 {
         self.reserved_bytes / self.granularity
     }
@@ -206,6 +218,7 @@ impl Geometry {
             .collect()
     }
 
+    /// The bytes of granule `run`.
     pub fn run_bytes(&self, run: Run) -> ByteRange {
         run.bytes(self.granularity)
     }
@@ -293,19 +306,29 @@ pub enum HandlePolicy {
     /// Greedy from the left: the largest power-of-two block of granules that is aligned (in
     /// the reservation's granule index) at the current granule, fits in the run, and is at
     /// most `max_handle_granules`. A bulk grow costs O(log n) handles; a one-granule grow one.
-    Adaptive { max_handle_granules: u64 },
+    Adaptive {
+        /// The cap, in granules (a power of two).
+        max_handle_granules: u64,
+    },
     /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
     /// per-granule peers do, kept as a baseline.
-    Fixed { handle_granules: u64 },
+    Fixed {
+        /// Every handle's size, in granules.
+        handle_granules: u64,
+    },
     /// Cut at the multiples of `max_handle_granules` in the reservation's granule index, and
     /// nowhere else: a run costs at most `len / max + 2` handles, whatever granule it starts
     /// at, while interior handles stay aligned to the cap.
-    CapAligned { max_handle_granules: u64 },
+    CapAligned {
+        /// The cap, in granules.
+        max_handle_granules: u64,
+    },
     /// One handle per run, however long: what a segment registered for RDMA needs.
     WholeRuns,
 }
 
 impl HandlePolicy {
+    /// `Adaptive` capped at `max_handle_bytes`, a power-of-two multiple of `granularity`.
     pub fn adaptive(max_handle_bytes: u64, granularity: u64) -> Result<HandlePolicy> {
         if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
             return Err(Error::invalid(format!(
@@ -442,7 +465,9 @@ pub fn plan_shrink(mapped: &[Run], needed: &[Run]) -> ShrinkPlan {
 /// new handle per `new` run, holding the same bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Regroup {
+    /// The mapped runs to replace.
     pub old: Vec<Run>,
+    /// The runs that replace them (each inside an old one), to be backed by new handles.
     pub new: Vec<Run>,
 }
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import extensible_kv
@@ -21,6 +22,19 @@ from extensible_kv import ExtensibleTensor
 
 CPU_GRANULARITY = 4096
 MEMFD_TAG = "memfd:extensible-kv"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Skips fold by reason alone in the `-r s` summary: without a GPU every CUDA param skips
+    for the same reason, and one line per test location (over 60) buried everything else."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+        report.longrepr = (str(Path(__file__).parent), None, reason)
+    return report
 
 
 def _cuda_skip_reason() -> str | None:

@@ -1,18 +1,37 @@
 //! A state-machine property test: random geometries (capacities that are not granule
 //! multiples, so segments share granules), random handle policies, and random sequences of
-//! grows, writes, shrinks (plain and exact), consolidations and releases, checked against a
-//! plain model of each segment's bytes.
+//! grows, writes, shrinks (plain and exact), consolidations, releases, views taken and dropped,
+//! and closes, checked against a plain model of each segment's bytes.
+//!
+//! 200 cases by default; `EKV_PROPTEST_CASES=10000` for the long run (CI and
+//! `scripts/gpu-check` run it once).
 
 mod common;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
-use extensible_kv::{Cut, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
+use extensible_kv::tensor::ExportedRegion;
+use extensible_kv::{Cut, Error, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
 use proptest::prelude::*;
+use proptest::test_runner::{TestError, TestRunner};
 
 const G: u64 = 4096;
+const DEFAULT_CASES: u32 = 200;
+
+/// The number of cases: `EKV_PROPTEST_CASES`, else `DEFAULT_CASES`. (proptest's own
+/// `PROPTEST_CASES` is overridden by an explicit config, so it cannot be the knob.)
+fn configured_cases() -> u32 {
+    match std::env::var("EKV_PROPTEST_CASES") {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("EKV_PROPTEST_CASES must be a count, got {text:?}")),
+        Err(_) => DEFAULT_CASES,
+    }
+}
 
 #[derive(Clone, Debug)]
 enum Step {
@@ -35,6 +54,17 @@ enum Step {
     /// An importer (made on the first one) follows the tensor: same handles, same bytes.
     Refresh,
     Release,
+    /// Export a view of `[offset, offset + len)` of the capacity, fractions of it, and keep it.
+    View {
+        offset: f64,
+        len: f64,
+    },
+    /// Drop the `index`-th kept view (modulo their number).
+    DropView {
+        index: usize,
+    },
+    /// Close: refused while views live, then every later step meets a closed tensor.
+    Close,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -47,6 +77,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Consolidate),
         1 => Just(Step::Refresh),
         1 => Just(Step::Release),
+        2 => (0.0f64..1.0, 0.0f64..=1.0).prop_map(|(offset, len)| Step::View { offset, len }),
+        2 => any::<usize>().prop_map(|index| Step::DropView { index }),
+        1 => Just(Step::Close),
     ]
 }
 
@@ -56,12 +89,22 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Whether a call on a closed tensor was refused as such.
+fn refused_closed<T>(result: extensible_kv::Result<T>) -> Result<(), TestCaseError> {
+    match result {
+        Err(Error::Closed) => Ok(()),
+        Err(other) => Err(TestCaseError::fail(format!("closed tensor: {other}"))),
+        Ok(_) => Err(TestCaseError::fail("a closed tensor did not refuse")),
+    }
+}
+
 fn run(
     caps: Vec<u64>,
     equal: bool,
     dirty: bool,
     options: Options,
     steps: Vec<Step>,
+    drop_with_views: bool,
 ) -> Result<(), TestCaseError> {
     let driver = match dirty {
         true => HostDriver::new_dirty(G),
@@ -83,8 +126,64 @@ fn run(
     // Whether exactly the needed granules are mapped (no slack left by a plain shrink).
     let mut exact_footprint = true;
     let mut importer: Option<ExtensibleTensor> = None;
+    let mut views: Vec<ExportedRegion> = Vec::new();
+    let mut closed = false;
+    let capacity = geometry.capacity_bytes();
     for step in steps {
+        if closed {
+            match step {
+                Step::Grow { .. } => {
+                    refused_closed(tensor.resize_segments(&vec![0; n], GrowOptions::default()))?
+                }
+                Step::Shrink { .. } => {
+                    refused_closed(tensor.shrink_segments(&vec![0; n], ShrinkOptions::default()))?
+                }
+                Step::Consolidate => {
+                    refused_closed(tensor.consolidate(extensible_kv::Stream::DEFAULT))?
+                }
+                Step::Release => refused_closed(tensor.release_physical())?,
+                Step::View { .. } => refused_closed(tensor.export(0, 1))?,
+                Step::Refresh => refused_closed(tensor.share())?,
+                Step::Close => tensor
+                    .close()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?,
+                Step::Write { .. } | Step::DropView { .. } => {}
+            }
+            prop_assert!(tensor.is_closed());
+            prop_assert_eq!(driver.live_counts(), (0, 0, 0));
+            tensor.check_invariants().map_err(TestCaseError::fail)?;
+            continue;
+        }
         match step {
+            Step::View { offset, len } => {
+                let offset = ((capacity as f64 * offset) as u64).min(capacity - 1);
+                let len = (((capacity - offset) as f64 * len) as u64).max(1);
+                views.push(tensor.export(offset, len).unwrap());
+                prop_assert_eq!(
+                    views.last().unwrap().ptr(),
+                    tensor.base_ptr().unwrap() + offset
+                );
+            }
+            Step::DropView { index } => {
+                if !views.is_empty() {
+                    views.remove(index % views.len());
+                }
+            }
+            Step::Close => {
+                if views.is_empty() {
+                    tensor.close().unwrap();
+                    closed = true;
+                    model.iter_mut().for_each(Vec::clear);
+                    prop_assert_eq!(driver.live_counts(), (0, 0, 0));
+                    continue;
+                }
+                match tensor.close() {
+                    Err(Error::ViewsAlive { live_views }) => {
+                        prop_assert_eq!(live_views, views.len())
+                    }
+                    other => prop_assert!(false, "close with views: {:?}", other.map(|_| ())),
+                }
+            }
             Step::Grow {
                 fractions,
                 lockstep,
@@ -199,6 +298,7 @@ fn run(
                 prop_assert_eq!(driver.live_counts().0, 0);
             }
         }
+        prop_assert_eq!(tensor.live_views(), views.len());
         prop_assert!(tensor.take_deferred_errors().is_empty());
         tensor.check_invariants().map_err(TestCaseError::fail)?;
         let committed: Vec<u64> = model.iter().map(|m| m.len() as u64).collect();
@@ -223,7 +323,18 @@ fn run(
             );
         }
     }
-    tensor.close().unwrap();
+    prop_assert_eq!(tensor.live_views(), views.len());
+    if drop_with_views && !views.is_empty() {
+        // The memory outlives the tensor while a view lives, and goes with the last one.
+        let (handles, mappings, reservations) = driver.live_counts();
+        drop(tensor);
+        prop_assert_eq!(driver.live_counts(), (handles, mappings, reservations));
+        prop_assert!(reservations == 1 || closed);
+        drop(views);
+    } else {
+        drop(views);
+        tensor.close().unwrap();
+    }
     prop_assert_eq!(driver.live_counts(), (0, 0, 0));
     if let Some(imported) = importer {
         imported.close().unwrap();
@@ -231,28 +342,49 @@ fn run(
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
-
-    #[test]
-    fn matches_the_model(
-        caps in prop::collection::vec(1u64..4 * G, 1..5),
-        equal in any::<bool>(),
-        dirty in any::<bool>(),
-        adaptive_cap in 1u64..8,
-        fixed in prop::option::of(1u64..3),
-        cut in prop::sample::select(vec![Cut::AlignedPowersOfTwo, Cut::AtCapMultiples, Cut::WholeRuns]),
-        steps in prop::collection::vec(step(), 1..12),
-    ) {
-        let options = Options {
-            granularity: None,
-            max_handle_bytes: Some(adaptive_cap * G),
-            fixed_handle_bytes: fixed.map(|f| f * G),
-            cut,
-            export_types: ExportTypes::POSIX_FD,
-        };
-        run(caps, equal, dirty, options, steps)?;
+#[test]
+fn matches_the_model() {
+    let cases = configured_cases();
+    let config = ProptestConfig {
+        cases,
+        // Where the macro would keep failing seeds: tests/tensor_model.proptest-regressions.
+        source_file: Some(file!()),
+        ..ProptestConfig::default()
+    };
+    let cut = prop::sample::select(vec![
+        Cut::AlignedPowersOfTwo,
+        Cut::AtCapMultiples,
+        Cut::WholeRuns,
+    ]);
+    let strategy = (
+        prop::collection::vec(1u64..4 * G, 1..5),
+        (any::<bool>(), any::<bool>(), any::<bool>()),
+        (1u64..8, prop::option::of(1u64..3), cut),
+        prop::collection::vec(step(), 1..16),
+    );
+    let ran = AtomicU32::new(0);
+    let result = TestRunner::new(config).run(
+        &strategy,
+        |(caps, (equal, dirty, drop_with_views), (adaptive_cap, fixed, cut), steps)| {
+            ran.fetch_add(1, Ordering::Relaxed);
+            let options = Options {
+                granularity: None,
+                max_handle_bytes: Some(adaptive_cap * G),
+                fixed_handle_bytes: fixed.map(|f| f * G),
+                cut,
+                export_types: ExportTypes::POSIX_FD,
+            };
+            run(caps, equal, dirty, options, steps, drop_with_views)
+        },
+    );
+    if let Err(TestError::Fail(reason, input)) = &result {
+        panic!("{reason}\nminimal failing input: {input:#?}");
     }
+    result.unwrap();
+    let ran = ran.load(Ordering::Relaxed);
+    // Seeds of past failures are replayed before the new cases, so a few more may run.
+    println!("tensor model: {cases} cases configured, {ran} run");
+    assert!(ran >= cases, "{ran} < {cases}");
 }
 
 /// The dedup case: 3 granules, 2 segments of 1.5 granules, from ½ granule to full.

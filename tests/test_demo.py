@@ -10,6 +10,7 @@ light: the command itself commits the fit).
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from typing import Any
@@ -104,7 +105,9 @@ def test_different_tokens_exit_non_zero(
 
     monkeypatch.setattr(demo, "_run_path", run_path)
     assert main(["demo", "--device", "cpu", "--num-seqs", "3", "--steps", "20"]) == 1
-    assert capsys.readouterr().out.rstrip().endswith("identical: no")
+    captured = capsys.readouterr()
+    assert captured.out.rstrip().endswith("identical: no")
+    assert captured.err.startswith("demo: the extensible cache's tokens differ"), captured.err
 
 
 def test_the_library_namespace_holds_no_demo() -> None:
@@ -153,3 +156,68 @@ def test_cuda_graph_replays_into_extended_blocks(overrides: dict[str, Any]) -> N
     assert ext.backend == "cuda" and result.dtype == torch.bfloat16
     assert ext.report.blocks_after == 1 << 16 and ext.report.budget_source == "cuda mem_get_info"
     assert ext.replays == options.prompt_len + options.steps - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line: ranges, defaults, and a reason for every non-zero exit
+
+FAST = ["demo", "--device", "cpu", "--num-seqs", "2", "--steps", "20", "--hidden", "64"]
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        (["--budget-mib", "1"], r"--budget-mib 1\b.*raise --budget-mib"),
+        (["--budget-mib", "0"], r"--budget-mib 0\b.*raise --budget-mib"),
+        (["--capacity-gib", "0.001"], r"capacity of \d+ blocks.*raise --capacity-gib"),
+        (["--budget-mib", "64", "--max-blocks", "2"], r"this decode needs \d+"),
+    ],
+    ids=["budget-1", "budget-0", "capacity-0.001", "max-blocks-2"],
+)
+def test_every_non_zero_exit_says_why_on_stderr(
+    options: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main([*FAST, *options])
+    err = capsys.readouterr().err
+    assert status != 0
+    assert err.startswith("demo: "), err
+    assert re.search(reason, err, re.S), err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--budget-mib", "-5", "an integer >= 0"),
+        ("--num-seqs", "0", "an integer >= 1"),
+        ("--steps", "-1", "an integer >= 1"),
+        ("--capacity-gib", "0", "a number > 0"),
+        ("--capacity-gib", "nan", "a number > 0"),
+        ("--max-blocks", "0", "an integer >= 1"),
+        ("--block-size", "x", "an integer >= 1"),
+    ],
+)
+def test_out_of_range_options_are_refused_with_the_range(
+    option: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*FAST, option, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: must be {expected}, got {value!r}" in err, err
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    options = capsys.readouterr().out.split("options:")[1]
+    entries = re.split(r"\n  (?=-)", options)[1:]  # one per option, wrapped lines included
+    assert len(entries) == 18, entries
+    for entry in entries:
+        if not entry.startswith("-h"):
+            assert "default" in entry, entry
+
+
+def test_layout_takes_any_case(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*FAST, "--budget-mib", "8", "--layout", "flashinfer"]) == 0
+    assert "layout:    FLASHINFER," in capsys.readouterr().out

@@ -45,6 +45,26 @@ def flow() -> Iterator[KVCacheFlow]:
 # host backend
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["extensible", "legacy"])
+@pytest.mark.parametrize("device", ["cuda:99", "cuda"])
+def test_reserve_on_an_unusable_gpu_is_unsupported_with_the_reason(
+    device: str, legacy: bool
+) -> None:
+    """Our `UnsupportedError` with the probe's reason, not whatever torch raises."""
+    usable = extensible_kv.vmm_unavailable_reason("cuda:0") is None and torch.cuda.is_available()
+    if device == "cuda" and usable:
+        pytest.skip("device 0 is usable here")
+    index = device.partition(":")[2] or "0"
+    reason = extensible_kv.vmm_unavailable_reason(f"cuda:{index}")
+    assert reason is not None
+    with pytest.raises(extensible_kv.UnsupportedError) as info:
+        KVCacheFlow.reserve(_spec(), 64, device, legacy=legacy)
+    if legacy:  # needs torch's CUDA, not the VMM API
+        assert f"sees no CUDA device {index}" in str(info.value) or reason in str(info.value)
+    else:
+        assert str(info.value) == f"unsupported: {reason}"
+
+
 def test_reserve_commits_one_block(flow: KVCacheFlow) -> None:
     cache = flow.cache
     assert (cache.capacity_blocks, cache.committed_blocks) == (1000, 1)

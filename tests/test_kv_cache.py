@@ -411,14 +411,6 @@ def _attn(block_size: int = N, backend: str = "FLASHINFER") -> AttentionLayerSpe
             "layer 'm': a block takes 608 bytes, but KV cache tensor 0 has 4096 bytes",
         ),
         (
-            [KVCacheTensorSpec(PAGE, {"x": StandardLayerSpec("LBXNC", 1, 0, N, H, D, BF16)})],
-            "layer 'x': unknown layout name 'LBXNC'",
-        ),
-        (
-            [KVCacheTensorSpec(PAGE, {"y": _attn(backend="PAGED")})],
-            "layer 'y': unknown backend layout name 'PAGED'",
-        ),
-        (
             [KVCacheTensorSpec(PAGE, {"a": _attn()}), KVCacheTensorSpec(PAGE, {"a": _attn()})],
             r"layers \['a'\] appear twice",
         ),
@@ -428,6 +420,36 @@ def _attn(block_size: int = N, backend: str = "FLASHINFER") -> AttentionLayerSpe
 def test_spec_errors(spec: list[KVCacheTensorSpec], match: str, device: str) -> None:
     with pytest.raises(ValueError, match=match):
         ExtensibleKVCache(spec, CAPACITY, device)
+
+
+class _NotABackend:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: AttentionLayerSpec("FLASH", N, H, D, BF16),
+            r"unknown attention backend 'FLASH'; known: FLASH_ATTN, .*FLASHINFER, ",
+        ),
+        (
+            lambda: AttentionLayerSpec(_NotABackend, N, H, D, BF16),
+            "attention backend _NotABackend has no get_kv_cache_shape",
+        ),
+        (lambda: AttentionLayerSpec("FLASH_ATTN", 0, H, D, BF16), "block_size 0 must be"),
+        (lambda: AttentionLayerSpec("FLASH_ATTN", N, -1, D, BF16), "num_kv_heads -1 must be"),
+        (
+            lambda: StandardLayerSpec("LBXNC", 1, 0, N, H, D, BF16),
+            "unknown layout name 'LBXNC'; known: LBHNC, ",
+        ),
+        (lambda: StandardLayerSpec("LBHNC", 2, 2, N, H, D, BF16), "layer_index 2 must be in"),
+    ],
+    ids=["unknown-name", "not-a-backend", "block-size", "heads", "standard-name", "index"],
+)
+def test_layer_specs_are_checked_at_construction(make: Callable[[], object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
 
 
 def test_capacity_must_be_positive(device: str) -> None:

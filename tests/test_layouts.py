@@ -197,7 +197,7 @@ def test_stride_order_must_be_a_permutation() -> None:
 def test_unknown_names() -> None:
     with pytest.raises(ValueError, match=r"unknown layout name 'LBXNC'.*LBHNC"):
         standard_layout("LBXNC", L, 0, N, H, D, torch.float16)
-    with pytest.raises(ValueError, match=r"unknown backend layout name 'FLASH'.*FLASH_ATTN"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'FLASH'.*FLASH_ATTN"):
         resolve_attention_backend("FLASH")
     with pytest.raises(ValueError, match="layer index 3 out of range for 3 layers"):
         standard_layout("LBHNC", L, 3, N, H, D, torch.float16)

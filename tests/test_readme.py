@@ -25,6 +25,18 @@ def test_first_lines_are_the_two_commands() -> None:
     assert ci[-2:] == ["scripts/setup", "scripts/test"]
 
 
+def test_the_torch_extra_is_documented_and_exists() -> None:
+    import tomllib
+
+    from extensible_kv import _torch
+
+    assert _torch.INSTALL_HINT in README
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert any(dep.startswith("torch") for dep in extras["torch"])
+    assert not any(dep.startswith("torch") for dep in pyproject["project"]["dependencies"])
+
+
 def test_demo_command_runs() -> None:
     # The README's command as is: defaults, a fresh process (on the GPU when there is one).
     result = subprocess.run(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from extensible_kv import _torch
+
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
@@ -20,6 +22,7 @@ __all__ = ["min_over_group", "reduce_device"]
 def reduce_device(group: ProcessGroup | None, device: str | torch.device) -> torch.device:
     """Where a tensor reduced over `group` must live: the host unless the group's backend
     reduces only on GPUs (nccl), then `device` or, for a host cache, the current GPU."""
+    _torch.require("reduce_device")
     import torch
     import torch.distributed as dist
 
@@ -37,6 +40,7 @@ def min_over_group(
 ) -> int:
     """The minimum of `value` over the ranks of `group` (the default group if `None`); every
     rank must call it. `device` is this rank's cache device (used by nccl groups)."""
+    _torch.require("min_over_group")
     import torch
     import torch.distributed as dist
 

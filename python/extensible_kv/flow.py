@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extensible_kv import sizing
+from extensible_kv import _torch, sizing
+from extensible_kv._native import UnsupportedError, vmm_unavailable_reason
 from extensible_kv.distributed import min_over_group
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec
 
@@ -87,6 +88,7 @@ class KVCacheFlow:
         device: str | torch.device,
         free_at_init_bytes: int | None = None,
     ) -> None:
+        _torch.require("KVCacheFlow")
         import torch
 
         self.cache = cache
@@ -106,7 +108,8 @@ class KVCacheFlow:
     ) -> KVCacheFlow:
         """Step 1: note free memory, reserve every buffer for `capacity_blocks`, commit
         `initial_blocks` (legacy: allocate and zero everything)."""
-        device = _normalize(device)
+        _torch.require("KVCacheFlow")
+        device = _normalize(device, legacy)
         _refuse_while_capturing(device, "reserve")
         free_at_init = _free_bytes_or_none(device)
         cache = ExtensibleKVCache(
@@ -253,14 +256,26 @@ class KVCacheFlow:
         self.close()
 
 
-def _normalize(device: str | torch.device) -> torch.device:
-    """`cuda` → `cuda:N` with the current device: the index every later call must agree on."""
+def _normalize(device: str | torch.device, legacy: bool) -> torch.device:
+    """`cuda` → `cuda:N` with the current device: the index every later call must agree on.
+    A GPU that cannot hold the cache is our `UnsupportedError` with the probe's reason, before
+    torch raises its own error from wherever it first touches the device."""
     import torch
 
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    if device.type != "cuda":
+        return device
+    torch_sees_cuda = torch.cuda.is_available()
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if torch_sees_cuda else 0
+    # A legacy cache is plain torch memory: only an extensible one needs the VMM API.
+    reason = None if legacy else vmm_unavailable_reason(f"cuda:{index}")
+    if reason is None and not (torch_sees_cuda and index < torch.cuda.device_count()):
+        reason = f"torch {torch.__version__} sees no CUDA device {index}"
+    if reason is not None:
+        raise UnsupportedError(f"unsupported: {reason}")
+    return torch.device("cuda", index)
 
 
 def _refuse_while_capturing(device: torch.device, step: str) -> None:

@@ -25,8 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from extensible_kv import _torch
 from extensible_kv._native import ClosedError
 from extensible_kv.layouts import (
+    ATTENTION_BACKEND_PRESETS,
+    STANDARD_LAYOUTS,
     AttentionBackend,
     BlockLayout,
     StridedView,
@@ -64,6 +67,19 @@ class AttentionLayerSpec:
     dtype: torch.dtype
     cache_dtype_str: str = "auto"
 
+    def __post_init__(self) -> None:
+        # Checked here, not at reserve: a typo in a model's config should fail where it is made.
+        backend = self.attention_backend
+        if isinstance(backend, str):
+            resolve_attention_backend(backend)  # ValueError naming the known presets
+        elif not callable(getattr(backend, "get_kv_cache_shape", None)):
+            name = getattr(backend, "__name__", type(backend).__name__)
+            raise ValueError(
+                f"attention backend {name} has no get_kv_cache_shape: pass a preset name "
+                f"({', '.join(ATTENTION_BACKEND_PRESETS)}) or a class with vLLM's method"
+            )
+        _check_positive(self, "block_size", "num_kv_heads", "head_size")
+
 
 @dataclass(frozen=True)
 class StandardLayerSpec:
@@ -77,6 +93,24 @@ class StandardLayerSpec:
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.layout not in STANDARD_LAYOUTS:
+            raise ValueError(
+                f"unknown layout name {self.layout!r}; known: {', '.join(STANDARD_LAYOUTS)}"
+            )
+        _check_positive(self, "num_layers_in_buffer", "block_size", "num_kv_heads", "head_size")
+        if not 0 <= self.layer_index < self.num_layers_in_buffer:
+            raise ValueError(
+                f"layer_index {self.layer_index} must be in [0, {self.num_layers_in_buffer})"
+            )
+
+
+def _check_positive(spec: object, *fields: str) -> None:
+    for field in fields:
+        value = getattr(spec, field)
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{field} {value!r} must be a positive int")
 
 
 @dataclass(frozen=True)
@@ -297,6 +331,7 @@ class ExtensibleKVCache:
         legacy: bool = False,
         granularity: int | None = None,
     ) -> None:
+        _torch.require("ExtensibleKVCache")
         self._plans = _plan(spec, capacity_blocks)
         self._capacity_blocks = capacity_blocks
         self._committed_blocks = 0

@@ -482,5 +482,5 @@ def resolve_attention_backend(attention_backend: AttentionBackend | str) -> Atte
     except KeyError:
         known = ", ".join(ATTENTION_BACKEND_PRESETS)
         raise ValueError(
-            f"unknown backend layout name {attention_backend!r}; known: {known}"
+            f"unknown attention backend {attention_backend!r}; known: {known}"
         ) from None

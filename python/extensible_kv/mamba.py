@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from extensible_kv import _torch
 from extensible_kv.layouts import StridedView, contiguous_strides, itemsize
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ def gated_delta_net_state_spec(
 ) -> MambaStateSpec:
     """GatedDeltaNet (Qwen3-Next): conv `(3, 6144)` bf16 and SSM `(16, 128, 128)` fp32 by
     default."""
+    _torch.require("gated_delta_net_state_spec")
     import torch
 
     return MambaStateSpec(

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from extensible_kv import _native
+from extensible_kv import _native, _torch
 from extensible_kv.ipc import FABRIC, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
@@ -209,6 +209,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
         The view's storage spans exactly the bytes it can address, from `offset` on.
         """
+        _torch.require("ExtensibleTensor.view")
         from torch.utils.dlpack import from_dlpack
 
         shape = tuple(shape)
@@ -220,6 +221,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
     def full_view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole capacity as a 1-D tensor of `dtype` (default uint8)."""
+        _torch.require("ExtensibleTensor.full_view")
         import torch
 
         dtype = torch.uint8 if dtype is None else dtype
@@ -233,6 +235,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
     def segment_view(self, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The committed prefix of segment `index`, as a 1-D tensor whose storage is exactly it."""
+        _torch.require("ExtensibleTensor.segment_view")
         import torch
 
         if not 0 <= index < self.num_segments:

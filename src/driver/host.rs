@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use super::books::Books;
+use super::headroom;
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
@@ -298,6 +299,7 @@ impl Driver for HostDriver {
     /// Every memfd is exportable as a POSIX fd, whatever `_export` asks.
     fn create(&self, num_bytes: u64, _export: ExportTypes) -> Result<HandleId> {
         self.check_aligned(Op::Create, "size", num_bytes)?;
+        self.check_room(num_bytes)?;
         // SAFETY: memfd_name is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
         let fd = unsafe { libc::memfd_create(self.memfd_name.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -530,7 +532,23 @@ impl Driver for HostDriver {
     }
 
     fn mem_info(&self) -> Result<(u64, u64)> {
-        mem_info_from(MEMINFO)
+        let (available, total) = mem_info_from(MEMINFO)?;
+        let free = headroom::current().map_or(available, |h| h.bytes());
+        Ok((free, total))
+    }
+
+    /// Refuses what does not fit `MemAvailable` and the memory cgroup's room, before any
+    /// memfd exists: `fallocate` would not fail but feed the OOM killer (`headroom`).
+    fn check_room(&self, num_bytes: u64) -> Result<()> {
+        match headroom::current() {
+            Some(room) if num_bytes > room.bytes() => Err(Error::OutOfMemory {
+                op: Op::Create,
+                requested_bytes: num_bytes,
+                free_bytes: Some(room.bytes()),
+                code: "ENOMEM".into(),
+            }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -605,5 +623,36 @@ mod tests {
         }
         let (free, total) = HostDriver::new(4096).unwrap().mem_info().unwrap();
         assert!(0 < free && free <= total);
+    }
+
+    #[test]
+    fn check_room_refuses_more_than_the_headroom_with_the_numbers() {
+        let driver = HostDriver::new(4096).unwrap();
+        driver.check_room(4096).unwrap();
+        let room = headroom::current().unwrap().bytes();
+        let requested = room + (1 << 30);
+        match driver.check_room(requested) {
+            Err(err @ Error::OutOfMemory { .. }) => {
+                let message = err.to_string();
+                let Error::OutOfMemory {
+                    op,
+                    requested_bytes,
+                    free_bytes: Some(free),
+                    code,
+                } = err
+                else {
+                    panic!("no free bytes in {message}");
+                };
+                assert_eq!(
+                    (op, requested_bytes, code.as_str()),
+                    (Op::Create, requested, "ENOMEM")
+                );
+                assert!(free < requested, "{message}");
+                assert!(message.contains(&format!("{requested} bytes")), "{message}");
+                assert!(message.contains(&format!("{free} bytes free")), "{message}");
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+        assert_eq!(driver.live_counts(), (0, 0, 0));
     }
 }

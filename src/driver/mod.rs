@@ -16,6 +16,7 @@
 
 mod books;
 pub mod faulty;
+pub mod headroom;
 pub mod host;
 pub mod ipc;
 pub mod timing;
@@ -70,6 +71,7 @@ impl Stream {
         Stream(raw)
     }
 
+    /// The raw handle, for the backend that enqueues work on it.
     pub const fn as_raw(self) -> u64 {
         self.0
     }
@@ -141,11 +143,14 @@ pub enum ImportSource<'a> {
 /// Where memory lives, in DLPack's terms (`kDLCPU` = 1, `kDLCUDA` = 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
+    /// Host memory (the host backend).
     Cpu,
+    /// A CUDA device, by ordinal.
     Cuda(i32),
 }
 
 impl DeviceKind {
+    /// `(device_type, device_id)` as DLPack names them.
     pub fn dlpack(self) -> (i32, i32) {
         match self {
             DeviceKind::Cpu => (1, 0),
@@ -162,10 +167,12 @@ impl DeviceKind {
     }
 }
 
+/// The operations the owner needs from a backend; see the module doc for the contract.
 pub trait Driver: Send + Sync + 'static {
     /// `host` or `cuda`.
     fn backend_name(&self) -> &'static str;
 
+    /// Where the memory of this driver lives.
     fn device(&self) -> DeviceKind;
 
     /// The mapping granularity in bytes: reservations, handles and maps are multiples of it.
@@ -196,6 +203,7 @@ pub trait Driver: Send + Sync + 'static {
     /// either side holds it).
     fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId>;
 
+    /// Drops a handle from `create`; its memory lives on while it is mapped.
     fn release(&self, handle: HandleId) -> Result<()>;
 
     /// Maps all of `handle` (`num_bytes` long) at `va`, inside a reservation, over unmapped space.
@@ -220,6 +228,15 @@ pub trait Driver: Send + Sync + 'static {
 
     /// `(free_bytes, total_bytes)` of the memory `create` draws from.
     fn mem_info(&self) -> Result<(u64, u64)>;
+
+    /// Refuses, with `Error::OutOfMemory`, to create `num_bytes` in all when the backend can
+    /// tell up front that they will not fit: a grow asks once for all its new handles, so it
+    /// fails before its first create rather than after taking what it could. The default
+    /// allows everything (CUDA's `cuMemCreate` fails cleanly by itself).
+    fn check_room(&self, num_bytes: u64) -> Result<()> {
+        let _ = num_bytes;
+        Ok(())
+    }
 }
 
 /// Parses a torch-style device name: `cpu`, `cuda` (device 0) or `cuda:N`.
@@ -260,6 +277,7 @@ pub fn open(device: &str, granularity: Option<u64>) -> Result<Arc<dyn Driver>> {
 /// profiling put around the driver.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenOptions {
+    /// The host backend's granularity (see `open`); `None` for its default.
     pub granularity: Option<u64>,
     /// Fail one call (`FaultyDriver`), for fault-injection tests.
     pub fault: Option<faulty::Fault>,
@@ -269,7 +287,9 @@ pub struct OpenOptions {
 
 /// A driver from `open_with`, and its timing wrapper when profiling, to read the counts from.
 pub struct Opened {
+    /// The driver, wrapped as asked.
     pub driver: Arc<dyn Driver>,
+    /// The timing wrapper, when profiling was asked for.
     pub timing: Option<Arc<timing::TimingDriver>>,
 }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Op, Result};
 
+/// A driver that passes every call to `inner`, counting calls and host time per operation.
 pub struct TimingDriver {
     inner: Arc<dyn Driver>,
     calls: [AtomicU64; Op::ALL.len()],
@@ -15,6 +16,7 @@ pub struct TimingDriver {
 }
 
 impl TimingDriver {
+    /// `inner`, timed.
     pub fn new(inner: Arc<dyn Driver>) -> TimingDriver {
         TimingDriver {
             inner,
@@ -128,6 +130,11 @@ impl Driver for TimingDriver {
     fn mem_info(&self) -> Result<(u64, u64)> {
         self.time(Op::MemInfo, || self.inner.mem_info())
     }
+
+    fn check_room(&self, num_bytes: u64) -> Result<()> {
+        // Counted as a read of the free memory, which is what it costs.
+        self.time(Op::MemInfo, || self.inner.check_room(num_bytes))
+    }
 }
 
 #[cfg(test)]
@@ -154,7 +161,8 @@ mod tests {
                 (Op::Reserve, 1),
                 (Op::Create, 6),
                 (Op::Map, 6),
-                (Op::SetAccess, 6)
+                (Op::SetAccess, 6),
+                (Op::MemInfo, 1), // the grow's one room check (`check_room`)
             ]
         );
         timing.reset();

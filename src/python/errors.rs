@@ -7,25 +7,33 @@ use pyo3::prelude::*;
 
 use crate::error::Error;
 
+// The module is the full import path: pickle finds a class by its `__module__`, and a serving
+// stack's worker processes send these errors to the engine (the fields travel in `__dict__`).
+
 pyo3::create_exception!(
-    _native,
+    extensible_kv._native,
     OutOfMemoryError,
     pyo3::exceptions::PyMemoryError,
     "Physical memory could not be committed; the tensor is unchanged."
 );
 pyo3::create_exception!(
-    _native,
+    extensible_kv._native,
     DriverError,
     PyRuntimeError,
     "The backend (CUDA driver or OS) failed; `code` holds its name for the failure."
 );
 pyo3::create_exception!(
-    _native,
+    extensible_kv._native,
     UnsupportedError,
     PyRuntimeError,
     "The backend or device cannot do this (e.g. no CUDA VMM support)."
 );
-pyo3::create_exception!(_native, ClosedError, PyValueError, "The tensor was closed.");
+pyo3::create_exception!(
+    extensible_kv._native,
+    ClosedError,
+    PyValueError,
+    "The tensor was closed."
+);
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {

@@ -79,7 +79,12 @@ pub enum Cut {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Segments {
     /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
-    Equal { max_bytes: u64, num_segments: u64 },
+    Equal {
+        /// The total capacity in bytes.
+        max_bytes: u64,
+        /// How many segments share it.
+        num_segments: u64,
+    },
     /// Segments of these capacities, back to back.
     Capacities(Vec<u64>),
 }
@@ -388,10 +393,12 @@ impl ExportedRegion {
         self.ptr
     }
 
+    /// The region's length in bytes.
     pub fn num_bytes(&self) -> u64 {
         self.num_bytes
     }
 
+    /// Where the region's memory lives.
     pub fn device(&self) -> DeviceKind {
         self.device
     }
@@ -585,6 +592,13 @@ impl ExtensibleTensor {
             false => self.inner.policy,
         };
         let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
+        if plan.new_handles.len() > 1 {
+            // All the new handles at once: a grow that cannot fit fails before its first create
+            // rather than after taking what it could (one handle's create checks itself).
+            let ctx = &self.inner.ctx;
+            let new_bytes = plan.new_handles.iter().map(|&run| ctx.span(run).1).sum();
+            ctx.driver.check_room(new_bytes)?;
+        }
         let mut zeroing = Zeroing::new(options.zero_new, options.stream);
         // Owned here, not in `map_and_zero`, so that on error the mappings unmap (as `fresh`
         // drops) only after the fence below.
@@ -697,6 +711,7 @@ impl ExtensibleTensor {
             .map_or(Ok(()), Err)
     }
 
+    /// Whether `close` has run: the addresses are gone and every call but `close` fails.
     pub fn is_closed(&self) -> bool {
         self.lock().reservation.is_none()
     }
@@ -725,34 +740,42 @@ impl ExtensibleTensor {
         })
     }
 
+    /// The reservation's first address (views are offsets from it); `Error::Closed` once closed.
     pub fn base_ptr(&self) -> Result<u64> {
         self.lock_open().map(|_| self.inner.ctx.base)
     }
 
+    /// The segments' capacities and offsets, and the granularity.
     pub fn geometry(&self) -> &Geometry {
         &self.inner.geometry
     }
 
+    /// How grows cut runs of granules into handles.
     pub fn policy(&self) -> HandlePolicy {
         self.inner.policy
     }
 
+    /// The reserved bytes the segments can grow into.
     pub fn capacity_bytes(&self) -> u64 {
         self.inner.geometry.capacity_bytes()
     }
 
+    /// The mapping granularity in bytes.
     pub fn granularity(&self) -> u64 {
         self.inner.geometry.granularity()
     }
 
+    /// How many segments grow in lockstep.
     pub fn num_segments(&self) -> usize {
         self.inner.geometry.num_segments()
     }
 
+    /// Where the memory lives.
     pub fn device(&self) -> DeviceKind {
         self.inner.ctx.driver.device()
     }
 
+    /// `host` or `cuda`.
     pub fn backend_name(&self) -> &'static str {
         self.inner.ctx.driver.backend_name()
     }
@@ -777,6 +800,7 @@ impl ExtensibleTensor {
         self.lock().mappings.values().map(Mapping::num_bytes).sum()
     }
 
+    /// How many physical handles are mapped.
     pub fn num_handles(&self) -> usize {
         self.lock().mappings.len()
     }
@@ -786,6 +810,7 @@ impl ExtensibleTensor {
         self.lock().mappings.values().map(|m| m.run).collect()
     }
 
+    /// How many exported views are alive (`close` refuses while any is).
     pub fn live_views(&self) -> usize {
         self.inner.live_views.load(Ordering::Acquire)
     }

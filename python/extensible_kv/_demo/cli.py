@@ -4,10 +4,44 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from extensible_kv import _torch
 from extensible_kv.layouts import KV_LAYOUTS
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `low`, else an error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _layout(text: str) -> str:
+    """`--layout` in any case: the names are upper case."""
+    return text.upper()
 
 
 def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -15,31 +49,76 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     demo = commands.add_parser(
         "demo",
         help="decode on an extensible KV cache extended after graph capture; compare to legacy",
+        description="Decodes on an extensible KV cache extended after the decode step was "
+        "captured, and on a legacy one; exits 0 when the tokens are identical and the decode "
+        "used memory the extension mapped, else says why on stderr (1: the check failed, "
+        "2: the options cannot work).",
     )
     demo.set_defaults(run=run)
-    demo.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda:0 if usable, else cpu)")
-    demo.add_argument(
+    count = _at_least(1)
+    add = demo.add_argument
+    add("--device", help="cpu, cuda or cuda:N (default: cuda:0 if usable, else cpu)")
+    add(
         "--layout",
         default="FLASH_ATTN",
+        type=_layout,
         choices=KV_LAYOUTS,
         metavar="LAYOUT",
-        help=f"KV cache layout, one of {', '.join(KV_LAYOUTS)} (default FLASH_ATTN, K/V split)",
+        help=f"KV cache layout, any case: one of {', '.join(KV_LAYOUTS)} (default: "
+        "%(default)s, K/V split)",
     )
-    demo.add_argument("--hybrid", action="store_true", help="odd layers Mamba-like (in blocks)")
-    demo.add_argument("--num-seqs", type=int, default=4, help="sequences decoded together")
-    demo.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per sequence")
-    demo.add_argument("--steps", type=int, default=40, help="tokens generated per sequence")
-    demo.add_argument("--layers", type=int, default=2)
-    demo.add_argument("--hidden", type=int, default=128)
-    demo.add_argument("--heads", type=int, default=4)
-    demo.add_argument("--kv-heads", type=int, default=2)
-    demo.add_argument("--vocab", type=int, default=512)
-    demo.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    demo.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
-    demo.add_argument("--budget-mib", type=int, default=64, help="host backend: the KV budget")
-    demo.add_argument("--max-blocks", type=int, help="cap the commit (default: commit the fit)")
-    demo.add_argument("--capacity-gib", type=float, help="first estimate of KV memory")
-    demo.add_argument("--seed", type=int, default=0)
+    add(
+        "--hybrid",
+        action="store_true",
+        help="odd layers Mamba-like, their states in the blocks (default: attention only)",
+    )
+    add(
+        "--num-seqs",
+        type=count,
+        default=4,
+        help="sequences decoded together (default: %(default)s)",
+    )
+    add(
+        "--prompt-len",
+        type=count,
+        default=8,
+        help="prompt tokens per sequence (default: %(default)s)",
+    )
+    add(
+        "--steps",
+        type=count,
+        default=40,
+        help="tokens generated per sequence (default: %(default)s)",
+    )
+    add("--layers", type=count, default=2, help="decoder layers (default: %(default)s)")
+    add("--hidden", type=count, default=128, help="hidden size (default: %(default)s)")
+    add("--heads", type=count, default=4, help="attention heads (default: %(default)s)")
+    add("--kv-heads", type=count, default=2, help="KV heads (default: %(default)s)")
+    add("--vocab", type=_at_least(2), default=512, help="vocabulary size (default: %(default)s)")
+    add("--block-size", type=count, default=16, help="tokens per block (default: %(default)s)")
+    add(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="model and cache dtype (default: bfloat16 on a GPU, float32 on the host)",
+    )
+    add(
+        "--budget-mib",
+        type=_at_least(0),
+        default=64,
+        help="host backend: the MiB the extension may commit (default: %(default)s)",
+    )
+    add(
+        "--max-blocks",
+        type=count,
+        help="cap the commit at this many blocks (default: no cap, commit the fit)",
+    )
+    add(
+        "--capacity-gib",
+        type=_positive_number,
+        help="first estimate of KV memory, which sets the capacity (default: the GPU's memory, "
+        "or 1 GiB on the host)",
+    )
+    add("--seed", type=_at_least(0), default=0, help="weights and prompts (default: %(default)s)")
 
 
 def run(options: dict[str, Any]) -> int:
@@ -47,7 +126,12 @@ def run(options: dict[str, Any]) -> int:
     # The flow logs `Extended KV cache to N blocks (X GiB)`: show it with the report.
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stdout)
 
-    from extensible_kv._demo import demo  # torch, at run time only: `--help` stays light
+    try:
+        _torch.require("the demo")
+    except ModuleNotFoundError as error:
+        print(f"demo: {error}", file=sys.stderr)
+        return 2
+    from extensible_kv._demo import demo  # torch, at run time only: `--help` needs none
 
     try:
         result = demo.run(demo.DemoOptions(**options))
@@ -55,4 +139,8 @@ def run(options: dict[str, Any]) -> int:
         print(f"demo: {error}", file=sys.stderr)
         return 2
     print(demo.format_report(result))
-    return 0 if result.ok else 1
+    failure = demo.failure_reason(result)
+    if failure is not None:
+        print(f"demo: {failure}", file=sys.stderr)
+        return 1
+    return 0

@@ -31,7 +31,15 @@ from extensible_kv._demo.model import DecodeInputs, DecoderModel, LayerCache, Mo
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import KVCacheTensorSpec
 
-__all__ = ["DemoOptions", "DemoResult", "PathResult", "format_report", "pick_device", "run"]
+__all__ = [
+    "DemoOptions",
+    "DemoResult",
+    "PathResult",
+    "failure_reason",
+    "format_report",
+    "pick_device",
+    "run",
+]
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -372,6 +380,59 @@ def format_report(result: DemoResult) -> str:
         f"identical: {'yes' if result.identical else 'no'}",
     ]
     return "\n".join(lines)
+
+
+def failure_reason(result: DemoResult) -> str | None:
+    """Why the run is not a success (`result.ok` false), in words a user can act on; `None`
+    when it is one."""
+    reasons = []
+    if not result.identical:
+        pairs = zip(result.extensible.tokens, result.legacy.tokens, strict=True)
+        seq = next(i for i, (ext, legacy) in enumerate(pairs) if ext != legacy)
+        reasons.append(
+            f"the extensible cache's tokens differ from the legacy cache's (sequence {seq} "
+            "first): the extended blocks do not hold what the decode wrote"
+        )
+    if not result.used_new_blocks:
+        reasons.append(_nothing_mapped(result))
+    return "; ".join(reasons) or None
+
+
+def _nothing_mapped(result: DemoResult) -> str:
+    """Why the decode used no block in memory the extension mapped: it mapped none."""
+    ext, options = result.extensible, result.options
+    report, mapped = ext.report, ext.blocks_mapped_at_reserve
+    held = f"the {mapped} blocks whose memory the first commit already mapped"
+    prefix = "the decode used no memory the extension mapped, which is what the demo checks: "
+    if ext.capacity_blocks <= mapped:
+        estimate = (
+            f"--capacity-gib {options.capacity_gib:g}"
+            if options.capacity_gib is not None
+            else "the default estimate"
+        )
+        return (
+            f"{prefix}the capacity of {ext.capacity_blocks} blocks (from {estimate}) ends "
+            f"within {held}, so there is nothing to extend; raise --capacity-gib"
+        )
+    if options.max_blocks is not None and options.max_blocks <= mapped:
+        return (
+            f"{prefix}--max-blocks {options.max_blocks} stops the commit within {held}; "
+            f"raise --max-blocks above {mapped}"
+        )
+    if report.budget_source == "given":
+        granule = ext.granularity or 0
+        next_granules = sum(ext.num_segments) * granule
+        return (
+            f"{prefix}the budget of --budget-mib {options.budget_mib} fits {report.fit_blocks} "
+            f"blocks, within {held}; raise --budget-mib (each of the {sum(ext.num_segments)} "
+            f"segments grows by whole {_size(granule)} granules: at least "
+            f"{math.ceil(next_granules / MIB)} MiB maps the next one of each)"
+        )
+    return (
+        f"{prefix}the free memory ({_size(report.free_bytes or 0)}) less the margin "
+        f"({_size(report.margin_bytes)}) fits {report.fit_blocks} blocks, within {held}; free "
+        "memory on the device"
+    )
 
 
 def _device_line(result: DemoResult) -> str:
