@@ -84,6 +84,7 @@ impl Stream {
 pub struct ExportTypes(u32);
 
 impl ExportTypes {
+    /// Not exportable (CUDA's `CU_MEM_HANDLE_TYPE_NONE`).
     pub const NONE: ExportTypes = ExportTypes(0);
     /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a file descriptor, passed to processes of
     /// the same host (pidfd_getfd, or SCM_RIGHTS over a Unix socket).
@@ -102,22 +103,27 @@ impl ExportTypes {
         Ok(ExportTypes(bits))
     }
 
+    /// CUDA's bits for these types.
     pub const fn bits(self) -> u32 {
         self.0
     }
 
+    /// Whether every type of `other` is among these.
     pub const fn contains(self, other: ExportTypes) -> bool {
         self.0 & other.0 == other.0
     }
 
+    /// Whether no type is asked for.
     pub const fn is_empty(self) -> bool {
         self.0 == 0
     }
 
+    /// The types in both.
     pub const fn intersection(self, other: ExportTypes) -> ExportTypes {
         ExportTypes(self.0 & other.0)
     }
 
+    /// These types but those of `other`.
     pub const fn without(self, other: ExportTypes) -> ExportTypes {
         ExportTypes(self.0 & !other.0)
     }
@@ -137,6 +143,7 @@ pub enum Exported {
 pub enum ImportSource<'a> {
     /// An fd this process holds (duplicated from the owner's); the driver does not take it.
     Fd(BorrowedFd<'a>),
+    /// The 64 bytes of a fabric handle.
     Fabric(&'a [u8; 64]),
 }
 

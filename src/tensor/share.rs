@@ -23,7 +23,12 @@ use crate::plan::{self, Geometry, HandlePolicy, Run};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SharedExport {
     /// File descriptor `fd` of process `pid`, kept open by the owner while the handle lives.
-    Fd { pid: u32, fd: i32 },
+    Fd {
+        /// The owner's process id.
+        pid: u32,
+        /// The number of the fd in the owner's process.
+        fd: i32,
+    },
     /// CUDA's fabric handle.
     Fabric([u8; 64]),
 }
@@ -31,19 +36,26 @@ pub enum SharedExport {
 /// One mapped handle of a shared tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedHandle {
+    /// The granules the handle backs.
     pub run: Run,
     /// The owner's number for the handle, unique for the owner tensor's life.
     pub serial: u64,
+    /// How an importer gets it.
     pub export: SharedExport,
 }
 
 /// What another process needs to map a tensor's memory: `ExtensibleTensor::share`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedDescription {
+    /// The owner's device.
     pub device: DeviceKind,
+    /// The owner's granularity: runs are in granules of it.
     pub granularity: u64,
+    /// The capacity of each segment, laid back to back.
     pub segment_capacities: Vec<u64>,
+    /// The committed bytes of each segment.
     pub segment_bytes: Vec<u64>,
+    /// The owner's process id.
     pub owner_pid: u32,
     /// Sorted by run, disjoint, covering every granule a committed byte needs.
     pub handles: Vec<SharedHandle>,
