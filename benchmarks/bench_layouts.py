@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import statistics
 import sys
 import time
@@ -288,10 +289,12 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
             continue
         names.append(name)
         res["contenders"][name] = {"steady_ms": []}
-    # Repetitions interleave the contenders, in a rotated order each time, so that no
-    # contender always follows the same one (whose free the driver may still be scrubbing).
-    for rep in range(args.reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+    # Repetitions interleave the contenders in a shuffled order each time (seeded: a rerun
+    # repeats it), so that no contender always follows the same one, whose free the driver
+    # may still be scrubbing: a rotation kept every neighbour in place (docs/benchmarks.md).
+    order = random.Random(f"{shape.label}/{args.reps}")
+    for _ in range(args.reps):
+        for name in order.sample(names, len(names)):
             entry = res["contenders"][name]
             if "error" in entry:
                 continue
