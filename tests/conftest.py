@@ -187,3 +187,38 @@ def vllm_plugin(vllm: Any) -> Any:
         f"(VLLM_PLUGINS={os.environ.get('VLLM_PLUGINS')!r}; vLLM from {vllm_env.source()})"
     )
     return module
+
+
+def containing_mapping(address: int) -> str | None:
+    """The permissions of this process's mapping that holds `address`, if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            bounds, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in bounds.split("-"))
+            if start <= address < end:
+                return perms
+    return None
+
+
+def settled_free(timeout_s: float = 10.0, *, reset_peaks: bool = False) -> int:
+    """Free device memory once it stops moving: the driver scrubs released memory in the
+    background before it counts as free again (docs/design.md §2). `reset_peaks` also resets
+    torch's peak statistics (earlier tests' peaks are no transient of the caller's)."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    if reset_peaks:
+        torch.cuda.reset_peak_memory_stats(0)
+    deadline = time.monotonic() + timeout_s
+    last = int(torch.cuda.mem_get_info(0)[0])
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = int(torch.cuda.mem_get_info(0)[0])
+        if abs(now - last) <= 4 << 20:
+            return now
+        last = now
+    return last

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import extensible_kv
 import pytest
 import torch
+from conftest import settled_free
 from extensible_kv import sizing
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
@@ -207,35 +207,18 @@ _CUDA_REASON = _cuda_reason()
 TOLERANCE = 64 * MIB  # free memory moves by a few MiB of the driver's own (page tables)
 
 
-def _settled_free(timeout_s: float = 10.0) -> int:
-    """Free device memory once it stops moving: the driver scrubs released memory in the
-    background before it counts as free again (docs/design.md §2)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(0)  # earlier tests' peaks are no transient of ours
-    deadline = time.monotonic() + timeout_s
-    last = int(torch.cuda.mem_get_info(0)[0])
-    while time.monotonic() < deadline:
-        time.sleep(0.25)
-        now = int(torch.cuda.mem_get_info(0)[0])
-        if abs(now - last) <= 4 * MIB:
-            return now
-        last = now
-    return last
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_extend_to_fit_commits_device_memory() -> None:
     spec = _spec(num_layers=4)
     granularity = sizing.device_granularity("cuda:0")
-    capacity = sizing.capacity_blocks_for(_settled_free(), spec, granularity)
+    capacity = sizing.capacity_blocks_for(settled_free(reset_peaks=True), spec, granularity)
     with KVCacheFlow.reserve(spec, capacity, "cuda:0") as flow:
         assert flow.free_at_init_bytes is not None
         target = (2 * GIB) // (4 * PAGE)  # about 2 GiB of blocks, capped below the fit
-        free_before = _settled_free()
+        free_before = settled_free(reset_peaks=True)
         report = flow.extend_to_fit(max_blocks=target)
-        dropped = free_before - _settled_free()
+        dropped = free_before - settled_free(reset_peaks=True)
         assert report.blocks_after == target and report.fit_blocks > target
         assert report.budget_source == "cuda mem_get_info" and report.free_bytes is not None
         assert report.margin_bytes >= GIB and report.non_kv_used_bytes is not None
@@ -252,12 +235,14 @@ def test_extend_to_fit_commits_device_memory() -> None:
 def test_extend_to_fit_leaves_only_the_margin() -> None:
     spec = _spec(num_layers=4)
     granularity = sizing.device_granularity("cuda:0")
-    capacity = sizing.capacity_blocks_for(_settled_free(), spec, granularity)
+    capacity = sizing.capacity_blocks_for(settled_free(reset_peaks=True), spec, granularity)
     margin = 2 * GIB
     with KVCacheFlow.reserve(spec, capacity, "cuda:0") as flow:
-        _settled_free()  # what earlier tests released counts as free before the measurement
+        settled_free(
+            reset_peaks=True
+        )  # what earlier tests released counts as free before the measurement
         report = flow.extend_to_fit(margin_bytes=margin)
-        free_after = _settled_free()
+        free_after = settled_free(reset_peaks=True)
         # One more block would cost at most a granule per segment (4 buffers x 2 segments).
         assert margin - TOLERANCE <= free_after <= margin + 8 * granularity + TOLERANCE
         assert report.blocks_after == report.fit_blocks < capacity

@@ -15,7 +15,6 @@ Each GPU test stays well under a minute on an H200.
 
 from __future__ import annotations
 
-import gc
 import random
 import statistics
 import threading
@@ -25,7 +24,7 @@ from collections.abc import Callable, Iterator
 import extensible_kv
 import pytest
 import torch
-from conftest import MakeTensor, memfd_counts
+from conftest import MakeTensor, memfd_counts, settled_free
 from extensible_kv import ExtensibleTensor, OutOfMemoryError
 
 MIB = 1 << 20
@@ -45,29 +44,12 @@ _CUDA_REASON = _cuda_reason()
 needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 
 
-def _settled_free(timeout_s: float = 10.0) -> int:
-    """Free device memory once it stops moving: released memory counts as free only after the
-    driver's background scrub (docs/design.md §2)."""
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    deadline = time.monotonic() + timeout_s
-    last = int(torch.cuda.mem_get_info(0)[0])
-    while time.monotonic() < deadline:
-        time.sleep(0.25)
-        now = int(torch.cuda.mem_get_info(0)[0])
-        if abs(now - last) <= 4 * MIB:
-            return now
-        last = now
-    return last
-
-
 def _leak_probe(backend: str) -> Callable[[], object]:
     """What must not change across a stress run: the memfds and their mappings in /proc on the
     host; the device's free memory, settled, on CUDA."""
     if backend == "cpu":
         return memfd_counts
-    return _settled_free
+    return settled_free
 
 
 def _assert_unchanged(backend: str, before: object, after: object) -> None:
@@ -245,7 +227,7 @@ def test_release_and_close_wait_for_kernels_still_writing(
     how: str, side: torch.cuda.Stream
 ) -> None:
     g = 2 * MIB
-    before = _settled_free()
+    before = settled_free()
     t = ExtensibleTensor(256 * g, device="cuda:0")
     t.resize_(256 * g)
     view = t.full_view(torch.int32)
@@ -265,14 +247,14 @@ def test_release_and_close_wait_for_kernels_still_writing(
         assert int(view[: g // 4].abs().sum()) == 0  # fresh, zeroed memory at the same place
         del view
         t.close()
-    assert abs(_settled_free() - before) <= 16 * MIB
+    assert abs(settled_free() - before) <= 16 * MIB
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_the_last_view_dropped_while_its_kernels_run(side: torch.cuda.Stream) -> None:
     g = 2 * MIB
-    before = _settled_free()
+    before = settled_free()
     t = ExtensibleTensor(256 * g, device="cuda:0")
     t.resize_(256 * g)
     view = t.full_view(torch.int32)
@@ -282,14 +264,14 @@ def test_the_last_view_dropped_while_its_kernels_run(side: torch.cuda.Stream) ->
     del view  # the last reference: unmap and release happen here, after the fence
     assert done.query()
     torch.cuda.synchronize()
-    assert abs(_settled_free() - before) <= 16 * MIB
+    assert abs(settled_free() - before) <= 16 * MIB
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_out_of_memory_in_a_100_handle_grow_leaves_free_memory_as_it_was() -> None:
     g = 2 * MIB
-    before = _settled_free()
+    before = settled_free()
     # More than is free, in 1 GiB handles: the driver refuses one of the last creates, after
     # 100+ handles were created, mapped and queued for zeroing.
     request = (before + 4 * GIB) // g * g
@@ -304,6 +286,6 @@ def test_out_of_memory_in_a_100_handle_grow_leaves_free_memory_as_it_was() -> No
     torch.cuda.synchronize()  # the queued memsets were fenced before their memory went
     t.resize_(g)  # the tensor still works
     t.close()
-    after = _settled_free()
+    after = settled_free()
     print(f"\nOOM after {creates} creates: free {before} -> {after} bytes")
     assert abs(after - before) <= 16 * MIB

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import memfd_counts
+from conftest import containing_mapping, memfd_counts
 from kv_helpers import DEVICES
 from vllm_cases import CASES, Case, kv_cache_config, layout
 
@@ -301,17 +301,6 @@ def test_keep_data_shrinks_and_defragments_without_losing_blocks(
         setup.kv.free()
 
 
-def _containing_mapping(address: int) -> str | None:
-    """The permissions of the mapping of this process that holds `address`, if any."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            bounds, perms = line.split()[:2]
-            start, end = (int(x, 16) for x in bounds.split("-"))
-            if start <= address < end:
-                return perms
-    return None
-
-
 def test_free_with_live_views(vllm_plugin: Any, case: Case, device: torch.device) -> None:
     gc.collect()
     memfds_before = memfd_counts()
@@ -328,7 +317,7 @@ def test_free_with_live_views(vllm_plugin: Any, case: Case, device: torch.device
     setup.kv.free()  # idempotent
     if device.type == "cpu":
         assert memfd_counts() == memfds_before  # physical memory returned at once
-        assert _containing_mapping(base) == "---p"  # the range: reserved, inaccessible
+        assert containing_mapping(base) == "---p"  # the range: reserved, inaccessible
     # While views live, nobody else can be handed these addresses: a stale view faults
     # instead of aliasing (vLLM's class frees the range, and the next reservation tends to
     # land right there).

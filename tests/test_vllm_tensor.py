@@ -17,7 +17,7 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
-from conftest import BACKENDS, memfd_counts
+from conftest import BACKENDS, containing_mapping, memfd_counts
 from extensible_kv import ClosedError, OutOfMemoryError, UnsupportedError
 from extensible_kv.vllm import HANDLES_ENV_VAR, ExtensibleTensor, granule_size
 from extensible_kv.vllm import tensor as dropin_module
@@ -55,17 +55,6 @@ def g(dev: torch.device) -> int:
 
 def state(t: ExtensibleTensor) -> tuple[Any, ...]:
     return (t.num_bytes, t._committed(), t.physical_bytes, t.num_physical_chunks)
-
-
-def _containing_mapping(address: int) -> str | None:
-    """The permissions of this process's mapping that holds `address`, if any."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            bounds, perms = line.split()[:2]
-            start, end = (int(x, 16) for x in bounds.split("-"))
-            if start <= address < end:
-                return perms
-    return None
 
 
 # ---- construction
@@ -383,10 +372,10 @@ def test_free_returns_memory_now_and_the_range_with_the_last_view() -> None:
     assert memfd_counts() != before
     t.free()
     assert memfd_counts() == before  # physical memory: returned at once
-    assert _containing_mapping(base) == "---p"  # the range: reserved, inaccessible
+    assert containing_mapping(base) == "---p"  # the range: reserved, inaccessible
     del view
     gc.collect()
-    assert _containing_mapping(base) is None  # gone with the last view
+    assert containing_mapping(base) is None  # gone with the last view
 
 
 def test_a_stale_view_faults_instead_of_aliasing() -> None:
