@@ -15,6 +15,25 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def join_group(
+    backend: str, rank: int, port: int, world_size: int, timeout_s: float, **kw: Any
+) -> None:
+    """Joins the default process group of `world_size` ranks rendezvousing on loopback `port`
+    (`kw`: e.g. `device_id` for NCCL)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kw,
+    )
+
+
 def run_ranks(main: Callable[..., None], world_size: int, timeout_s: float, *args: Any) -> None:
     """Runs `main(rank, port, *args)` in `world_size` spawned processes and waits for them all
     (a rank that raises fails the caller); whatever still runs at the deadline is killed."""

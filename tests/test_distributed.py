@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from extensible_kv.flow import KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
-from ranks import run_ranks
+from ranks import join_group, run_ranks
 
 WORLD_SIZE = 2
 GRANULARITY = 4096
@@ -30,13 +29,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     """One rank: join the group, reserve, extend to its own budget with the group, write the
     report (and a solo fit without the group, for comparison)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    join_group("gloo", rank, port, WORLD_SIZE, TIMEOUT_S)
     try:
         with KVCacheFlow.reserve(_spec(), 1000, "cpu", granularity=GRANULARITY) as flow:
             report = flow.extend_to_fit(budget_bytes=BUDGETS[rank], group=dist.group.WORLD)

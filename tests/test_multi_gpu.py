@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import extensible_kv
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import join_group, run_ranks
 
 WORLD_SIZE = 2
 EXTRA_GIB_ON_RANK_1 = 16
@@ -68,14 +67,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
     torch.cuda.set_device(rank)
     device = f"cuda:{rank}"
-    dist.init_process_group(
-        "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=TIMEOUT_S),
-        device_id=torch.device(device),
-    )
+    join_group("nccl", rank, port, WORLD_SIZE, TIMEOUT_S, device_id=torch.device(device))
     lines = _Lines()
     logging.getLogger("extensible_kv").addHandler(lines)
     logging.getLogger("extensible_kv").setLevel(logging.INFO)
@@ -151,13 +143,7 @@ def _peer_main(rank: int, port: int, out_dir: str) -> None:
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    join_group("gloo", rank, port, WORLD_SIZE, TIMEOUT_S)
     path = Path(out_dir, "description.pickle")
     per_segment = 4 * GIB
     try:

@@ -75,20 +75,26 @@ def test_skips_for_one_reason_fold_into_one_line(pytester: pytest.Pytester) -> N
     assert any(line.startswith("SKIPPED [1] ") and "another reason" in line for line in lines)
 
 
-def test_rust_gpu_tests_are_reported_ignored_not_ok() -> None:
-    """`cargo test` on a machine without a GPU lists the GPU tests as ignored (scripts/gpu-check
-    runs them with --include-ignored), instead of passing them after an early return."""
+def _cargo_test_list(*args: str) -> str:
+    """What `cargo test ARGS` prints (skips where there is no cargo: the device machine runs
+    the built test executables instead)."""
     cargo = shutil.which("cargo")
     if cargo is None:
         pytest.skip("cargo not found (the device machine runs the built test executables)")
-    listing = subprocess.run(
-        [cargo, "test", "--features", "cuda", "-q", "--", "--list", "--ignored"],
+    return subprocess.run(
+        [cargo, "test", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1200,
         check=True,
     ).stdout
+
+
+def test_rust_gpu_tests_are_reported_ignored_not_ok() -> None:
+    """`cargo test` on a machine without a GPU lists the GPU tests as ignored (scripts/gpu-check
+    runs them with --include-ignored), instead of passing them after an early return."""
+    listing = _cargo_test_list("--features", "cuda", "-q", "--", "--list", "--ignored")
     ignored = {line.split(": ")[0].rsplit("::", 1)[-1] for line in listing.splitlines()}
     expected = {
         "gpu_round_trip_of_two_granules",
@@ -132,16 +138,6 @@ def test_the_crate_has_a_runnable_example_and_documents_its_public_items() -> No
     lints = tomllib.loads((ROOT / "Cargo.toml").read_text())["lints"]["rust"]
     assert lints.get("missing_docs") in ("warn", "deny"), lints
     assert "-D warnings" in (ROOT / "scripts" / "test").read_text()
-    cargo = shutil.which("cargo")
-    if cargo is None:
-        pytest.skip("cargo not found (the device machine runs the built test executables)")
-    listing = subprocess.run(
-        [cargo, "test", "-q", "--doc", "--features", "cuda", "--", "--list"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=True,
-    ).stdout
+    listing = _cargo_test_list("-q", "--doc", "--features", "cuda", "--", "--list")
     runnable = [line for line in listing.splitlines() if line.startswith("src/lib.rs - (line")]
     assert runnable, listing
