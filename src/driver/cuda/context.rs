@@ -167,6 +167,9 @@ fn check_vmm_support(device: sys::CUdevice, ordinal: i32) -> Result<(), String> 
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct ExportSupport {
     pub posix_fd: bool,
+    /// The device attribute and an IMEX channel this process can open: a fabric allocation
+    /// needs both (without a channel, cuMemCreate says CUDA_ERROR_NOT_PERMITTED), and even
+    /// both do not guarantee one, so `CudaDriver::create` still falls back.
     pub fabric: bool,
     /// GPUDirect RDMA on VMM allocations: `gpuDirectRDMACapable` may be asked for.
     pub rdma_with_vmm: bool,
@@ -182,10 +185,23 @@ impl PrimaryContext {
         };
         ExportSupport {
             posix_fd: has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED),
-            fabric: has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED),
+            fabric: has(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)
+                && imex_channel_available(),
             rdma_with_vmm: has(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED),
         }
     }
+}
+
+/// Whether this process can open an IMEX channel (as vLLM checks): the files alone do not
+/// tell, since a container's device cgroup can still deny them.
+fn imex_channel_available() -> bool {
+    const CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+    std::fs::read_dir(CHANNELS).is_ok_and(|entries| {
+        entries.flatten().any(|entry| {
+            entry.file_name().to_string_lossy().starts_with("channel")
+                && std::fs::File::open(entry.path()).is_ok()
+        })
+    })
 }
 
 /// Everything a working device needs, in order; `Err` is the first reason it cannot be used.

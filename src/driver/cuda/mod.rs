@@ -18,6 +18,7 @@
 mod context;
 mod vmm;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::result::{self, DriverError};
@@ -70,6 +71,8 @@ pub struct CudaDriver {
     ordinal: i32,
     granularity: u64,
     export_support: context::ExportSupport,
+    /// Set by the first fabric allocation the driver refused: fabric is offered no more.
+    fabric_refused: AtomicBool,
     books: Mutex<Books<()>>,
     /// Last, so it is released after `Drop` has cleaned up with it.
     primary: PrimaryContext,
@@ -84,6 +87,7 @@ impl CudaDriver {
             ordinal,
             granularity,
             export_support: primary.export_support(),
+            fabric_refused: AtomicBool::new(false),
             books: Mutex::default(),
             primary,
         })
@@ -162,7 +166,7 @@ impl Driver for CudaDriver {
             types = ExportTypes::from_bits(types.bits() | ExportTypes::POSIX_FD.bits())
                 .expect("a known bit");
         }
-        if support.fabric {
+        if support.fabric && !self.fabric_refused.load(Ordering::Relaxed) {
             types = ExportTypes::from_bits(types.bits() | ExportTypes::FABRIC.bits())
                 .expect("a known bit");
         }
@@ -171,11 +175,35 @@ impl Driver for CudaDriver {
 
     /// Exportable memory is also made registrable for GPUDirect RDMA where the device allows
     /// it on VMM allocations: a connector that exports the KV cache usually registers it too.
+    ///
+    /// A refused fabric allocation (no IMEX channel after all, or a fabric the device does not
+    /// have) is retried without fabric, and fabric is offered no more, as vLLM does: the
+    /// memory stays exportable as POSIX fds where those were asked for too.
     fn create(&self, num_bytes: u64, export: ExportTypes) -> Result<HandleId> {
         let _bound = self.bind(Op::Create)?;
-        let rdma = !export.is_empty() && self.export_support.rdma_with_vmm;
-        let prop = vmm::pinned_prop(self.ordinal, export.bits(), rdma);
-        let handle = match vmm::create(num_bytes as usize, &prop) {
+        let attempt = |export: ExportTypes| {
+            let rdma = !export.is_empty() && self.export_support.rdma_with_vmm;
+            vmm::create(
+                num_bytes as usize,
+                &vmm::pinned_prop(self.ordinal, export.bits(), rdma),
+            )
+        };
+        let refused_fabric = |err: &DriverError| {
+            export.contains(ExportTypes::FABRIC)
+                && matches!(
+                    err.0,
+                    sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+                        | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                )
+        };
+        let created = match attempt(export) {
+            Err(err) if refused_fabric(&err) => {
+                self.fabric_refused.store(true, Ordering::Relaxed);
+                attempt(export.without(ExportTypes::FABRIC))
+            }
+            other => other,
+        };
+        let handle = match created {
             Ok(handle) => handle,
             Err(err) if err.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 return Err(self.out_of_memory(err, num_bytes))
