@@ -19,9 +19,10 @@ extend to ~120 GiB (zeroed) per contender:
 
 Steady state: each repetition starts after a pause (the driver scrubs released memory in the
 background and cuMemCreate waits for it: docs/design.md §2); `just freed`: one repetition
-right after the previous teardown. Also: the teardown (free) time, the first read of the
-committed bytes (TLB warm-up), and with `--profile` the per-call host time of ours. Prints
-markdown tables and writes DIR/bench_layouts.json (rewritten after every shape).
+right after the contender's own teardown (its last steady one). Also: the teardown (free)
+time, the first read of the committed bytes (TLB warm-up), and with `--profile` the per-call
+host time of ours. Prints markdown tables and writes DIR/bench_layouts.json (rewritten after
+every shape).
 """
 
 from __future__ import annotations
@@ -254,13 +255,20 @@ def floor_once(num_bytes: int, pause_s: float) -> float:
     return ms
 
 
-def steady_once(name: str, geo: Geometry, target: int, num_bytes: int, args: Any) -> dict:
+def steady_once(name: str, geo: Geometry, target: int, num_bytes: int, args: Any) -> dict[str, Any]:
     """One steady-state repetition of contender `name` (after the pause)."""
     if name == "legacy":
         return {"ms": legacy_once(num_bytes, args.pause)}
     if name == "floor":
         return {"ms": floor_once(num_bytes, args.pause)}
     return one_extend(name, geo, target, args.pause, args.read, False)
+
+
+def just_freed_once(name: str, geo: Geometry, target: int, num_bytes: int) -> float:
+    """One repetition with no pause: the memory freed just before is still being scrubbed."""
+    if name == "legacy":
+        return legacy_once(num_bytes, 0)
+    return float(one_extend(name, geo, target, 0, False, False)["ms"])
 
 
 def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
@@ -293,37 +301,35 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
     # repeats it), so that no contender always follows the same one, whose free the driver
     # may still be scrubbing: a rotation kept every neighbour in place (docs/benchmarks.md).
     order = random.Random(f"{shape.label}/{args.reps}")
-    for _ in range(args.reps):
+    for rep in range(args.reps):
         for name in order.sample(names, len(names)):
             entry = res["contenders"][name]
             if "error" in entry:
                 continue
             try:
                 run = steady_once(name, geo, target, num_bytes, args)
+                entry["steady_ms"].append(run["ms"])
+                for key in ("handles", "teardown_ms", "read_tbps"):
+                    if key in run:
+                        entry.setdefault(key, []).append(run[key])
+                # Just freed: right after the contender's own teardown, as a stack that
+                # sleeps and wakes sees it (after another's free, the first contender of a
+                # fixed order paid for a 120 GiB cudaFree it did not make: 2026-12-03 run).
+                if rep == args.reps - 1 and name != "floor":
+                    entry["just_freed_ms"] = just_freed_once(name, geo, target, num_bytes)
             except Exception as exc:  # one contender failing must not lose the others
                 traceback.print_exc()
                 entry["error"] = f"{type(exc).__name__}: {exc}"
                 settle(0)
-                continue
-            entry["steady_ms"].append(run["ms"])
-            for key in ("handles", "teardown_ms", "read_tbps"):
-                if key in run:
-                    entry.setdefault(key, []).append(run[key])
     for name in names:
         entry = res["contenders"][name]
-        if "error" in entry or name == "floor":
-            continue
-        try:
-            if name == "legacy":
-                entry["just_freed_ms"] = legacy_once(num_bytes, 0)
-            else:
-                entry["just_freed_ms"] = one_extend(name, geo, target, 0, False, False)["ms"]
-                if args.profile and name.startswith("ours"):
-                    entry["profile"] = one_extend(name, geo, target, args.pause, False, True)
-        except Exception as exc:
-            traceback.print_exc()
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-            settle(0)
+        if args.profile and name.startswith("ours") and "error" not in entry:
+            try:
+                entry["profile"] = one_extend(name, geo, target, args.pause, False, True)
+            except Exception as exc:
+                traceback.print_exc()
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                settle(0)
         if isinstance(entry.get("handles"), list):
             entry["handles"] = entry["handles"][-1]
         log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'profile'})}")

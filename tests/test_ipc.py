@@ -74,6 +74,7 @@ def _child_main(conn: Any, device: str) -> None:
             command, *args = conn.recv()
             if command == "import":
                 free_before = _device_free(device)
+                fds_before = open_fds()  # the CUDA context's own device files are open now
                 t = ExtensibleTensor.from_shared(args[0])
                 taken = free_before - _device_free(device)
                 conn.send(("ok", t.segment_bytes, t.imported_from, taken))
@@ -200,6 +201,7 @@ def _owner(device: str, capacity: int, segments: int, **kw: Any) -> ExtensibleTe
 
 
 def test_two_processes_share_grow_and_outlive_the_owner(device: str, g: int, child: Child) -> None:
+    _device_free(device)  # this process's CUDA context (its device files) exists first
     fds_before = open_fds()
     owner = _owner(device, 8 * g, 3)
     owner.resize_per_segment_(2 * g + 100)
