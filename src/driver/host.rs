@@ -133,7 +133,7 @@ fn page_size() -> u64 {
 }
 
 /// The name of an errno value (`ENOMEM`), as errors carry it.
-pub(crate) fn errno_name(errno: i32) -> String {
+fn errno_name(errno: i32) -> String {
     let name = match errno {
         libc::ENOMEM => "ENOMEM",
         libc::ENOSPC => "ENOSPC",
@@ -169,7 +169,8 @@ fn io_error(op: Op, err: &std::io::Error, what: &str) -> Error {
     )
 }
 
-fn os_error(op: Op, errno: i32, detail: String) -> Error {
+/// The error of a failed system call, named by its errno.
+pub(crate) fn os_error(op: Op, errno: i32, detail: String) -> Error {
     Error::Driver {
         op,
         code: errno_name(errno),

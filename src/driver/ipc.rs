@@ -11,7 +11,7 @@
 
 use std::os::fd::{FromRawFd, OwnedFd};
 
-use super::host::errno_name;
+use super::host::os_error;
 use crate::error::{Error, Op, Result};
 
 /// Takes ownership of file descriptor `raw`, handed over by its holder (e.g. one received over
@@ -69,11 +69,7 @@ fn syscall_error(call: &str, pid: i32, fd: Option<i32>) -> Error {
         libc::EBADF => "; the owner no longer holds that fd (the handle was released)",
         _ => "",
     };
-    Error::Driver {
-        op: Op::Import,
-        code: errno_name(errno),
-        detail: format!("{what}{hint}"),
-    }
+    os_error(Op::Import, errno, format!("{what}{hint}"))
 }
 
 #[cfg(test)]

@@ -123,6 +123,11 @@ impl ExportTypes {
         ExportTypes(self.0 & other.0)
     }
 
+    /// The types in either.
+    pub const fn union(self, other: ExportTypes) -> ExportTypes {
+        ExportTypes(self.0 | other.0)
+    }
+
     /// These types but those of `other`.
     pub const fn without(self, other: ExportTypes) -> ExportTypes {
         ExportTypes(self.0 & !other.0)

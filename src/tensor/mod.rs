@@ -479,11 +479,23 @@ impl ExtensibleTensor {
             }
         };
         let export_types = export_types_for(driver.as_ref(), options.export_types)?;
+        ExtensibleTensor::reserve(driver, geometry, policy, export_types, None)
+    }
+
+    /// Reserves `geometry`'s address space on `driver`: a tensor that holds no memory yet,
+    /// owned (`imported_from` is `None`) or mapping another process's.
+    fn reserve(
+        driver: Arc<dyn Driver>,
+        geometry: Geometry,
+        policy: HandlePolicy,
+        export_types: ExportTypes,
+        imported_from: Option<u32>,
+    ) -> Result<ExtensibleTensor> {
         let base = driver.reserve(geometry.reserved_bytes())?;
         let ctx = Arc::new(Ctx {
             driver,
             base,
-            granularity,
+            granularity: geometry.granularity(),
             export_types,
             serials: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
@@ -503,7 +515,7 @@ impl ExtensibleTensor {
             policy,
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
-            imported_from: None,
+            imported_from,
         };
         Ok(ExtensibleTensor {
             inner: Arc::new(inner),

@@ -11,10 +11,9 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use super::{Ctx, ExtensibleTensor, Inner, Mapping, PhysicalHandle, Reservation, State};
+use super::{ExtensibleTensor, Mapping, PhysicalHandle};
 use crate::driver::{ipc, DeviceKind, Driver, ExportTypes, Exported, ImportSource};
 use crate::error::{Error, Result};
 use crate::plan::{self, Geometry, HandlePolicy, Run};
@@ -174,33 +173,13 @@ impl ExtensibleTensor {
                 driver.granularity()
             )));
         }
-        let base = driver.reserve(geometry.reserved_bytes())?;
-        let ctx = Arc::new(Ctx {
+        let tensor = ExtensibleTensor::reserve(
             driver,
-            base,
-            granularity: geometry.granularity(),
-            export_types: ExportTypes::NONE,
-            serials: AtomicU64::new(0),
-            deferred: Mutex::new(Vec::new()),
-        });
-        let state = State {
-            segment_bytes: description.segment_bytes.clone(),
-            mappings: BTreeMap::new(),
-            reservation: Some(Reservation {
-                ctx: Arc::clone(&ctx),
-                num_bytes: geometry.reserved_bytes(),
-            }),
-        };
-        let tensor = ExtensibleTensor {
-            inner: Arc::new(Inner {
-                ctx,
-                policy: HandlePolicy::WholeRuns, // never used: an importer does not grow
-                geometry,
-                state: Mutex::new(state),
-                live_views: AtomicUsize::new(0),
-                imported_from: Some(description.owner_pid),
-            }),
-        };
+            geometry,
+            HandlePolicy::WholeRuns, // never used: an importer does not grow
+            ExportTypes::NONE,
+            Some(description.owner_pid),
+        )?;
         // On error the tensor drops here: what was mapped unmaps, the reservation goes.
         let handles = tensor.import_handles(&description.handles, fds)?;
         let mut state = tensor.lock();
@@ -210,6 +189,7 @@ impl ExtensibleTensor {
             let (va, num_bytes) = tensor.inner.ctx.span(run);
             tensor.inner.ctx.driver.set_access(va, num_bytes)?;
         }
+        state.segment_bytes.clone_from(&description.segment_bytes);
         debug_assert_eq!(super::check_state(&tensor.inner, &state), Ok(()));
         drop(state);
         Ok(tensor)
@@ -252,7 +232,7 @@ impl ExtensibleTensor {
                 "invalid shared description: handle {serial} moved from {run:?}"
             )));
         }
-        let gone: Vec<Run> = held
+        let mut gone: Vec<Run> = held
             .iter()
             .filter(|(serial, _)| !wanted.contains_key(serial))
             .map(|(_, run)| *run)
@@ -263,9 +243,8 @@ impl ExtensibleTensor {
             .filter(|h| !held.contains_key(&h.serial))
             .cloned()
             .collect();
-        let handles = self.import_handles(&new, fds)?;
-        let mut gone = gone;
         gone.sort_unstable();
+        let handles = self.import_handles(&new, fds)?;
         if !gone.is_empty() || !handles.is_empty() {
             self.replace(&mut state, &gone, handles)?;
         }

@@ -163,12 +163,10 @@ impl Driver for CudaDriver {
         let support = self.export_support;
         let mut types = ExportTypes::NONE;
         if support.posix_fd {
-            types = ExportTypes::from_bits(types.bits() | ExportTypes::POSIX_FD.bits())
-                .expect("a known bit");
+            types = types.union(ExportTypes::POSIX_FD);
         }
         if support.fabric && !self.fabric_refused.load(Ordering::Relaxed) {
-            types = ExportTypes::from_bits(types.bits() | ExportTypes::FABRIC.bits())
-                .expect("a known bit");
+            types = types.union(ExportTypes::FABRIC);
         }
         types
     }
