@@ -12,12 +12,13 @@ import gc
 import multiprocessing as mp
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-from conftest import device_kwargs
+from conftest import MakeTensor, device_kwargs
 from extensible_kv import (
     DriverError,
     ExtensibleTensor,
@@ -188,22 +189,29 @@ def child(device: str) -> Iterator[Child]:
     proc.stop()
 
 
-def _owner(device: str, capacity: int, segments: int, **kw: Any) -> ExtensibleTensor:
-    return ExtensibleTensor(
-        capacity * segments,
-        segments,
-        export_handle_types="posix_fd",
-        **{**device_kwargs("cpu" if device == "cpu" else "cuda"), **kw},
-    )
+MakeOwner = Callable[..., ExtensibleTensor]
+
+
+@pytest.fixture
+def make_owner(make_tensor: MakeTensor) -> MakeOwner:
+    """`make_owner(capacity, segments, **kw)`: an exportable tensor of `segments` segments of
+    `capacity` bytes on the test's backend (closed at teardown, as `make_tensor`'s)."""
+
+    def make(capacity: int, segments: int, **kw: Any) -> ExtensibleTensor:
+        return make_tensor(capacity * segments, segments, export_handle_types="posix_fd", **kw)
+
+    return make
 
 
 # --------------------------------------------------------------------------------------------
 
 
-def test_two_processes_share_grow_and_outlive_the_owner(device: str, g: int, child: Child) -> None:
+def test_two_processes_share_grow_and_outlive_the_owner(
+    device: str, g: int, child: Child, make_owner: MakeOwner
+) -> None:
     _device_free(device)  # this process's CUDA context (its device files) exists first
     fds_before = open_fds()
-    owner = _owner(device, 8 * g, 3)
+    owner = make_owner(8 * g, 3)
     owner.resize_per_segment_(2 * g + 100)
     description = owner.share()
     assert description.owner_pid == os.getpid()
@@ -246,8 +254,8 @@ def test_two_processes_share_grow_and_outlive_the_owner(device: str, g: int, chi
     assert open_fds() == fds_before, "the parent kept fds open"
 
 
-def test_send_and_receive_over_a_unix_socket(device: str, g: int) -> None:
-    owner = _owner(device, 4 * g, 2)
+def test_send_and_receive_over_a_unix_socket(device: str, g: int, make_owner: MakeOwner) -> None:
+    owner = make_owner(4 * g, 2)
     owner.resize_per_segment_(3 * g)
     owner.full_view()[:16].copy_(pattern(16, 5).to(owner.device))
     _sync(device)
@@ -268,46 +276,38 @@ def test_send_and_receive_over_a_unix_socket(device: str, g: int) -> None:
     owner.close()
 
 
-def test_a_description_survives_pickling_without_its_fds(device: str, g: int) -> None:
+def test_a_description_survives_pickling_without_its_fds(g: int, make_owner: MakeOwner) -> None:
     import pickle
 
-    owner = _owner(device, 4 * g, 1)
+    owner = make_owner(4 * g, 1)
     owner.resize_(g)
     description = owner.share()
     assert pickle.loads(pickle.dumps(description)) == description
     owner.close()
 
 
-def _corrupt(description: SharedTensor, **changes: Any) -> SharedTensor:
-    from dataclasses import replace
-
-    return replace(description, **changes)
-
-
-def test_bad_descriptions_are_typed_errors_and_leak_nothing(device: str, g: int) -> None:
-    from dataclasses import replace
-
-    owner = _owner(device, 4 * g, 2)
+def test_bad_descriptions_are_typed_errors_and_leak_nothing(
+    g: int, make_tensor: MakeTensor, make_owner: MakeOwner
+) -> None:
+    owner = make_owner(4 * g, 2)
     owner.resize_per_segment_(2 * g)
     description = owner.share()
     fds_before = open_fds()
     first = description.handles[0]
     bad: list[tuple[SharedTensor, type[Exception], str]] = [
-        (_corrupt(description, segment_bytes=(3 * g, 2 * g)), ValueError, "in no handle"),
-        (_corrupt(description, segment_bytes=(5 * g, 0)), ValueError, "exceeds the capacity"),
+        (replace(description, segment_bytes=(3 * g, 2 * g)), ValueError, "in no handle"),
+        (replace(description, segment_bytes=(5 * g, 0)), ValueError, "exceeds the capacity"),
         (
-            _corrupt(description, handles=(replace(first, fd=4000), *description.handles[1:])),
+            replace(description, handles=(replace(first, fd=4000), *description.handles[1:])),
             DriverError,
             "no longer holds",
         ),
         (
-            _corrupt(
-                description, handles=(replace(first, pid=2**22 + 7), *description.handles[1:])
-            ),
+            replace(description, handles=(replace(first, pid=2**22 + 7), *description.handles[1:])),
             DriverError,
             "pidfd",
         ),
-        (_corrupt(description, handles=description.handles[::-1]), ValueError, "order"),
+        (replace(description, handles=description.handles[::-1]), ValueError, "order"),
     ]
     for wrong, error, match in bad:
         with pytest.raises(error, match=match):
@@ -315,7 +315,7 @@ def test_bad_descriptions_are_typed_errors_and_leak_nothing(device: str, g: int)
     assert open_fds() == fds_before
     with pytest.raises(UnsupportedError, match="refresh is for tensors imported"):
         owner.refresh(description)
-    plain = ExtensibleTensor(4 * g, 1, **device_kwargs("cpu" if device == "cpu" else "cuda"))
+    plain = make_tensor(4 * g)
     plain.resize_(g)
     with pytest.raises(UnsupportedError, match="not exportable"):
         plain.share()
@@ -323,25 +323,26 @@ def test_bad_descriptions_are_typed_errors_and_leak_nothing(device: str, g: int)
     owner.close()
 
 
-def test_a_failed_import_maps_nothing_and_keeps_no_fd(device: str, g: int) -> None:
-    owner = _owner(device, 8 * g, 2, max_handle_bytes=2 * g)
+def test_a_failed_import_maps_nothing_and_keeps_no_fd(
+    backend: str, g: int, make_owner: MakeOwner
+) -> None:
+    owner = make_owner(8 * g, 2, max_handle_bytes=2 * g)
     owner.resize_per_segment_(7 * g)
     description = owner.share()
     assert len(description.handles) >= 4
     fds_before = open_fds()
+    kw = {**device_kwargs(backend), "granularity": description.granularity}
     injected = 0
     for op in ("reserve", "import", "map", "set_access"):
         for nth in range(1, len(description.handles) + 1):
             for kind in ("driver", "oom"):
-                kw = dict(device_kwargs("cpu" if device == "cpu" else "cuda"))
-                kw["_fault"] = (op, nth, kind)
-                kw["granularity"] = description.granularity
                 try:
                     imported = ExtensibleTensor.__new__(
                         ExtensibleTensor,
                         0,
                         None,
                         _shared=description._to_native(),
+                        _fault=(op, nth, kind),
                         **kw,
                     )
                 except (DriverError, OutOfMemoryError):
@@ -372,7 +373,7 @@ def test_a_handle_retained_from_a_view_exports_and_imports() -> None:
         assert status == cu.CUresult.CUDA_SUCCESS, status
         return values[0] if len(values) == 1 else values
 
-    owner = _owner(device, 4 * g, 1)
+    owner = ExtensibleTensor(4 * g, 1, device=device, export_handle_types="posix_fd")
     owner.resize_(3 * g)
     view = owner.full_view()
     handle = ok(cu.cuMemRetainAllocationHandle(view.data_ptr() + g))
@@ -391,18 +392,3 @@ def test_a_handle_retained_from_a_view_exports_and_imports() -> None:
     ok(cu.cuMemRelease(handle))
     del view
     owner.close()
-
-
-def test_readme_share_example_runs() -> None:
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    (example,) = re.findall(r"```python share\n(.*?)```", readme, flags=re.S)
-    result = subprocess.run(
-        [sys.executable, "-c", example], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[7, 7, 7, 7]"

@@ -60,3 +60,12 @@ def test_example_runs() -> None:
     physical, handles = map(int, result.stdout.split())
     assert physical == 128 << 20
     assert handles <= 4
+
+
+def test_share_example_runs() -> None:
+    (example,) = _blocks("python share")
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[7, 7, 7, 7]"
