@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +115,18 @@ def g(make_tensor: MakeTensor) -> int:
     return granularity
 
 
-def needed_granules(t: ExtensibleTensor) -> set[int]:
-    """The granules that hold a committed byte of some segment."""
-    g = t.granularity
+def granules_of(offsets: Iterable[int], sizes: Iterable[int], g: int) -> set[int]:
+    """The granules of size `g` that hold a byte of some prefix `[offset, offset + size)`."""
     granules: set[int] = set()
-    for offset, num_bytes in zip(t.segment_offsets, t.segment_bytes, strict=True):
+    for offset, num_bytes in zip(offsets, sizes, strict=True):
         if num_bytes:
             granules.update(range(offset // g, -(-(offset + num_bytes) // g)))
     return granules
+
+
+def needed_granules(t: ExtensibleTensor) -> set[int]:
+    """The granules that hold a committed byte of some segment."""
+    return granules_of(t.segment_offsets, t.segment_bytes, t.granularity)
 
 
 def mapped_granules(t: ExtensibleTensor) -> list[int]:

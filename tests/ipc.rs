@@ -13,24 +13,30 @@ use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options, ShrinkOpt
 
 const G: u64 = 4096;
 
-fn owner(host: &Arc<HostDriver>) -> ExtensibleTensor {
+fn host_driver() -> Arc<HostDriver> {
+    Arc::new(HostDriver::new(G).unwrap())
+}
+
+/// An exportable owner of 2 segments of 8 granules on `host`, each grown to `per_segment`.
+fn owner(host: &Arc<HostDriver>, per_segment: u64) -> ExtensibleTensor {
     let options = Options {
         max_handle_bytes: Some(2 * G),
         export_types: ExportTypes::POSIX_FD,
         ..Options::default()
     };
-    ExtensibleTensor::with_equal_segments(host.clone(), 2 * 8 * G, 2, options).unwrap()
+    let owner = ExtensibleTensor::with_equal_segments(host.clone(), 2 * 8 * G, 2, options).unwrap();
+    owner
+        .resize_per_segment(per_segment, GrowOptions::zeroed())
+        .unwrap();
+    owner
 }
 
 #[test]
 fn an_importer_sees_writes_and_follows_grows_and_shrinks() {
-    let host = Arc::new(HostDriver::new(G).unwrap());
-    let owner = owner(&host);
-    owner
-        .resize_per_segment(3 * G, GrowOptions::zeroed())
-        .unwrap();
+    let host = host_driver();
+    let owner = owner(&host, 3 * G);
     common::write(&owner, 0, &[7; 16]);
-    let importer_driver = Arc::new(HostDriver::new(G).unwrap());
+    let importer_driver = host_driver();
     let imported =
         ExtensibleTensor::import(importer_driver.clone(), &owner.share().unwrap(), None).unwrap();
     assert_eq!(imported.segment_bytes(), owner.segment_bytes());
@@ -73,11 +79,8 @@ fn an_importer_sees_writes_and_follows_grows_and_shrinks() {
 
 #[test]
 fn a_failed_import_leaves_nothing_behind() {
-    let host = Arc::new(HostDriver::new(G).unwrap());
-    let owner = owner(&host);
-    owner
-        .resize_per_segment(7 * G, GrowOptions::zeroed())
-        .unwrap();
+    let host = host_driver();
+    let owner = owner(&host, 7 * G);
     let description = owner.share().unwrap();
     assert!(description.handles.len() >= 6);
     // The owner's memfds, its exported copies and any an importer holds all name the owner's
@@ -88,7 +91,7 @@ fn a_failed_import_leaves_nothing_behind() {
     let mut injected = 0;
     for op in [Op::Reserve, Op::Import, Op::Map, Op::SetAccess] {
         for nth in 1..=description.handles.len() as u64 {
-            let importer = Arc::new(HostDriver::new(G).unwrap());
+            let importer = host_driver();
             let fault = Fault {
                 op,
                 nth,
@@ -112,13 +115,9 @@ fn a_failed_import_leaves_nothing_behind() {
 
 #[test]
 fn tampered_descriptions_are_refused() {
-    let host = Arc::new(HostDriver::new(G).unwrap());
-    let owner = owner(&host);
-    owner
-        .resize_per_segment(3 * G, GrowOptions::zeroed())
-        .unwrap();
+    let host = host_driver();
+    let owner = owner(&host, 3 * G);
     let description = owner.share().unwrap();
-    let importer = || Arc::new(HostDriver::new(G).unwrap());
     let mut grown = description.clone();
     grown.segment_bytes = vec![5 * G, 5 * G];
     let mut twice = description.clone();
@@ -130,7 +129,7 @@ fn tampered_descriptions_are_refused() {
         (twice, "serial"),
         (bigger, "out of order or overlapping"),
     ] {
-        match ExtensibleTensor::import(importer(), &bad, None) {
+        match ExtensibleTensor::import(host_driver(), &bad, None) {
             Err(Error::InvalidArgument(message)) => assert!(message.contains(why), "{message}"),
             Err(other) => panic!("{other}"),
             Ok(_) => panic!("accepted a description with {why}"),

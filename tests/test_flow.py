@@ -238,9 +238,8 @@ def test_extend_to_fit_leaves_only_the_margin() -> None:
     capacity = sizing.capacity_blocks_for(settled_free(reset_peaks=True), spec, granularity)
     margin = 2 * GIB
     with KVCacheFlow.reserve(spec, capacity, "cuda:0") as flow:
-        settled_free(
-            reset_peaks=True
-        )  # what earlier tests released counts as free before the measurement
+        # What earlier tests released counts as free before the measurement.
+        settled_free(reset_peaks=True)
         report = flow.extend_to_fit(margin_bytes=margin)
         free_after = settled_free(reset_peaks=True)
         # One more block would cost at most a granule per segment (4 buffers x 2 segments).

@@ -141,7 +141,6 @@ def _peer_main(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from extensible_kv import ExtensibleTensor
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     join_group("gloo", rank, port, WORLD_SIZE, TIMEOUT_S)
     path = Path(out_dir, "description.pickle")

@@ -10,13 +10,12 @@ process, so a passing write proves the bytes were committed.
 from __future__ import annotations
 
 import copy
-import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from conftest import containing_mapping, memfd_counts
+from conftest import containing_mapping, granules_of
 from kv_helpers import DEVICES
 from vllm_cases import CASES, Case, kv_cache_config, layout
 
@@ -101,12 +100,8 @@ class Setup:
 
     def expected_physical(self, num_blocks: int) -> int:
         """The granules that hold a committed byte, each once (a shared one too)."""
-        g = self.granule
-        granules: set[int] = set()
-        for offset, size in zip(self.kv.segment_offsets, self.sizes(num_blocks), strict=True):
-            if size:
-                granules.update(range(offset // g, -(-(offset + size) // g)))
-        return len(granules) * g
+        granules = granules_of(self.kv.segment_offsets, self.sizes(num_blocks), self.granule)
+        return len(granules) * self.granule
 
     def assert_physical(self, num_blocks: int) -> None:
         physical = self.buffer.physical_bytes
@@ -275,35 +270,31 @@ def keep_data(vllm_plugin: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
 
 
 def test_keep_data_shrinks_and_defragments_without_losing_blocks(
-    keep_data: Any, case: Case, device: torch.device
+    keep_data: Any, setup: Setup
 ) -> None:
-    setup = Setup(keep_data, case, device, CAPACITY)
-    try:
-        kv = setup.kv
-        for n in (50, 300, 500):
-            kv.commit(n)
-        setup.fill(500)
-        kv.commit(200, shrink=True)
-        assert kv.num_committed_blocks == 200
-        setup.assert_physical(200)  # given back down to the granules 200 blocks need
-        setup.assert_filled(200)  # vLLM's own commit would have zeroed them
-        kv.commit(250)
-        setup.assert_filled(200)
-        setup.assert_zero(200, 250)
-        kv.commit(450, defragment=True)
-        assert kv.num_committed_blocks == 450
-        setup.assert_filled(200)
-        setup.assert_zero(200, 450)
-        if case.aligned:
-            assert all(setup.one_chunk(450))
-    finally:
-        setup.views.clear()
-        setup.kv.free()
+    kv = setup.kv
+    for n in (50, 300, 500):
+        kv.commit(n)
+    setup.fill(500)
+    kv.commit(200, shrink=True)
+    assert kv.num_committed_blocks == 200
+    setup.assert_physical(200)  # given back down to the granules 200 blocks need
+    setup.assert_filled(200)  # vLLM's own commit would have zeroed them
+    kv.commit(250)
+    setup.assert_filled(200)
+    setup.assert_zero(200, 250)
+    kv.commit(450, defragment=True)
+    assert kv.num_committed_blocks == 450
+    setup.assert_filled(200)
+    setup.assert_zero(200, 450)
+    if setup.case.aligned:
+        assert all(setup.one_chunk(450))
 
 
-def test_free_with_live_views(vllm_plugin: Any, case: Case, device: torch.device) -> None:
-    gc.collect()
-    memfds_before = memfd_counts()
+def test_free_with_live_views(
+    vllm_plugin: Any, case: Case, device: torch.device, leak_check: Callable[[], tuple[int, int]]
+) -> None:
+    memfds_before = leak_check()
     setup = Setup(vllm_plugin, case, device, CAPACITY)
     setup.kv.commit(300)
     setup.fill(300)
@@ -316,7 +307,7 @@ def test_free_with_live_views(vllm_plugin: Any, case: Case, device: torch.device
     assert buffer.base_ptr == 0
     setup.kv.free()  # idempotent
     if device.type == "cpu":
-        assert memfd_counts() == memfds_before  # physical memory returned at once
+        assert leak_check() == memfds_before  # physical memory returned at once
         assert containing_mapping(base) == "---p"  # the range: reserved, inaccessible
     # While views live, nobody else can be handed these addresses: a stale view faults
     # instead of aliasing (vLLM's class frees the range, and the next reservation tends to

@@ -17,7 +17,7 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
-from conftest import BACKENDS, containing_mapping, memfd_counts
+from conftest import BACKENDS, containing_mapping
 from extensible_kv import ClosedError, OutOfMemoryError, UnsupportedError
 from extensible_kv.vllm import HANDLES_ENV_VAR, ExtensibleTensor, granule_size
 from extensible_kv.vllm import tensor as dropin_module
@@ -119,8 +119,10 @@ def test_constructor_errors_use_vllms_wording(
 
 
 @pytest.mark.parametrize("handle_types", [1, 9])
-def test_export_handle_types_make_the_memory_shareable(dev: torch.device, handle_types: int):
-    t = ExtensibleTensor(4 << 20, device=dev, num_segments=2, export_handle_types=handle_types)
+def test_export_handle_types_make_the_memory_shareable(
+    dev: torch.device, make: Callable[..., ExtensibleTensor], handle_types: int
+) -> None:
+    t = make(4 << 20, num_segments=2, export_handle_types=handle_types)
     t.resize_per_segment_(1 << 20)
     core = t._open()
     # Both asked: fabric alone where the device has it (as vLLM), fds otherwise.
@@ -135,9 +137,10 @@ def test_export_handle_types_make_the_memory_shareable(dev: torch.device, handle
         ExtensibleTensor(1 << 20, device=dev, export_handle_types=2)
 
 
-def test_shrink_and_consolidate_keep_the_contents(dev: torch.device) -> None:
-    g = granule_size(dev.index if dev.type == "cuda" else "cpu")
-    t = ExtensibleTensor(2 * 8 * g, device=dev, num_segments=2)
+def test_shrink_and_consolidate_keep_the_contents(
+    make: Callable[..., ExtensibleTensor], g: int
+) -> None:
+    t = make(2 * 8 * g, num_segments=2)
     for n in (1, 3, 7):
         t.resize_per_segment_(n * g, zero_new=True)
     for i in range(2):
@@ -361,17 +364,18 @@ def test_free(make: Callable[..., ExtensibleTensor], dev: torch.device, g: int) 
     assert views[0].data_ptr() == base
 
 
-def test_free_returns_memory_now_and_the_range_with_the_last_view() -> None:
+def test_free_returns_memory_now_and_the_range_with_the_last_view(
+    leak_check: Callable[[], tuple[int, int]],
+) -> None:
     g = G
-    gc.collect()
-    before = memfd_counts()
+    before = leak_check()
     t = ExtensibleTensor(4 * g, device="cpu")
     t.resize_per_segment_(3 * g)
     view = t.full_view()
     base = t.base_ptr
-    assert memfd_counts() != before
+    assert leak_check() != before
     t.free()
-    assert memfd_counts() == before  # physical memory: returned at once
+    assert leak_check() == before  # physical memory: returned at once
     assert containing_mapping(base) == "---p"  # the range: reserved, inaccessible
     del view
     gc.collect()
