@@ -21,11 +21,11 @@ CUDA): few, large handles — the default handle policy — make sharing cheap.
 from __future__ import annotations
 
 import os
-import pickle
-import socket
-import struct
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import socket
 
 __all__ = ["SharedHandle", "SharedTensor", "export_handle_types_bits", "recv_shared", "send_shared"]
 
@@ -130,6 +130,11 @@ def send_shared(sock: socket.socket, description: SharedTensor) -> None:
     """Sends `description` and the owner's fds over the connected Unix socket `sock`, for a
     peer that may not take them by pid (`recv_shared` on the other end). Call it from the
     process that called `share()`: it sends that process's fds."""
+    # Imported here: only the socket path needs them (`import extensible_kv` stays lean).
+    import pickle
+    import socket
+    import struct
+
     if description.owner_pid != os.getpid():
         raise ValueError(
             f"send_shared must run in the owner process ({description.owner_pid}), not "
@@ -145,6 +150,10 @@ def send_shared(sock: socket.socket, description: SharedTensor) -> None:
 def recv_shared(sock: socket.socket) -> SharedTensor:
     """Receives a description sent by `send_shared`, carrying the received fds (given up to
     the next `ExtensibleTensor.from_shared` or `refresh` of it)."""
+    import pickle
+    import socket
+    import struct
+
     (length,) = struct.unpack("!Q", _recv_exactly(sock, 8))
     description: SharedTensor = pickle.loads(_recv_exactly(sock, length))
     expected = sum(h.fd is not None for h in description.handles)

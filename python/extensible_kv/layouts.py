@@ -74,6 +74,11 @@ class AttentionBackend(Protocol):
     ) -> tuple[int, ...]: ...
 
 
+def round_up(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple` (positive)."""
+    return -(-value // multiple) * multiple
+
+
 def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 

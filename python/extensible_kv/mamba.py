@@ -15,16 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from extensible_kv import _torch
-from extensible_kv.layouts import StridedView, contiguous_strides, itemsize
+from extensible_kv.layouts import StridedView, contiguous_strides, itemsize, round_up
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MambaStateSpec", "gated_delta_net_state_spec", "mamba2_state_spec"]
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,7 @@ class MambaStateSpec:
         """Byte offset of each state in the block."""
         offsets, end = [], 0
         for shape, dtype in self.states:
-            start = _round_up(end, itemsize(dtype))
+            start = round_up(end, itemsize(dtype))
             offsets.append(start)
             end = start + math.prod(shape) * itemsize(dtype)
         return tuple(offsets)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from extensible_kv import _native
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec, segment_layout
+from extensible_kv.layouts import round_up
 
 if TYPE_CHECKING:
     import torch
@@ -178,7 +179,7 @@ def capacity_blocks_for(
     block_bytes = sum(segments * segment_block_bytes for segments, segment_block_bytes in layout)
     step = math.lcm(*(granularity // math.gcd(granularity, b) for _, b in layout))
     estimate = max(1, upper_bound_bytes // block_bytes)
-    return -(-estimate // step) * step
+    return round_up(estimate, step)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ExtensibleTensor"]
 
+logger = logging.getLogger("extensible_kv")
 
 _DLPACK_CODES: dict[torch.dtype, tuple[int, int]] = {}
 _KDL_CUDA = 2
@@ -82,7 +83,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             cls, max_bytes, num_segments, device, export_handle_types=bits, **kwargs
         )
         if bits & FABRIC and not tensor.export_handle_types & FABRIC:
-            logging.getLogger("extensible_kv").warning(
+            logger.warning(
                 "%s cannot export fabric handles; the memory is exportable as %s only",
                 tensor.device,
                 "POSIX fds" if tensor.export_handle_types else "nothing",

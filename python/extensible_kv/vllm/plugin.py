@@ -20,6 +20,7 @@ changes nothing and logs a warning naming the version.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
@@ -36,7 +37,6 @@ _KV_CACHE_MODULE = "vllm.v1.worker.extensible_kv_cache"
 _TARGET = "vllm.utils.extensible_tensor"
 # Modules that bind the names with `from ... import`: patched too when already imported.
 _BINDERS = ("vllm.v1.worker.extensible_kv_cache", "vllm.v1.worker.gpu_worker")
-_NAMES = ("ExtensibleTensor", "granule_size")
 # vLLM 0.34.0's constructor: (name, default) after `self`.
 _SIGNATURE = (
     ("max_num_bytes", inspect.Parameter.empty),
@@ -49,6 +49,7 @@ _REPLACEMENTS: dict[str, Any] = {
     "ExtensibleTensor": ExtensibleTensor,
     "granule_size": granule_size,
 }
+_NAMES = tuple(_REPLACEMENTS)
 # (module, name) -> vLLM's object, for `unregister`.
 _originals: dict[tuple[str, str], Any] = {}
 
@@ -90,8 +91,6 @@ def _commit_keeping_data(
 
 
 def _install_keep_data() -> None:
-    import importlib
-
     cls = importlib.import_module(_KV_CACHE_MODULE).ExtensibleKVCache
     if cls.commit is _commit_keeping_data:
         return
@@ -130,8 +129,6 @@ def register() -> bool:
     if _switched_off():
         logger.info("extensible-kv: %s=0, vLLM keeps its own ExtensibleTensor.", ENV_VAR)
         return False
-    import importlib
-
     vllm = sys.modules["vllm"]
     version = getattr(vllm, "__version__", "unknown")
     torch = sys.modules.get("torch")
@@ -144,10 +141,16 @@ def register() -> bool:
         )
         return False
     module = importlib.import_module(_TARGET)
-    if module.ExtensibleTensor is ExtensibleTensor:
-        if _keep_data():
-            _install_keep_data()
-        return True
+    if module.ExtensibleTensor is not ExtensibleTensor and not _install_dropin(module, version):
+        return False
+    if _keep_data():
+        _install_keep_data()
+    return True
+
+
+def _install_dropin(module: Any, version: str) -> bool:
+    """Puts the drop-in where vLLM 0.34's `module` and the modules that imported from it bind
+    its names; False (with a warning) when `module` is not 0.34's."""
     reason = _unrecognised(module)
     if reason is not None:
         logger.warning(
@@ -173,8 +176,6 @@ def register() -> bool:
         version,
         ENV_VAR,
     )
-    if _keep_data():
-        _install_keep_data()
     return True
 
 

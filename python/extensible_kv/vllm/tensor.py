@@ -51,6 +51,9 @@ from typing import TYPE_CHECKING
 
 from extensible_kv._native import ExtensibleTensor as _NativeTensor
 from extensible_kv._native import OutOfMemoryError, UnsupportedError
+from extensible_kv.ipc import FABRIC, POSIX_FD
+from extensible_kv.layouts import round_up
+from extensible_kv.sizing import device_granularity
 from extensible_kv.tensor import ExtensibleTensor as _CoreTensor
 
 if TYPE_CHECKING:
@@ -62,14 +65,12 @@ HANDLES_ENV_VAR = "EXTENSIBLE_KV_VLLM_HANDLES"
 # The core's cuts of a grow that does not start from empty; the first is its default.
 _CUTS = ("at_cap_multiples", "whole_runs", "aligned_powers_of_two")
 
-_POSIX_FD, _FABRIC = 1, 8
-
 
 @functools.cache
 def _fabric_supported(device: str) -> bool:
     """Whether `device` gives allocations fabric handles (a probe that maps nothing)."""
-    probe = _NativeTensor(1, 1, device, export_handle_types=_FABRIC)
-    supported = bool(probe.export_handle_types & _FABRIC)
+    probe = _NativeTensor(1, 1, device, export_handle_types=FABRIC)
+    supported = bool(probe.export_handle_types & FABRIC)
     probe.close()
     return supported
 
@@ -77,10 +78,6 @@ def _fabric_supported(device: str) -> bool:
 # vLLM floors its commit granule at 2 MiB (ROCm reports 4 KiB); `granularity` must match
 # `granule_size()`, which vLLM pads layer segments with.
 _MIN_GRANULARITY = 2 << 20
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _current_cuda_index() -> int:
@@ -116,12 +113,8 @@ def _device_name(device: torch.device) -> str:
 
 @functools.cache
 def _granule_size_of(device_name: str) -> int:
-    probe = _NativeTensor(1, 1, device=device_name)
-    try:
-        driver_granularity = probe.granularity
-    finally:
-        probe.close()
-    return _round_up(max(driver_granularity, _MIN_GRANULARITY), driver_granularity)
+    driver_granularity = device_granularity(device_name)
+    return round_up(max(driver_granularity, _MIN_GRANULARITY), driver_granularity)
 
 
 def granule_size(device_index: int | str | torch.device) -> int:
@@ -182,7 +175,7 @@ class ExtensibleTensor:
             raise ValueError(
                 "max_num_bytes must be positive: extensible-kv reserves no empty address range."
             )
-        if export_handle_types & ~(_POSIX_FD | _FABRIC):
+        if export_handle_types & ~(POSIX_FD | FABRIC):
             raise UnsupportedError(
                 f"export_handle_types={export_handle_types}: only POSIX fd (1) and fabric (8) "
                 "are supported"
@@ -191,16 +184,17 @@ class ExtensibleTensor:
         if cut not in _CUTS:
             raise ValueError(f"{HANDLES_ENV_VAR}={cut!r}: expected one of {', '.join(_CUTS)}")
         self._device = _resolve_device(device)
-        if export_handle_types == _POSIX_FD | _FABRIC:
+        device_name = _device_name(self._device)
+        if export_handle_types == POSIX_FD | FABRIC:
             # As vLLM: fabric alone where the device has it (fds with fabric are unverified).
-            fabric = _fabric_supported(_device_name(self._device))
-            export_handle_types = _FABRIC if fabric else _POSIX_FD
+            fabric = _fabric_supported(device_name)
+            export_handle_types = FABRIC if fabric else POSIX_FD
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
-        self._granularity = granule_size(self._device)
+        self._granularity = _granule_size_of(device_name)
         self._tensor: _CoreTensor | None = _CoreTensor(
             max_num_bytes,
-            device=_device_name(self._device),
+            device=device_name,
             segment_capacities=capacities,
             granularity=self._granularity,
             export_handle_types=export_handle_types,
@@ -307,7 +301,7 @@ class ExtensibleTensor:
     @property
     def capacity_bytes(self) -> int:
         """Bytes reserved: the capacity rounded up to whole granules."""
-        return _round_up(self._max_num_bytes, self._granularity)
+        return round_up(self._max_num_bytes, self._granularity)
 
     @property
     def physical_bytes(self) -> int:
