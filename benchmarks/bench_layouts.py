@@ -255,20 +255,16 @@ def floor_once(num_bytes: int, pause_s: float) -> float:
     return ms
 
 
-def steady_once(name: str, geo: Geometry, target: int, num_bytes: int, args: Any) -> dict[str, Any]:
-    """One steady-state repetition of contender `name` (after the pause)."""
+def repetition(
+    name: str, geo: Geometry, target: int, num_bytes: int, pause_s: float, read: bool
+) -> dict[str, Any]:
+    """One repetition of contender `name` after `pause_s` (steady state), or none (just
+    freed: the memory freed just before is still being scrubbed)."""
     if name == "legacy":
-        return {"ms": legacy_once(num_bytes, args.pause)}
+        return {"ms": legacy_once(num_bytes, pause_s)}
     if name == "floor":
-        return {"ms": floor_once(num_bytes, args.pause)}
-    return one_extend(name, geo, target, args.pause, args.read, False)
-
-
-def just_freed_once(name: str, geo: Geometry, target: int, num_bytes: int) -> float:
-    """One repetition with no pause: the memory freed just before is still being scrubbed."""
-    if name == "legacy":
-        return legacy_once(num_bytes, 0)
-    return float(one_extend(name, geo, target, 0, False, False)["ms"])
+        return {"ms": floor_once(num_bytes, pause_s)}
+    return one_extend(name, geo, target, pause_s, read, False)
 
 
 def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
@@ -307,16 +303,19 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
             if "error" in entry:
                 continue
             try:
-                run = steady_once(name, geo, target, num_bytes, args)
+                run = repetition(name, geo, target, num_bytes, args.pause, args.read)
                 entry["steady_ms"].append(run["ms"])
-                for key in ("handles", "teardown_ms", "read_tbps"):
+                if "handles" in run:
+                    entry["handles"] = run["handles"]
+                for key in ("teardown_ms", "read_tbps"):
                     if key in run:
                         entry.setdefault(key, []).append(run[key])
                 # Just freed: right after the contender's own teardown, as a stack that
                 # sleeps and wakes sees it (after another's free, the first contender of a
                 # fixed order paid for a 120 GiB cudaFree it did not make: 2026-12-03 run).
                 if rep == args.reps - 1 and name != "floor":
-                    entry["just_freed_ms"] = just_freed_once(name, geo, target, num_bytes)
+                    freed = repetition(name, geo, target, num_bytes, 0, False)
+                    entry["just_freed_ms"] = freed["ms"]
             except Exception as exc:  # one contender failing must not lose the others
                 traceback.print_exc()
                 entry["error"] = f"{type(exc).__name__}: {exc}"
@@ -330,8 +329,6 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
                 traceback.print_exc()
                 entry["error"] = f"{type(exc).__name__}: {exc}"
                 settle(0)
-        if isinstance(entry.get("handles"), list):
-            entry["handles"] = entry["handles"][-1]
         log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'profile'})}")
     return res
 
