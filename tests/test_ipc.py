@@ -265,7 +265,7 @@ def test_send_and_receive_over_a_unix_socket(device: str, g: int, make_owner: Ma
         received = recv_shared(right)
     assert received == owner.share() and received.received_fds is not None
     fds = received.received_fds
-    assert len(fds) == owner.num_handles
+    assert len(fds) == owner.num_handles + 1  # the registry first, then one per handle
     imported = ExtensibleTensor.from_shared(received)
     assert received.received_fds == ()  # handed over: the import closed them
     assert all(not os.path.exists(f"/proc/self/fd/{fd}") for fd in fds)
@@ -295,19 +295,21 @@ def test_bad_descriptions_are_typed_errors_and_leak_nothing(
     fds_before = open_fds()
     first = description.handles[0]
     bad: list[tuple[SharedTensor, type[Exception], str]] = [
-        (replace(description, segment_bytes=(3 * g, 2 * g)), ValueError, "in no handle"),
+        (replace(description, segment_bytes=(3 * g, 2 * g)), ValueError, "no handle covers"),
         (replace(description, segment_bytes=(5 * g, 0)), ValueError, "exceeds the capacity"),
         (
             replace(description, handles=(replace(first, fd=4000), *description.handles[1:])),
-            DriverError,
-            "no longer holds",
+            ValueError,
+            "stale shared description: process .* no longer holds fd 4000",
         ),
         (
             replace(description, handles=(replace(first, pid=2**22 + 7), *description.handles[1:])),
-            DriverError,
-            "pidfd",
+            ValueError,
+            r"handles\[0\]\.pid is 4194311, not the owner's",
         ),
-        (replace(description, handles=description.handles[::-1]), ValueError, "order"),
+        (replace(description, owner_pid=2**22 + 7), ValueError, r"handles\[0\]\.pid"),
+        (replace(description, handles=description.handles[::-1]), ValueError, "sorted and disjoint"),
+        (replace(description, tensor_id=owner.tensor_id + 1), ValueError, "no longer holds tensor"),
     ]
     for wrong, error, match in bad:
         with pytest.raises(error, match=match):

@@ -2,9 +2,9 @@
 
 The owner creates the tensor exportable (`export_handle_types="posix_fd"`, or `"fabric"`
 where the device supports it) and describes its memory with `share()`: a picklable
-`SharedTensor` of the geometry, the committed sizes and, per physical handle, its granule run,
-a serial number and how to get it (the owner's pid and an fd it keeps open, or a fabric
-handle). Another process maps the same memory at the same offsets of a reservation of its own
+`SharedTensor` of the tensor's random id, the geometry, the committed sizes and, per physical
+handle, its granule run, a serial number and how to get it (the owner's pid and an fd it
+keeps open, or a fabric handle). Another process maps the same memory at the same offsets of a reservation of its own
 with `ExtensibleTensor.from_shared(description)`; `refresh(description)` follows the owner's
 later grows and shrinks. An importer can never grow, shrink or free the owner's memory; what
 it maps stays valid, whatever the owner does, until the importer lets go.
@@ -13,6 +13,13 @@ Fds are taken from the owner by pid (`pidfd_getfd`, Linux 5.6+, which needs ptra
 the owner). Where that is refused, `send_shared(sock, description)` passes the description
 and the fds over a connected Unix socket (SCM_RIGHTS) and `recv_shared(sock)` returns a
 description carrying the received fds, which `from_shared` / `refresh` then use (and close).
+
+A description is untrusted: every field is checked, and every fd is checked against the
+owner's export registry (a memfd named after the tensor's id, which says which fd backs which
+handle) after it is taken and before anything is mapped. A stale description — one whose
+handles the owner has released since, so that its fd numbers may name other memory by now —
+is refused with a `ValueError` that says so; `share()` again for a current one. `refresh`
+refuses a description of another tensor.
 
 Each handle is exported once, on the first `share()` that needs it (~0.6 ms a handle on
 CUDA): few, large handles — the default handle policy — make sharing cheap.
@@ -71,9 +78,10 @@ class SharedHandle:
 class SharedTensor:
     """What another process needs to map a tensor's memory (from `ExtensibleTensor.share`).
 
-    Picklable. `received_fds` is set only by `recv_shared`: fds this process holds, one per fd
-    handle in order, handed over to (and closed by) the next `from_shared` / `refresh`; it is
-    never pickled."""
+    Picklable. `tensor_id` names the owner's tensor (random, never 0); `registry_fd` is the
+    owner's fd of its export registry. `received_fds` is set only by `recv_shared`: fds this
+    process holds (the registry's, then one per fd handle, in order), used and then closed by
+    the next `from_shared` / `refresh`; it is never pickled."""
 
     device: str
     granularity: int
@@ -81,6 +89,8 @@ class SharedTensor:
     segment_bytes: tuple[int, ...]
     owner_pid: int
     handles: tuple[SharedHandle, ...]
+    tensor_id: int = 0
+    registry_fd: int | None = None
     received_fds: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -90,7 +100,7 @@ class SharedTensor:
 
     @classmethod
     def _from_native(cls, raw: tuple[Any, ...]) -> SharedTensor:
-        device, granularity, capacities, sizes, owner_pid, handles = raw
+        device, granularity, capacities, sizes, owner_pid, tensor_id, registry_fd, handles = raw
         return cls(
             device,
             granularity,
@@ -98,23 +108,34 @@ class SharedTensor:
             tuple(sizes),
             owner_pid,
             tuple(SharedHandle(*h) for h in handles),
+            tensor_id,
+            registry_fd,
         )
 
     def _to_native(self) -> tuple[Any, ...]:
-        handles = [
-            (h.first_granule, h.num_granules, h.serial, h.pid, h.fd, h.fabric) for h in self.handles
-        ]
+        """The tuple the native module takes; it checks every field's type and value."""
+        handles = self.handles
+        if isinstance(handles, tuple | list):
+            handles = [
+                (h.first_granule, h.num_granules, h.serial, h.pid, h.fd, h.fabric)
+                if isinstance(h, SharedHandle)
+                else h  # the native check names what is wrong with it
+                for h in handles
+            ]
         return (
             self.device,
             self.granularity,
-            list(self.segment_capacities),
-            list(self.segment_bytes),
+            self.segment_capacities,
+            self.segment_bytes,
             self.owner_pid,
+            self.tensor_id,
+            self.registry_fd,
             handles,
         )
 
     def _take_fds(self) -> list[int] | None:
-        """The received fds, once: the native call that gets them closes them."""
+        """The received fds, once: the caller closes them after the native call, which only
+        borrows (duplicates) them."""
         fds = self.received_fds
         if fds is None:
             return None
@@ -140,11 +161,18 @@ def send_shared(sock: socket.socket, description: SharedTensor) -> None:
             f"send_shared must run in the owner process ({description.owner_pid}), not "
             f"{os.getpid()}: the fds it sends are the owner's"
         )
-    payload = pickle.dumps(description)
-    sock.sendall(struct.pack("!Q", len(payload)) + payload)
-    fds = [h.fd for h in description.handles if h.fd is not None]
-    for start in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
-        socket.send_fds(sock, [b"F"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+    from extensible_kv import _native
+
+    # Checked current first: a stale description's fd numbers may name other memory by now.
+    fds = _native._owner_fds(description._to_native())
+    try:
+        payload = pickle.dumps(description)
+        sock.sendall(struct.pack("!Q", len(payload)) + payload)
+        for start in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
+            socket.send_fds(sock, [b"F"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def recv_shared(sock: socket.socket) -> SharedTensor:
@@ -156,7 +184,11 @@ def recv_shared(sock: socket.socket) -> SharedTensor:
 
     (length,) = struct.unpack("!Q", _recv_exactly(sock, 8))
     description: SharedTensor = pickle.loads(_recv_exactly(sock, length))
+    if not isinstance(description, SharedTensor):
+        raise TypeError(f"received a {type(description).__name__}, not a SharedTensor")
     expected = sum(h.fd is not None for h in description.handles)
+    if expected and description.registry_fd is not None:
+        expected += 1  # the registry's fd comes first
     received: list[int] = []
     try:
         while len(received) < expected:

@@ -57,6 +57,25 @@ def _dlpack_code(dtype: torch.dtype) -> tuple[int, int, bool]:
     return 0, dtype.itemsize * 8, False
 
 
+def _check_description(description: object) -> None:
+    if not isinstance(description, SharedTensor):
+        raise TypeError(
+            f"description must be a SharedTensor (from ExtensibleTensor.share), not "
+            f"{type(description).__name__}"
+        )
+
+
+def _close_all(fds: list[int] | None) -> None:
+    """Closes received fds once the native call that borrowed (duplicated) them is done."""
+    import os
+
+    for fd in fds or ():
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the caller closed it itself
+
+
 class ExtensibleTensor(_native.ExtensibleTensor):
     """One address reservation of `max_bytes`, in `num_segments` segments that grow in lockstep.
 
@@ -102,22 +121,33 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         whatever the owner does. It cannot grow, shrink or release the owner's memory:
         `refresh` follows the owner instead. All or nothing: a failure maps nothing and keeps
         no fd or handle."""
+        _check_description(description)
         target = description.device if device is None else device
-        return super().__new__(
-            cls,
-            0,
-            None,
-            target,
-            granularity=description.granularity,  # the host backend's is its own to pick
-            _shared=description._to_native(),
-            _fds=description._take_fds(),
-        )
+        fds = description._take_fds()
+        try:
+            return super().__new__(
+                cls,
+                0,
+                None,
+                target,
+                granularity=description.granularity,  # the host backend's is its own to pick
+                _shared=description._to_native(),
+                _fds=fds,
+            )
+        finally:
+            _close_all(fds)
 
     def refresh(self, description: SharedTensor) -> None:
         """Follows the owner to a newer `description` of its memory: maps what it grew, unmaps
         (after the device is done with it) what it released; the committed sizes become the
-        description's. All or nothing."""
-        self._refresh(description._to_native(), description._take_fds())
+        description's. All or nothing. A stale description (handles the owner released since)
+        or one of another tensor is a `ValueError`."""
+        _check_description(description)
+        fds = description._take_fds()
+        try:
+            self._refresh(description._to_native(), fds)
+        finally:
+            _close_all(fds)
 
     def resize_per_segment_(
         self,

@@ -5,53 +5,268 @@
 //! `CAP_SYS_PTRACE`); where it is refused, the fds travel over a Unix socket instead
 //! (SCM_RIGHTS: `extensible_kv.send_shared` / `recv_shared`).
 //!
-//! Promises: the only `unsafe` here wraps the two raw syscalls, whose results become
-//! `OwnedFd`s at once; nothing else of the process is touched.
+//! An fd number names a file only while its holder keeps it open: once the owner releases a
+//! handle, the kernel hands the same number to the next file opened, maybe another tensor's
+//! memory. So the owner keeps an [`ExportRegistry`], a memfd named after the tensor's random
+//! id, with one word per granule: the serial and fd number of the exported handle that starts
+//! there, cleared *before* that fd is closed. An importer takes the registry by number too,
+//! checks its name (the tensor's id), then takes each handle's fd and only then reads the
+//! handle's word: if the word still names that serial and fd, the fd was the handle's when it
+//! was taken (the owner clears the word before the number can be reused). Anything else is a
+//! stale description, refused before anything is mapped.
+//!
+//! Promises: the `unsafe` here wraps raw syscalls, whose fd results become `OwnedFd`s at once,
+//! and the registry's shared mapping, read and written only through atomics inside its
+//! bounds; nothing else of the process is touched.
 #![allow(unsafe_code)]
 
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::host::os_error;
 use crate::error::{Error, Op, Result};
 
-/// Takes ownership of file descriptor `raw`, handed over by its holder (e.g. one received over
-/// a Unix socket): it is closed when the result drops.
-///
-/// # Safety
-/// `raw` must be an open fd that nothing else uses or closes from now on.
-pub unsafe fn adopt_fd(raw: i32) -> OwnedFd {
-    // SAFETY: the caller hands over an open fd that nothing else will use.
-    unsafe { OwnedFd::from_raw_fd(raw) }
+/// The name prefix of registry memfds (`/memfd:<prefix><id as 32 hex digits>`).
+const REGISTRY_PREFIX: &str = "extensible-kv-ids:";
+/// Bits of a registry word that hold the fd number; the serial + 1 takes the rest.
+const FD_BITS: u32 = 24;
+
+/// A duplicate (close-on-exec) of `raw`, an fd the caller keeps and closes itself: checked
+/// open first (`F_GETFD`), so a number that names nothing is a `ValueError`, and never adopted,
+/// so no call can close a descriptor its caller uses elsewhere.
+pub fn borrow_fd(raw: i32) -> Result<OwnedFd> {
+    // SAFETY: F_GETFD reads the flags of fd number `raw`, which may name nothing (then -1).
+    if raw < 0 || unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+        return Err(Error::invalid(format!(
+            "fd {raw} is not an open file descriptor of this process"
+        )));
+    }
+    // SAFETY: `raw` was open a moment ago; F_DUPFD_CLOEXEC makes a new fd, owned by us alone.
+    let copy = unsafe { libc::fcntl(raw, libc::F_DUPFD_CLOEXEC, 0) };
+    if copy < 0 {
+        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        return Err(os_error(Op::Import, errno, format!("duplicating fd {raw}")));
+    }
+    // SAFETY: the kernel just returned this fd, owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy) })
+}
+
+/// What `fd` is, as `/proc/self/fd` says (`/memfd:NAME (deleted)`, `/dev/nvidiactl`, ...).
+pub fn fd_target(fd: BorrowedFd<'_>) -> String {
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|e| format!("<unreadable: {e}>"))
+}
+
+/// One registry word: the handle's serial + 1 (0 means "no handle") and its fd number.
+fn registry_word(serial: u64, fd: i32) -> Result<u64> {
+    let fd = u64::try_from(fd).ok().filter(|&fd| fd < 1 << FD_BITS);
+    match (fd, serial.checked_add(1).filter(|&s| s < 1 << (64 - FD_BITS))) {
+        (Some(fd), Some(serial)) => Ok(serial << FD_BITS | fd),
+        _ => Err(Error::Unsupported(format!(
+            "cannot share handle {serial} exported as fd {fd:?}: fd numbers from 2^{FD_BITS} \
+             and more than 2^{} handles in one tensor are not supported",
+            64 - FD_BITS
+        ))),
+    }
+}
+
+/// A shared mapping of a registry memfd: `num_words` words, unmapped on drop.
+struct Words {
+    ptr: NonNull<AtomicU64>,
+    num_words: usize,
+}
+
+// SAFETY: the mapping is only ever accessed through atomics.
+unsafe impl Send for Words {}
+// SAFETY: as above.
+unsafe impl Sync for Words {}
+
+impl Words {
+    fn map(fd: &OwnedFd, num_words: usize, writable: bool) -> Result<Words> {
+        let prot = match writable {
+            true => libc::PROT_READ | libc::PROT_WRITE,
+            false => libc::PROT_READ,
+        };
+        let len = num_words.max(1) * 8;
+        // SAFETY: a fresh shared mapping of our own fd, placed where the kernel likes; it
+        // touches no existing memory.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(os_error(Op::Export, errno, format!("mapping a registry of {len} bytes")));
+        }
+        let ptr = NonNull::new(raw.cast::<AtomicU64>()).expect("mmap never returns null here");
+        Ok(Words { ptr, num_words })
+    }
+
+    fn get(&self, index: u64) -> Option<&AtomicU64> {
+        let index = usize::try_from(index).ok().filter(|&i| i < self.num_words)?;
+        // SAFETY: `index` is inside the mapping, which lives as long as `self`; the kernel
+        // aligns mappings to pages, so every word is 8-byte aligned; memory shared with other
+        // processes is only ever accessed through atomics.
+        Some(unsafe { &*self.ptr.as_ptr().add(index) })
+    }
+}
+
+impl Drop for Words {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping `map` made; no reference into it outlives `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.num_words.max(1) * 8) };
+    }
+}
+
+/// The owner's side: which exported fd backs which handle, for importers to check against.
+pub struct ExportRegistry {
+    fd: OwnedFd,
+    words: Words,
+}
+
+impl ExportRegistry {
+    /// A registry for a tensor of `num_granules` granules named by `tensor_id`.
+    pub fn create(tensor_id: u128, num_granules: u64) -> Result<ExportRegistry> {
+        let name = std::ffi::CString::new(format!("{REGISTRY_PREFIX}{tensor_id:032x}"))
+            .expect("no NUL in a formatted name");
+        // SAFETY: `name` is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(os_error(Op::Export, errno, "memfd for the export registry".into()));
+        }
+        // SAFETY: memfd_create just returned this fd, owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let num_words = usize::try_from(num_granules)
+            .ok()
+            .filter(|n| n.checked_mul(8).is_some_and(|b| i64::try_from(b).is_ok()))
+            .ok_or_else(|| Error::invalid(format!("{num_granules} granules is too many")))?;
+        // SAFETY: ftruncate on our own fd; the size fits off_t (checked above). Sparse: only
+        // the pages of words ever written take memory.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), (num_words.max(1) * 8) as libc::off_t) } != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(os_error(Op::Export, errno, "sizing the export registry".into()));
+        }
+        let words = Words::map(&fd, num_words, true)?;
+        Ok(ExportRegistry { fd, words })
+    }
+
+    /// The registry's fd number in this process (what a description names).
+    pub fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// Records that the handle `serial` at `first_granule` is exported as `fd`.
+    pub fn publish(&self, first_granule: u64, serial: u64, fd: i32) -> Result<()> {
+        let word = registry_word(serial, fd)?;
+        let slot = self.words.get(first_granule).ok_or_else(|| {
+            Error::invalid(format!("granule {first_granule} is outside the registry"))
+        })?;
+        slot.store(word, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Forgets the handle `serial` at `first_granule` (exported as `fd`), unless another
+    /// handle took the slot since. Call it before closing `fd`.
+    pub fn withdraw(&self, first_granule: u64, serial: u64, fd: i32) {
+        if let (Ok(word), Some(slot)) = (registry_word(serial, fd), self.words.get(first_granule)) {
+            let _ = slot.compare_exchange(word, 0, Ordering::SeqCst, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The importer's side: an owner's registry, checked to be the one of tensor `tensor_id`.
+pub struct RegistryView {
+    words: Words,
+}
+
+impl RegistryView {
+    /// Maps `fd` read-only after checking that it is the registry of tensor `tensor_id`.
+    pub fn open(fd: OwnedFd, tensor_id: u128) -> Result<RegistryView> {
+        let expected = format!("/memfd:{REGISTRY_PREFIX}{tensor_id:032x} (deleted)");
+        let target = fd_target(fd.as_fd());
+        if target != expected {
+            return Err(stale(format!(
+                "the owner no longer holds tensor {tensor_id:032x} (its registry fd now names \
+                 {target})"
+            )));
+        }
+        let len = std::fs::File::from(
+            fd.try_clone()
+                .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?,
+        )
+        .metadata()
+        .map(|m| m.len())
+        .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?;
+        let num_words = usize::try_from(len / 8).unwrap_or(0);
+        Ok(RegistryView {
+            words: Words::map(&fd, num_words, false)?,
+        })
+    }
+
+    /// Whether the handle `serial` at `first_granule` is still exported as `fd`.
+    pub fn is_live(&self, first_granule: u64, serial: u64, fd: i32) -> bool {
+        let Ok(word) = registry_word(serial, fd) else {
+            return false;
+        };
+        self.words
+            .get(first_granule)
+            .is_some_and(|slot| slot.load(Ordering::SeqCst) == word)
+    }
+}
+
+/// The error for a description whose memory the owner no longer holds as described.
+pub fn stale(why: String) -> Error {
+    Error::invalid(format!(
+        "stale shared description: {why}; call share() again in the owner for a current one"
+    ))
 }
 
 /// A duplicate, in this process, of file descriptor `fd` of process `pid`.
 pub fn fd_of_process(pid: i32, fd: i32) -> Result<OwnedFd> {
-    let pidfd = pidfd_open(pid)?;
-    getfd(&pidfd, pid, fd)
+    Process::open(pid)?.take(fd)
 }
 
-fn pidfd_open(pid: i32) -> Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags by value and touches no memory of ours.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    let raw = i32::try_from(raw).unwrap_or(-1);
-    if raw < 0 {
-        return Err(syscall_error("pidfd_open", pid, None));
-    }
-    // SAFETY: the kernel just returned this fd, owned by nothing else.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+/// Another process, held by a pidfd, whose fds this process may duplicate.
+pub struct Process {
+    pid: i32,
+    pidfd: OwnedFd,
 }
 
-fn getfd(pidfd: &OwnedFd, pid: i32, fd: i32) -> Result<OwnedFd> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: pidfd_getfd takes a live pidfd (borrowed for the call), an fd number and flags
-    // by value; it touches no memory of ours.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    let raw = i32::try_from(raw).unwrap_or(-1);
-    if raw < 0 {
-        return Err(syscall_error("pidfd_getfd", pid, Some(fd)));
+impl Process {
+    /// Holds process `pid` (ESRCH when there is none).
+    pub fn open(pid: i32) -> Result<Process> {
+        // SAFETY: pidfd_open takes a pid and flags by value and touches no memory of ours.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let raw = i32::try_from(raw).unwrap_or(-1);
+        if raw < 0 {
+            return Err(syscall_error("pidfd_open", pid, None));
+        }
+        // SAFETY: the kernel just returned this fd, owned by nothing else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(raw) };
+        Ok(Process { pid, pidfd })
     }
-    // SAFETY: the kernel just returned this fd (close-on-exec), owned by nothing else.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+
+    /// A duplicate, in this process, of the process's fd number `fd` (close-on-exec).
+    pub fn take(&self, fd: i32) -> Result<OwnedFd> {
+        // SAFETY: pidfd_getfd takes a live pidfd (borrowed for the call), an fd number and
+        // flags by value; it touches no memory of ours.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.pidfd.as_raw_fd(), fd, 0) };
+        let raw = i32::try_from(raw).unwrap_or(-1);
+        if raw < 0 {
+            return Err(syscall_error("pidfd_getfd", self.pid, Some(fd)));
+        }
+        // SAFETY: the kernel just returned this fd, owned by nothing else.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
 }
 
 fn syscall_error(call: &str, pid: i32, fd: Option<i32>) -> Error {
@@ -60,13 +275,15 @@ fn syscall_error(call: &str, pid: i32, fd: Option<i32>) -> Error {
         Some(fd) => format!("{call}: fd {fd} of process {pid}"),
         None => format!("{call}: process {pid}"),
     };
+    if let (libc::EBADF, Some(fd)) = (errno, fd) {
+        return stale(format!("process {pid} no longer holds fd {fd}"));
+    }
     let hint = match errno {
         libc::EPERM | libc::EACCES => {
             "; this process may not trace the owner (Yama ptrace_scope, another user): pass \
              the fds over a Unix socket with send_shared/recv_shared"
         }
         libc::ESRCH => "; the owner process is gone",
-        libc::EBADF => "; the owner no longer holds that fd (the handle was released)",
         _ => "",
     };
     os_error(Op::Import, errno, format!("{what}{hint}"))
@@ -89,11 +306,8 @@ mod tests {
     #[test]
     fn names_what_went_wrong() {
         let closed = fd_of_process(std::process::id() as i32, 1 << 20).unwrap_err();
-        assert!(
-            matches!(&closed, Error::Driver { op: Op::Import, code, .. } if code == "EBADF"),
-            "{closed}"
-        );
-        assert!(closed.to_string().contains("no longer holds"), "{closed}");
+        assert!(matches!(&closed, Error::InvalidArgument(_)), "{closed}");
+        assert!(closed.to_string().contains("stale shared description"), "{closed}");
         let gone = fd_of_process(i32::MAX, 0).unwrap_err();
         assert!(
             matches!(gone, Error::Driver { ref code, .. } if code == "ESRCH"),

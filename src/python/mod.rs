@@ -147,7 +147,7 @@ impl PyExtensibleTensor {
             export_types: ExportTypes::from_bits(export_handle_types)?,
         };
         let shared = _shared.map(share::to_description).transpose()?;
-        let fds = share::to_fds(_fds);
+        let fds = share::to_fds(_fds)?;
         let capacities = match segment_capacities.filter(|c| !c.is_none()) {
             Some(caps) => Some(
                 caps.try_iter()?
@@ -287,7 +287,7 @@ impl PyExtensibleTensor {
         fds: Option<Vec<i32>>,
     ) -> PyResult<()> {
         let description = share::to_description(description)?;
-        let fds = share::to_fds(fds);
+        let fds = share::to_fds(fds)?;
         Ok(py.detach(|| self.core.refresh(&description, fds))?)
     }
 
@@ -301,6 +301,13 @@ impl PyExtensibleTensor {
     #[getter]
     fn imported_from(&self) -> Option<u32> {
         self.core.imported_from()
+    }
+
+    /// The random id naming this tensor's memory in shared descriptions (an importer's is
+    /// its owner's).
+    #[getter]
+    fn tensor_id(&self) -> u128 {
+        self.core.tensor_id()
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
@@ -560,6 +567,14 @@ fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>>
     Ok(driver::unavailable_reason(&device.str()?.to_string()))
 }
 
+/// The fds a shared description names, taken from this (the owner) process and checked
+/// current: the registry's, then one per fd handle. The caller closes them.
+#[pyfunction]
+fn _owner_fds(py: Python<'_>, description: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    let description = share::to_description(description)?;
+    py.detach(|| share::owner_fds(&description))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExtensibleTensor>()?;
@@ -567,6 +582,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(footprint_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(extent_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(host_mem_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_owner_fds, m)?)?;
     errors::add_to(m)?;
     m.add(
         "DEFAULT_MAX_HANDLE_BYTES",

@@ -34,6 +34,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+use crate::driver::ipc::ExportRegistry;
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, Stream};
 use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
@@ -133,6 +134,9 @@ struct Ctx {
     export_types: ExportTypes,
     serials: AtomicU64,
     deferred: Mutex<Vec<Error>>,
+    /// Which exported fd backs which handle, for importers to check (made by the first
+    /// `share` of fds; closed after every handle, since each holds the `Ctx`).
+    registry: OnceLock<ExportRegistry>,
 }
 
 impl Ctx {
@@ -233,10 +237,22 @@ struct PhysicalHandle {
     /// The export made by the first `share` that needed it (~0.6 ms on CUDA), kept for the
     /// handle's life: an importer duplicates the owner's fd while the owner holds it.
     exported: OnceLock<Exported>,
+    /// The first granule under which `share` recorded the exported fd in the registry.
+    published_at: OnceLock<u64>,
 }
 
 impl Drop for PhysicalHandle {
     fn drop(&mut self) {
+        // Before the exported fd closes (a field, dropped after this): once it is closed, its
+        // number may name other memory, which importers must not take for this handle.
+        if let (Some(&granule), Some(registry), Some(Exported::Fd(fd))) = (
+            self.published_at.get(),
+            self.ctx.registry.get(),
+            self.exported.get(),
+        ) {
+            use std::os::fd::AsRawFd;
+            registry.withdraw(granule, self.serial, fd.as_raw_fd());
+        }
         self.ctx.defer(self.ctx.driver.release(self.id));
     }
 }
@@ -265,6 +281,7 @@ impl PhysicalHandle {
             id,
             serial,
             exported: OnceLock::new(),
+            published_at: OnceLock::new(),
         }
     }
 }
@@ -341,6 +358,9 @@ struct Inner {
     /// The owner's pid when this tensor maps memory another process owns (`import`): it
     /// follows the owner (`refresh`) and can never grow, shrink or release that memory.
     imported_from: Option<u32>,
+    /// A random id (never 0) naming the memory across processes: an owner's own, an
+    /// importer's the owner's, so `refresh` can refuse another tensor's description.
+    tensor_id: u128,
 }
 
 impl Drop for Inner {
@@ -482,6 +502,12 @@ impl ExtensibleTensor {
         ExtensibleTensor::reserve(driver, geometry, policy, export_types, None)
     }
 
+    /// The random id that names this tensor's memory in shared descriptions (an importer's
+    /// is its owner's).
+    pub fn tensor_id(&self) -> u128 {
+        self.inner.tensor_id
+    }
+
     /// Reserves `geometry`'s address space on `driver`: a tensor that holds no memory yet,
     /// owned (`imported_from` is `None`) or mapping another process's.
     fn reserve(
@@ -489,9 +515,13 @@ impl ExtensibleTensor {
         geometry: Geometry,
         policy: HandlePolicy,
         export_types: ExportTypes,
-        imported_from: Option<u32>,
+        imported: Option<(u32, u128)>,
     ) -> Result<ExtensibleTensor> {
         let base = driver.reserve(geometry.reserved_bytes())?;
+        let (imported_from, tensor_id) = match imported {
+            Some((pid, id)) => (Some(pid), id),
+            None => (None, random_id()),
+        };
         let ctx = Arc::new(Ctx {
             driver,
             base,
@@ -499,6 +529,7 @@ impl ExtensibleTensor {
             export_types,
             serials: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
+            registry: OnceLock::new(),
         });
         let reservation = Reservation {
             ctx: Arc::clone(&ctx),
@@ -516,6 +547,7 @@ impl ExtensibleTensor {
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
             imported_from,
+            tensor_id,
         };
         Ok(ExtensibleTensor {
             inner: Arc::new(inner),
@@ -843,6 +875,33 @@ impl ExtensibleTensor {
     pub fn check_invariants(&self) -> Result<(), String> {
         check_state(&self.inner, &self.lock())
     }
+}
+
+/// 128 random bits, never 0: from the kernel's generator, or, should that fail, from the
+/// process-seeded hasher keys of std mixed with the pid, the time and a counter.
+fn random_id() -> u128 {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let from_kernel = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    let id = match from_kernel {
+        Ok(()) => u128::from_ne_bytes(bytes),
+        Err(_) => {
+            use std::hash::{BuildHasher, Hash, Hasher};
+            static COUNTER: AtomicU64 = AtomicU64::new(0);
+            let seed = (
+                std::process::id(),
+                std::time::SystemTime::now(),
+                COUNTER.fetch_add(1, Ordering::Relaxed),
+            );
+            let half = |salt: u8| {
+                let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+                (seed, salt).hash(&mut hasher);
+                hasher.finish()
+            };
+            u128::from(half(0)) << 64 | u128::from(half(1))
+        }
+    };
+    id.max(1)
 }
 
 /// The one value all of `values` share, else an error naming the per-segment accessor.

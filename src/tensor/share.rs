@@ -1,8 +1,10 @@
 //! Sharing a tensor's memory with other processes.
 //!
-//! The owner describes its memory (`share`): the geometry, the committed bytes, and per mapped
-//! handle its granule run, a serial number and how to get it (the owner's pid and the number
-//! of an fd it keeps open, or a fabric handle). Each handle is exported once, lazily, and the
+//! The owner describes its memory (`share`): the tensor's random id, the geometry, the
+//! committed bytes, and per mapped handle its granule run, a serial number and how to get it
+//! (the owner's pid and the number of an fd it keeps open, or a fabric handle). Fd numbers are
+//! checked against the owner's export registry (`driver::ipc`) before anything is mapped, so a
+//! stale description, whose fd numbers may name other memory by now, is refused. Each handle is exported once, lazily, and the
 //! export kept for the handle's life (an export costs ~0.6 ms on CUDA: few, large handles
 //! make sharing cheap). Another process builds its own reservation of the same geometry and
 //! maps the same handles at the same offsets (`import`); `refresh` follows the owner's later
@@ -14,7 +16,8 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 
 use super::{ExtensibleTensor, Mapping, PhysicalHandle};
-use crate::driver::{ipc, DeviceKind, Driver, ExportTypes, Exported, ImportSource};
+use crate::driver::ipc::{self, ExportRegistry, Process, RegistryView};
+use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, ImportSource};
 use crate::error::{Error, Result};
 use crate::plan::{self, Geometry, HandlePolicy, Run};
 
@@ -56,65 +59,160 @@ pub struct SharedDescription {
     pub segment_bytes: Vec<u64>,
     /// The owner's process id.
     pub owner_pid: u32,
+    /// The owner tensor's random id (never 0): names it across processes and over time.
+    pub tensor_id: u128,
+    /// The owner's fd number of its export registry, when any handle is an fd.
+    pub registry_fd: Option<i32>,
     /// Sorted by run, disjoint, covering every granule a committed byte needs.
     pub handles: Vec<SharedHandle>,
 }
 
 impl SharedDescription {
-    /// The geometry the description states, checked: valid capacities, committed bytes within
-    /// them, handle runs sorted, disjoint, inside the reservation and covering every committed
-    /// byte, serials unique. A description that fails this was tampered with or mixed up.
-    fn geometry(&self) -> Result<Geometry> {
-        let tampered = |why: String| Error::invalid(format!("invalid shared description: {why}"));
+    /// The geometry the description states, checked field by field: a description that fails
+    /// this was tampered with or mixed up, and nothing is mapped for it.
+    fn validate(&self) -> Result<Geometry> {
+        let bad = |why: String| Error::invalid(format!("invalid shared description: {why}"));
+        if self.tensor_id == 0 {
+            return Err(bad("tensor_id is 0: it names no tensor (use share()'s)".into()));
+        }
         let geometry = Geometry::new(self.segment_capacities.clone(), self.granularity)
-            .map_err(|e| tampered(e.to_string()))?;
+            .map_err(|e| bad(format!("segment_capacities / granularity: {e}")))?;
         geometry
             .check_request(&self.segment_bytes)
-            .map_err(|e| tampered(e.to_string()))?;
+            .map_err(|e| bad(format!("segment_bytes: {e}")))?;
+        let num_granules = geometry.num_granules();
+        let mut end_of_previous = 0;
+        for (i, handle) in self.handles.iter().enumerate() {
+            let Run {
+                first_granule,
+                num_granules: n,
+            } = handle.run;
+            let end = first_granule.checked_add(n).filter(|&end| n > 0 && end <= num_granules);
+            let Some(end) = end else {
+                return Err(bad(format!(
+                    "handles[{i}] covers granules {first_granule} + {n}, not a non-empty \
+                     range inside the reservation's {num_granules}"
+                )));
+            };
+            if first_granule < end_of_previous {
+                return Err(bad(format!(
+                    "handles[{i}] starts at granule {first_granule}, inside the handle before \
+                     it (which ends at {end_of_previous}): handles must be sorted and disjoint"
+                )));
+            }
+            end_of_previous = end;
+            if let SharedExport::Fd { pid, fd } = handle.export {
+                if pid != self.owner_pid {
+                    return Err(bad(format!(
+                        "handles[{i}].pid is {pid}, not the owner's ({})",
+                        self.owner_pid
+                    )));
+                }
+                if fd < 0 || self.registry_fd.is_none_or(|r| r < 0) {
+                    return Err(bad(format!(
+                        "handles[{i}] is fd {fd} with registry fd {:?}: both must be fd numbers",
+                        self.registry_fd
+                    )));
+                }
+            }
+        }
         let runs: Vec<Run> = self.handles.iter().map(|h| h.run).collect();
-        plan::check_runs(&runs, geometry.num_granules()).map_err(tampered)?;
         let missing = plan::subtract(&geometry.needed_runs(&self.segment_bytes), &runs);
-        if !missing.is_empty() {
-            return Err(tampered(format!(
-                "committed granules {missing:?} are in no handle"
+        if let Some(run) = missing.first() {
+            return Err(bad(format!(
+                "segment_bytes needs granules {} to {} mapped, and no handle covers them",
+                run.first_granule,
+                run.end_granule() - 1
             )));
         }
         let mut serials: Vec<u64> = self.handles.iter().map(|h| h.serial).collect();
         serials.sort_unstable();
-        if serials.windows(2).any(|w| w[0] == w[1]) {
-            return Err(tampered("two handles share a serial".into()));
+        if let Some(pair) = serials.windows(2).find(|w| w[0] == w[1]) {
+            return Err(bad(format!("two handles have serial {}", pair[0])));
         }
         Ok(geometry)
     }
 }
 
 /// Where an importer's fds come from: the owner, by pid (pidfd_getfd), or fds this process
-/// already holds (received over a Unix socket), one per fd handle in order, consumed.
+/// already holds (received over a Unix socket, duplicated from the caller's): the registry's
+/// first, then one per fd handle in order.
 pub type LocalFds = Option<Vec<OwnedFd>>;
+
+/// The fds of one import: taken from the owner by number, or received ones by the number
+/// the owner had for them.
+enum FdSource {
+    Owner(Process),
+    Received(BTreeMap<i32, OwnedFd>),
+}
+
+impl FdSource {
+    fn new(description: &SharedDescription, fds: LocalFds) -> Result<FdSource> {
+        let Some(fds) = fds else {
+            return Ok(FdSource::Owner(Process::open(description.owner_pid as i32)?));
+        };
+        let numbers: Vec<i32> = description
+            .registry_fd
+            .into_iter()
+            .chain(description.handles.iter().filter_map(|h| match h.export {
+                SharedExport::Fd { fd, .. } => Some(fd),
+                SharedExport::Fabric(_) => None,
+            }))
+            .collect();
+        if numbers.len() != fds.len() {
+            return Err(Error::invalid(format!(
+                "received {} fds, but the description names {} (its registry and one per fd \
+                 handle)",
+                fds.len(),
+                numbers.len()
+            )));
+        }
+        Ok(FdSource::Received(numbers.into_iter().zip(fds).collect()))
+    }
+
+    /// The fd the owner numbers `number`.
+    fn take(&mut self, number: i32) -> Result<OwnedFd> {
+        match self {
+            FdSource::Owner(process) => process.take(number),
+            FdSource::Received(fds) => fds.remove(&number).ok_or_else(|| {
+                Error::invalid(format!("no received fd stands for the owner's fd {number}"))
+            }),
+        }
+    }
+}
 
 impl ExtensibleTensor {
     /// Describes this tensor's memory for other processes, exporting (once, lazily) each
-    /// handle not yet exported. Needs the tensor created with export types
-    /// (`Options::export_types`); an importer cannot share again.
+    /// handle not yet exported and recording its fd in the export registry. Needs the tensor
+    /// created with export types (`Options::export_types`); an importer cannot share again.
     pub fn share(&self) -> Result<SharedDescription> {
         let state = self.lock_owned("share imported memory (share from the owner)")?;
         let kind = self.export_kind()?;
+        let ctx = &self.inner.ctx;
         let owner_pid = std::process::id();
+        let registry = match kind {
+            ExportTypes::POSIX_FD => Some(self.registry()?),
+            _ => None,
+        };
         let mut handles = Vec::with_capacity(state.mappings.len());
         for mapping in state.mappings.values() {
             let handle = mapping.handle();
             let exported = match handle.exported.get() {
                 Some(exported) => exported,
                 None => {
-                    let exported = self.inner.ctx.driver.export(handle.id, kind)?;
+                    let exported = ctx.driver.export(handle.id, kind)?;
                     handle.exported.get_or_init(|| exported)
                 }
             };
             let export = match exported {
-                Exported::Fd(fd) => SharedExport::Fd {
-                    pid: owner_pid,
-                    fd: fd.as_raw_fd(),
-                },
+                Exported::Fd(fd) => {
+                    let fd = fd.as_raw_fd();
+                    if let Some(registry) = registry {
+                        registry.publish(mapping.run.first_granule, handle.serial, fd)?;
+                        handle.published_at.get_or_init(|| mapping.run.first_granule);
+                    }
+                    SharedExport::Fd { pid: owner_pid, fd }
+                }
                 Exported::Fabric(bytes) => SharedExport::Fabric(bytes.to_owned()),
             };
             handles.push(SharedHandle {
@@ -129,8 +227,21 @@ impl ExtensibleTensor {
             segment_capacities: self.inner.geometry.segment_capacities().to_vec(),
             segment_bytes: state.segment_bytes.clone(),
             owner_pid,
+            tensor_id: self.inner.tensor_id,
+            registry_fd: registry.map(ExportRegistry::raw_fd),
             handles,
         })
+    }
+
+    /// The export registry, made by the first `share` of fds (the caller holds the lock).
+    fn registry(&self) -> Result<&ExportRegistry> {
+        let ctx = &self.inner.ctx;
+        if let Some(registry) = ctx.registry.get() {
+            return Ok(registry);
+        }
+        let num_granules = self.inner.geometry.num_granules();
+        let registry = ExportRegistry::create(self.inner.tensor_id, num_granules)?;
+        Ok(ctx.registry.get_or_init(|| registry))
     }
 
     /// The type `share` exports handles as: POSIX fd where asked for, else fabric.
@@ -159,13 +270,13 @@ impl ExtensibleTensor {
     /// The memory `description` describes, mapped in this process at the same offsets of a
     /// reservation of its own, on `driver`'s device. All or nothing: a failure maps nothing and
     /// keeps no fd or handle. Views of the result keep the imported memory alive, whatever the
-    /// owner does.
+    /// owner does. `fds`, when given, are duplicates the caller made of fds it received.
     pub fn import(
         driver: Arc<dyn Driver>,
         description: &SharedDescription,
         fds: LocalFds,
     ) -> Result<ExtensibleTensor> {
-        let geometry = description.geometry()?;
+        let geometry = description.validate()?;
         if geometry.granularity() % driver.granularity() != 0 {
             return Err(Error::invalid(format!(
                 "the shared granularity {} is not a multiple of this device's {}",
@@ -178,10 +289,10 @@ impl ExtensibleTensor {
             geometry,
             HandlePolicy::WholeRuns, // never used: an importer does not grow
             ExportTypes::NONE,
-            Some(description.owner_pid),
+            Some((description.owner_pid, description.tensor_id)),
         )?;
         // On error the tensor drops here: what was mapped unmaps, the reservation goes.
-        let handles = tensor.import_handles(&description.handles, fds)?;
+        let handles = tensor.import_handles(description, &description.handles, fds)?;
         let mut state = tensor.lock();
         for (run, handle) in handles {
             let mapping = Mapping::map(handle, run)?;
@@ -197,7 +308,7 @@ impl ExtensibleTensor {
 
     /// Follows the owner: maps the handles of `description` this importer lacks and unmaps
     /// (after the fence) those the owner no longer has; the committed sizes become the
-    /// description's. All or nothing.
+    /// description's. All or nothing. A description of another tensor is refused.
     pub fn refresh(&self, description: &SharedDescription, fds: LocalFds) -> Result<()> {
         let mut state = self.lock_open()?;
         let Some(owner_pid) = self.inner.imported_from else {
@@ -205,11 +316,20 @@ impl ExtensibleTensor {
                 "refresh is for tensors imported with from_shared; this one owns its memory".into(),
             ));
         };
-        let geometry = description.geometry()?;
+        let geometry = description.validate()?;
+        if description.tensor_id != self.inner.tensor_id {
+            return Err(Error::invalid(format!(
+                "this description is of another tensor ({:032x} of process {}): this one maps \
+                 tensor {:032x} of process {owner_pid}",
+                description.tensor_id, description.owner_pid, self.inner.tensor_id
+            )));
+        }
         if geometry != self.inner.geometry || description.owner_pid != owner_pid {
             return Err(Error::invalid(format!(
-                "this description is of another tensor (owner {}, {} segments): this one \
-                 maps process {owner_pid}'s",
+                "invalid shared description: tensor {:032x} is process {owner_pid}'s with {} \
+                 segments, not process {}'s with {}",
+                self.inner.tensor_id,
+                self.inner.geometry.num_segments(),
                 description.owner_pid,
                 description.segment_capacities.len()
             )));
@@ -229,7 +349,8 @@ impl ExtensibleTensor {
             .find(|(serial, run)| wanted.get(serial).is_some_and(|r| r != *run))
         {
             return Err(Error::invalid(format!(
-                "invalid shared description: handle {serial} moved from {run:?}"
+                "invalid shared description: handle {serial} moved from granule {}",
+                run.first_granule
             )));
         }
         let mut gone: Vec<Run> = held
@@ -244,7 +365,7 @@ impl ExtensibleTensor {
             .cloned()
             .collect();
         gone.sort_unstable();
-        let handles = self.import_handles(&new, fds)?;
+        let handles = self.import_handles(description, &new, fds)?;
         if !gone.is_empty() || !handles.is_empty() {
             self.replace(&mut state, &gone, handles)?;
         }
@@ -253,32 +374,25 @@ impl ExtensibleTensor {
         Ok(())
     }
 
-    /// Imports `shared` handles into this tensor's driver (not mapped yet).
+    /// Imports `shared` handles of `description` into this tensor's driver (not mapped yet),
+    /// each fd checked against the owner's registry first: all are the described handles'.
     fn import_handles(
         &self,
+        description: &SharedDescription,
         shared: &[SharedHandle],
         fds: LocalFds,
     ) -> Result<Vec<(Run, PhysicalHandle)>> {
         let ctx = &self.inner.ctx;
-        let mut local = fds.map(Vec::into_iter);
+        let (_, taken) = description.checked_fds(shared, fds)?;
         let mut handles = Vec::with_capacity(shared.len());
-        for wanted in shared {
+        for (wanted, fd) in shared.iter().zip(taken) {
             let num_bytes = ctx.span(wanted.run).1;
-            let id = match &wanted.export {
-                SharedExport::Fd { pid, fd } => {
-                    let owned = match local.as_mut() {
-                        Some(fds) => fds.next().ok_or_else(|| {
-                            Error::invalid("fewer received fds than fd handles in the description")
-                        })?,
-                        None => ipc::fd_of_process(*pid as i32, *fd)?,
-                    };
-                    ctx.driver
-                        .import(ImportSource::Fd(owned.as_fd()), num_bytes)?
-                }
-                SharedExport::Fabric(bytes) => {
-                    ctx.driver.import(ImportSource::Fabric(bytes), num_bytes)?
-                }
+            let source = match (&wanted.export, &fd) {
+                (_, Some(fd)) => ImportSource::Fd(fd.as_fd()),
+                (SharedExport::Fabric(bytes), None) => ImportSource::Fabric(bytes),
+                (SharedExport::Fd { .. }, None) => unreachable!("checked_fds takes every fd"),
             };
+            let id = ctx.driver.import(source, num_bytes)?;
             handles.push((wanted.run, PhysicalHandle::adopt(ctx, id, wanted.serial)));
         }
         Ok(handles)
@@ -287,5 +401,63 @@ impl ExtensibleTensor {
     /// The pid of the process whose memory this tensor maps, if it was imported.
     pub fn imported_from(&self) -> Option<u32> {
         self.inner.imported_from
+    }
+}
+
+impl SharedDescription {
+    /// The fds this (the owner) process holds for the description, checked current: the
+    /// registry's, then one per fd handle, as `send_shared` passes them on.
+    pub fn owner_fds(&self) -> Result<Vec<OwnedFd>> {
+        self.validate()?;
+        if self.owner_pid != std::process::id() {
+            return Err(Error::invalid(format!(
+                "only the owner process ({}) can pass on its fds, not {}",
+                self.owner_pid,
+                std::process::id()
+            )));
+        }
+        let (registry, fds) = self.checked_fds(&self.handles, None)?;
+        Ok(registry.into_iter().chain(fds.into_iter().flatten()).collect())
+    }
+
+    /// The registry's fd and one fd per fd handle of `shared` (`None` for fabric ones), taken
+    /// from `fds` or from the owner, each checked against the registry after it was taken:
+    /// the owner clears a handle's word before closing its fd, so a word that still names the
+    /// handle's serial and fd number proves the fd taken was the handle's.
+    fn checked_fds(
+        &self,
+        shared: &[SharedHandle],
+        fds: LocalFds,
+    ) -> Result<(Option<OwnedFd>, Vec<Option<OwnedFd>>)> {
+        let wants_fds = shared
+            .iter()
+            .any(|h| matches!(h.export, SharedExport::Fd { .. }));
+        let Some(registry_fd) = self.registry_fd.filter(|_| wants_fds) else {
+            return Ok((None, shared.iter().map(|_| None).collect()));
+        };
+        let mut source = FdSource::new(self, fds)?;
+        let registry_file = source.take(registry_fd)?;
+        let registry = RegistryView::open(registry_file.try_clone().map_err(|e| {
+            ipc::stale(format!("duplicating the registry fd: {e}"))
+        })?, self.tensor_id)?;
+        let mut taken = Vec::with_capacity(shared.len());
+        for wanted in shared {
+            let SharedExport::Fd { fd, .. } = wanted.export else {
+                taken.push(None);
+                continue;
+            };
+            let owned = source.take(fd)?;
+            if !registry.is_live(wanted.run.first_granule, wanted.serial, fd) {
+                return Err(ipc::stale(format!(
+                    "the owner released handle {} (granules {} to {}), or its fd {fd} names \
+                     other memory now",
+                    wanted.serial,
+                    wanted.run.first_granule,
+                    wanted.run.end_granule() - 1
+                )));
+            }
+            taken.push(Some(owned));
+        }
+        Ok((Some(registry_file), taken))
     }
 }
