@@ -91,6 +91,17 @@ def _child_main(conn: Any, device: str) -> None:
                 assert t is not None
                 t.refresh(args[0])
                 conn.send(("ok", t.segment_bytes, t.num_handles))
+            elif command == "try":
+                # ("try", "import" | "refresh", desc) -> the error's text, or None on success.
+                try:
+                    if args[0] == "import":
+                        t = ExtensibleTensor.from_shared(args[1])
+                    else:
+                        assert t is not None
+                        t.refresh(args[1])
+                    conn.send(("ok", None))
+                except Exception as error:
+                    conn.send(("ok", f"{type(error).__name__}: {error}"))
             elif command == "denied":
                 assert t is not None
                 conn.send(("ok", _denied(t)))
@@ -393,4 +404,101 @@ def test_a_handle_retained_from_a_view_exports_and_imports() -> None:
     ok(cu.cuMemRelease(imported))
     ok(cu.cuMemRelease(handle))
     del view
+    owner.close()
+
+
+def test_a_stale_description_is_refused_and_never_reaches_other_memory(
+    device: str, g: int, make_owner: MakeOwner, child: Child
+) -> None:
+    """The review's repro: A shares 2 handles, shrinks (its second handle and fd go), and the
+    freed fd number comes to name B's memory of the same size (here by dup2, so it happens on
+    every backend and run). The old description must be refused, B never read nor written."""
+    a = make_owner(4 * g, 1, max_handle_bytes=g)
+    a.resize_(2 * g)
+    a.full_view()[: 2 * g].copy_(pattern(2 * g, 1).to(a.device))
+    old = a.share()
+    assert len(old.handles) == 2
+    freed = old.handles[1].fd
+    assert freed is not None
+    a.shrink_(g)
+    b = make_owner(4 * g, 1)
+    b.resize_(g)
+    b.full_view()[:g].copy_(pattern(g, 9).to(b.device))
+    _sync(device)
+    b_fd = b.share().handles[0].fd
+    assert b_fd is not None
+    os.dup2(b_fd, freed)  # the freed number now names B's memory, as the kernel would reuse it
+    try:
+        (error,) = child("try", "import", old)
+        assert error is not None and "ValueError: stale shared description" in error, error
+        assert f"released handle {old.handles[1].serial}" in error
+        (error,) = child("try", "import", a.share())  # the current one maps A's memory
+        assert error is None
+        assert child("read", 0, 0, 16)[0] == bytes(pattern(16, 1).numpy())
+        child("write", 50)
+        # Another tensor's description of the same geometry: refused, nothing mapped.
+        (error,) = child("try", "refresh", b.share())
+        assert error is not None and "description is of another tensor" in error, error
+        assert child("read", 0, 0, 16)[0] == bytes(pattern(16, 50).numpy())
+    finally:
+        os.close(freed)
+    assert torch.equal(b.full_view()[:g].cpu(), pattern(g, 9)), "B was written"
+    assert torch.equal(a.full_view()[:16].cpu(), pattern(16, 50)), "the import writes A"
+    child("release")
+
+
+def test_fds_from_python_are_borrowed_never_adopted(g: int, make_owner: MakeOwner) -> None:
+    """`_refresh(d, fds=[1])` once closed stdout: fds are checked, duplicated, and the
+    caller's stay open whatever the outcome."""
+    owner = make_owner(4 * g, 1)
+    owner.resize_(g)
+    description = owner.share()
+    imported = ExtensibleTensor.from_shared(description)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for fds in ([1], [1, devnull], [devnull, 1], [2**20]):
+            with pytest.raises(ValueError) as raised:
+                imported._refresh(description._to_native(), fds)
+            assert "fd" in str(raised.value)
+        os.fstat(1)  # stdout is still open
+        os.fstat(devnull)
+        with pytest.raises(ValueError, match="not an open file descriptor"):
+            imported._refresh(description._to_native(), [2**20, 2**20])
+    finally:
+        os.close(devnull)
+    imported.close()
+
+
+def test_received_fds_are_closed_when_a_description_is_refused(
+    g: int, make_owner: MakeOwner
+) -> None:
+    owner = make_owner(4 * g, 2)
+    owner.resize_per_segment_(2 * g)
+    owner.share()  # the owner's exported fds live as long as its handles
+    before = open_fds()
+    for wrong in (
+        {"segment_bytes": "lots"},
+        {"handles": ((1, 2, 3),)},
+        {"granularity": -1},
+        {"tensor_id": 0},
+    ):
+        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with left, right:
+            send_shared(left, owner.share())
+            received = recv_shared(right)
+        assert received.received_fds
+        with pytest.raises((TypeError, ValueError)):
+            ExtensibleTensor.from_shared(replace(received, **wrong))
+        assert open_fds() == before, wrong
+    owner.close()
+
+
+def test_send_shared_refuses_a_stale_description(g: int, make_owner: MakeOwner) -> None:
+    owner = make_owner(4 * g, 1, max_handle_bytes=g)
+    owner.resize_(2 * g)
+    old = owner.share()
+    owner.shrink_(g)
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right, pytest.raises(ValueError, match="stale shared description"):
+        send_shared(left, old)
     owner.close()

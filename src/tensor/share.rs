@@ -139,30 +139,34 @@ impl SharedDescription {
 /// first, then one per fd handle in order.
 pub type LocalFds = Option<Vec<OwnedFd>>;
 
-/// The fds of one import: taken from the owner by number, or received ones by the number
-/// the owner had for them.
+/// The fds of one import: taken from the owner by number (its pidfd opened at the first),
+/// or received ones, by the number the owner had for them.
 enum FdSource {
-    Owner(Process),
+    Owner(u32, Option<Process>),
     Received(BTreeMap<i32, OwnedFd>),
 }
 
 impl FdSource {
+    /// Received fds must be exactly the description's: the registry's then one per fd handle,
+    /// or none at all where it has no fd handle.
     fn new(description: &SharedDescription, fds: LocalFds) -> Result<FdSource> {
         let Some(fds) = fds else {
-            return Ok(FdSource::Owner(Process::open(description.owner_pid as i32)?));
+            return Ok(FdSource::Owner(description.owner_pid, None));
         };
-        let numbers: Vec<i32> = description
-            .registry_fd
-            .into_iter()
-            .chain(description.handles.iter().filter_map(|h| match h.export {
+        let handle_fds: Vec<i32> = description
+            .handles
+            .iter()
+            .filter_map(|h| match h.export {
                 SharedExport::Fd { fd, .. } => Some(fd),
                 SharedExport::Fabric(_) => None,
-            }))
+            })
             .collect();
+        let registry = description.registry_fd.filter(|_| !handle_fds.is_empty());
+        let numbers: Vec<i32> = registry.into_iter().chain(handle_fds).collect();
         if numbers.len() != fds.len() {
             return Err(Error::invalid(format!(
-                "received {} fds, but the description names {} (its registry and one per fd \
-                 handle)",
+                "received {} fds, but the description names {} (its registry's, then one per \
+                 fd handle)",
                 fds.len(),
                 numbers.len()
             )));
@@ -173,7 +177,13 @@ impl FdSource {
     /// The fd the owner numbers `number`.
     fn take(&mut self, number: i32) -> Result<OwnedFd> {
         match self {
-            FdSource::Owner(process) => process.take(number),
+            FdSource::Owner(pid, process) => {
+                let process = match process {
+                    Some(process) => process,
+                    None => process.insert(Process::open(*pid as i32)?),
+                };
+                process.take(number)
+            }
             FdSource::Received(fds) => fds.remove(&number).ok_or_else(|| {
                 Error::invalid(format!("no received fd stands for the owner's fd {number}"))
             }),
@@ -429,13 +439,16 @@ impl SharedDescription {
         shared: &[SharedHandle],
         fds: LocalFds,
     ) -> Result<(Option<OwnedFd>, Vec<Option<OwnedFd>>)> {
-        let wants_fds = shared
-            .iter()
-            .any(|h| matches!(h.export, SharedExport::Fd { .. }));
+        // Received fds are checked even when none is needed: they must be what they claim.
+        let received = matches!(&fds, Some(fds) if !fds.is_empty());
+        let wants_fds = received
+            || shared
+                .iter()
+                .any(|h| matches!(h.export, SharedExport::Fd { .. }));
+        let mut source = FdSource::new(self, fds)?;
         let Some(registry_fd) = self.registry_fd.filter(|_| wants_fds) else {
             return Ok((None, shared.iter().map(|_| None).collect()));
         };
-        let mut source = FdSource::new(self, fds)?;
         let registry_file = source.take(registry_fd)?;
         let registry = RegistryView::open(registry_file.try_clone().map_err(|e| {
             ipc::stale(format!("duplicating the registry fd: {e}"))
