@@ -319,7 +319,11 @@ def test_bad_descriptions_are_typed_errors_and_leak_nothing(
             r"handles\[0\]\.pid is 4194311, not the owner's",
         ),
         (replace(description, owner_pid=2**22 + 7), ValueError, r"handles\[0\]\.pid"),
-        (replace(description, handles=description.handles[::-1]), ValueError, "sorted and disjoint"),
+        (
+            replace(description, handles=description.handles[::-1]),
+            ValueError,
+            "sorted and disjoint",
+        ),
         (replace(description, tensor_id=owner.tensor_id + 1), ValueError, "no longer holds tensor"),
     ]
     for wrong, error, match in bad:

@@ -4,10 +4,11 @@ The owner creates the tensor exportable (`export_handle_types="posix_fd"`, or `"
 where the device supports it) and describes its memory with `share()`: a picklable
 `SharedTensor` of the tensor's random id, the geometry, the committed sizes and, per physical
 handle, its granule run, a serial number and how to get it (the owner's pid and an fd it
-keeps open, or a fabric handle). Another process maps the same memory at the same offsets of a reservation of its own
-with `ExtensibleTensor.from_shared(description)`; `refresh(description)` follows the owner's
-later grows and shrinks. An importer can never grow, shrink or free the owner's memory; what
-it maps stays valid, whatever the owner does, until the importer lets go.
+keeps open, or a fabric handle). Another process maps the same memory at the same offsets of
+a reservation of its own with `ExtensibleTensor.from_shared(description)`;
+`refresh(description)` follows the owner's later grows and shrinks. An importer can never
+grow, shrink or free the owner's memory; what it maps stays valid, whatever the owner does,
+until the importer lets go.
 
 Fds are taken from the owner by pid (`pidfd_getfd`, Linux 5.6+, which needs ptrace access to
 the owner). Where that is refused, `send_shared(sock, description)` passes the description
@@ -114,7 +115,7 @@ class SharedTensor:
 
     def _to_native(self) -> tuple[Any, ...]:
         """The tuple the native module takes; it checks every field's type and value."""
-        handles = self.handles
+        handles: Any = self.handles
         if isinstance(handles, tuple | list):
             handles = [
                 (h.first_granule, h.num_granules, h.serial, h.pid, h.fd, h.fabric)

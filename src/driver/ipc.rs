@@ -62,7 +62,10 @@ pub fn fd_target(fd: BorrowedFd<'_>) -> String {
 /// One registry word: the handle's serial + 1 (0 means "no handle") and its fd number.
 fn registry_word(serial: u64, fd: i32) -> Result<u64> {
     let fd = u64::try_from(fd).ok().filter(|&fd| fd < 1 << FD_BITS);
-    match (fd, serial.checked_add(1).filter(|&s| s < 1 << (64 - FD_BITS))) {
+    match (
+        fd,
+        serial.checked_add(1).filter(|&s| s < 1 << (64 - FD_BITS)),
+    ) {
         (Some(fd), Some(serial)) => Ok(serial << FD_BITS | fd),
         _ => Err(Error::Unsupported(format!(
             "cannot share handle {serial} exported as fd {fd:?}: fd numbers from 2^{FD_BITS} \
@@ -104,14 +107,20 @@ impl Words {
         };
         if raw == libc::MAP_FAILED {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(Op::Export, errno, format!("mapping a registry of {len} bytes")));
+            return Err(os_error(
+                Op::Export,
+                errno,
+                format!("mapping a registry of {len} bytes"),
+            ));
         }
         let ptr = NonNull::new(raw.cast::<AtomicU64>()).expect("mmap never returns null here");
         Ok(Words { ptr, num_words })
     }
 
     fn get(&self, index: u64) -> Option<&AtomicU64> {
-        let index = usize::try_from(index).ok().filter(|&i| i < self.num_words)?;
+        let index = usize::try_from(index)
+            .ok()
+            .filter(|&i| i < self.num_words)?;
         // SAFETY: `index` is inside the mapping, which lives as long as `self`; the kernel
         // aligns mappings to pages, so every word is 8-byte aligned; memory shared with other
         // processes is only ever accessed through atomics.
@@ -141,7 +150,11 @@ impl ExportRegistry {
         let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         if raw < 0 {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(Op::Export, errno, "memfd for the export registry".into()));
+            return Err(os_error(
+                Op::Export,
+                errno,
+                "memfd for the export registry".into(),
+            ));
         }
         // SAFETY: memfd_create just returned this fd, owned by nothing else.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
@@ -153,7 +166,11 @@ impl ExportRegistry {
         // the pages of words ever written take memory.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), (num_words.max(1) * 8) as libc::off_t) } != 0 {
             let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(Op::Export, errno, "sizing the export registry".into()));
+            return Err(os_error(
+                Op::Export,
+                errno,
+                "sizing the export registry".into(),
+            ));
         }
         let words = Words::map(&fd, num_words, true)?;
         Ok(ExportRegistry { fd, words })
@@ -307,7 +324,10 @@ mod tests {
     fn names_what_went_wrong() {
         let closed = fd_of_process(std::process::id() as i32, 1 << 20).unwrap_err();
         assert!(matches!(&closed, Error::InvalidArgument(_)), "{closed}");
-        assert!(closed.to_string().contains("stale shared description"), "{closed}");
+        assert!(
+            closed.to_string().contains("stale shared description"),
+            "{closed}"
+        );
         let gone = fd_of_process(i32::MAX, 0).unwrap_err();
         assert!(
             matches!(gone, Error::Driver { ref code, .. } if code == "ESRCH"),

@@ -89,6 +89,30 @@ pub struct PyExtensibleTensor {
 }
 
 impl PyExtensibleTensor {
+    /// Runs `op` on the core without the GIL (it may wait for the tensor's lock and for the
+    /// driver), then logs, as warnings, the errors destructors deferred meanwhile (each once;
+    /// `take_deferred_errors` still returns them).
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        op: impl FnOnce(&ExtensibleTensor) -> crate::Result<T> + Send,
+    ) -> PyResult<T> {
+        let result = py.detach(|| op(&self.core));
+        for message in self.core.take_unwarned() {
+            let logger = py
+                .import("logging")?
+                .call_method1("getLogger", ("extensible_kv",))?;
+            logger.call_method1(
+                "warning",
+                (
+                    "a driver call failed in a destructor (see take_deferred_errors()): %s",
+                    message,
+                ),
+            )?;
+        }
+        Ok(result?)
+    }
+
     fn segment_targets(&self, bytes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let n = self.core.num_segments();
         if bytes.is_instance_of::<PyInt>() {
@@ -194,9 +218,7 @@ impl PyExtensibleTensor {
             stream: to_stream(stream),
             one_handle_per_run,
         };
-        let core = &this.core;
-        slf.py()
-            .detach(|| core.resize_segments(&targets, options))?;
+        this.run(slf.py(), |core| core.resize_segments(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -215,8 +237,8 @@ impl PyExtensibleTensor {
             stream: to_stream(stream),
             one_handle_per_run,
         };
-        let core = &slf.get().core;
-        slf.py().detach(|| core.resize(num_bytes, options))?;
+        slf.get()
+            .run(slf.py(), |core| core.resize(num_bytes, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -242,9 +264,7 @@ impl PyExtensibleTensor {
             exact,
             stream: to_stream(stream),
         };
-        let core = &this.core;
-        slf.py()
-            .detach(|| core.shrink_segments(&targets, options))?;
+        this.run(slf.py(), |core| core.shrink_segments(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -261,15 +281,15 @@ impl PyExtensibleTensor {
             exact,
             stream: to_stream(stream),
         };
-        let core = &slf.get().core;
-        slf.py().detach(|| core.shrink(num_bytes, options))?;
+        slf.get()
+            .run(slf.py(), |core| core.shrink(num_bytes, options))?;
         Ok(slf.clone().unbind())
     }
 
     /// Backs every run of committed granules by one handle, keeping every byte and address.
     #[pyo3(signature = (*, stream=None))]
     fn consolidate(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
-        Ok(py.detach(|| self.core.consolidate(to_stream(stream)))?)
+        self.run(py, |core| core.consolidate(to_stream(stream)))
     }
 
     /// The description of this tensor's memory for other processes (`extensible_kv.ipc`).
@@ -288,7 +308,7 @@ impl PyExtensibleTensor {
     ) -> PyResult<()> {
         let description = share::to_description(description)?;
         let fds = share::to_fds(fds)?;
-        Ok(py.detach(|| self.core.refresh(&description, fds))?)
+        self.run(py, |core| core.refresh(&description, fds))
     }
 
     /// The export handle types new handles are created with (CUDA's bits).
@@ -312,12 +332,12 @@ impl PyExtensibleTensor {
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
     fn release_physical(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(py.detach(|| self.core.release_physical())?)
+        self.run(py, ExtensibleTensor::release_physical)
     }
 
     /// Releases memory and addresses now; BufferError while views exist. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(py.detach(|| self.core.close())?)
+        self.run(py, ExtensibleTensor::close)
     }
 
     /// A DLPack capsule of `num_bytes` bytes at `offset` (1-D uint8) that keeps the memory alive.
@@ -428,9 +448,8 @@ impl PyExtensibleTensor {
 
     /// The granule runs `(first_granule, num_granules)` of the mapped handles.
     fn handle_runs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let runs: Vec<(u64, u64)> = self
-            .core
-            .handle_runs()
+        let runs: Vec<(u64, u64)> = py
+            .detach(|| self.core.handle_runs())
             .iter()
             .map(|r| (r.first_granule, r.num_granules))
             .collect();

@@ -27,16 +27,31 @@ const FIELDS: [&str; 8] = [
     "registry_fd",
     "handles",
 ];
-const HANDLE_FIELDS: [&str; 6] = ["first_granule", "num_granules", "serial", "pid", "fd", "fabric"];
+const HANDLE_FIELDS: [&str; 6] = [
+    "first_granule",
+    "num_granules",
+    "serial",
+    "pid",
+    "fd",
+    "fabric",
+];
 
 /// `obj` as a sequence of exactly `names.len()` items, else a `TypeError` about `what`.
-fn items<'py>(obj: &Bound<'py, PyAny>, names: &[&str], what: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+fn items<'py>(
+    obj: &Bound<'py, PyAny>,
+    names: &[&str],
+    what: &str,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let items: Option<Vec<Bound<'py, PyAny>>> = obj
         .try_iter()
         .ok()
         .and_then(|it| it.collect::<PyResult<_>>().ok());
     match items {
-        Some(items) if items.len() == names.len() && !obj.is_instance_of::<pyo3::types::PyString>() => Ok(items),
+        Some(items)
+            if items.len() == names.len() && !obj.is_instance_of::<pyo3::types::PyString>() =>
+        {
+            Ok(items)
+        }
         _ => Err(PyTypeError::new_err(format!(
             "{what} must be a sequence of {} fields ({}), not {}",
             names.len(),
@@ -48,14 +63,24 @@ fn items<'py>(obj: &Bound<'py, PyAny>, names: &[&str], what: &str) -> PyResult<V
 
 /// `item` as a `T`: a `TypeError` naming `name` unless it is an int (or, for `ints`, a
 /// sequence of them), a `ValueError` when its value does not fit.
-fn field<'a, 'py, T: FromPyObject<'a, 'py>>(item: &'a Bound<'py, PyAny>, name: &str, kind: &str) -> PyResult<T> {
+fn field<'a, 'py, T: FromPyObject<'a, 'py>>(
+    item: &'a Bound<'py, PyAny>,
+    name: &str,
+    kind: &str,
+) -> PyResult<T> {
     item.extract::<T>().map_err(|_| {
-        let is_int = item.is_instance_of::<PyInt>() && !item.is_instance_of::<pyo3::types::PyBool>();
+        let is_int =
+            item.is_instance_of::<PyInt>() && !item.is_instance_of::<pyo3::types::PyBool>();
         match is_int {
-            true => PyValueError::new_err(format!("invalid shared description: {name} = {item} is out of range for {kind}")),
+            true => PyValueError::new_err(format!(
+                "invalid shared description: {name} = {item} is out of range for {kind}"
+            )),
             false => PyTypeError::new_err(format!(
                 "invalid shared description: {name} must be {kind}, not {}",
-                item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                item.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
             )),
         }
     })
@@ -71,14 +96,21 @@ fn ints(item: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
 
 /// `item` as a list of any length, else a `TypeError` naming `name`.
 fn items_any<'py>(item: &Bound<'py, PyAny>, name: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let list: Option<Vec<Bound<'py, PyAny>>> = match item.is_instance_of::<pyo3::types::PyString>() {
+    let list: Option<Vec<Bound<'py, PyAny>>> = match item.is_instance_of::<pyo3::types::PyString>()
+    {
         true => None,
-        false => item.try_iter().ok().and_then(|it| it.collect::<PyResult<_>>().ok()),
+        false => item
+            .try_iter()
+            .ok()
+            .and_then(|it| it.collect::<PyResult<_>>().ok()),
     };
     list.ok_or_else(|| {
         PyTypeError::new_err(format!(
             "invalid shared description: {name} must be a sequence, not {}",
-            item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            item.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
         ))
     })
 }
@@ -94,13 +126,15 @@ fn handle(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<SharedHandle> {
     let fabric = field::<Option<Vec<u8>>>(&h[5], &at("fabric"), "bytes or None")?;
     let export = match (pid, fd, fabric) {
         (Some(pid), Some(fd), None) => SharedExport::Fd { pid, fd },
-        (None, None, Some(bytes)) => SharedExport::Fabric(bytes.try_into().map_err(|b: Vec<u8>| {
-            PyValueError::new_err(format!(
-                "invalid shared description: {} holds {} bytes; a fabric handle is 64",
-                at("fabric"),
-                b.len()
-            ))
-        })?),
+        (None, None, Some(bytes)) => {
+            SharedExport::Fabric(bytes.try_into().map_err(|b: Vec<u8>| {
+                PyValueError::new_err(format!(
+                    "invalid shared description: {} holds {} bytes; a fabric handle is 64",
+                    at("fabric"),
+                    b.len()
+                ))
+            })?)
+        }
         _ => {
             return Err(PyValueError::new_err(format!(
                 "invalid shared description: handles[{i}] has either pid and fd, or fabric bytes"
@@ -123,8 +157,9 @@ pub fn to_description(obj: &Bound<'_, PyAny>) -> PyResult<SharedDescription> {
         .map(|(i, h)| handle(h, i))
         .collect::<PyResult<_>>()?;
     Ok(SharedDescription {
-        device: parse_device(&device)
-            .map_err(|e| PyValueError::new_err(format!("invalid shared description: device: {e}")))?,
+        device: parse_device(&device).map_err(|e| {
+            PyValueError::new_err(format!("invalid shared description: device: {e}"))
+        })?,
         granularity: field(&f[1], "granularity", "an int ≥ 0")?,
         segment_capacities: ints(&f[2], "segment_capacities")?,
         segment_bytes: ints(&f[3], "segment_bytes")?,
@@ -148,7 +183,14 @@ pub fn from_description<'py>(
                 SharedExport::Fabric(bytes) => (None, None, Some(PyBytes::new(py, bytes))),
             };
             let run = h.run;
-            (run.first_granule, run.num_granules, h.serial, pid, fd, fabric)
+            (
+                run.first_granule,
+                run.num_granules,
+                h.serial,
+                pid,
+                fd,
+                fabric,
+            )
         })
         .collect::<Vec<_>>();
     (
@@ -168,9 +210,13 @@ pub fn from_description<'py>(
 /// caller keeping and closing its own. A number that names nothing is a `ValueError`, and no
 /// call can close a descriptor the process uses elsewhere.
 pub fn to_fds(fds: Option<Vec<i32>>) -> PyResult<Option<Vec<OwnedFd>>> {
-    fds.map(|fds| fds.into_iter().map(ipc::borrow_fd).collect::<crate::Result<_>>())
-        .transpose()
-        .map_err(Into::into)
+    fds.map(|fds| {
+        fds.into_iter()
+            .map(ipc::borrow_fd)
+            .collect::<crate::Result<_>>()
+    })
+    .transpose()
+    .map_err(Into::into)
 }
 
 /// The fds `description` names, taken from this (the owner) process and checked current:

@@ -134,6 +134,9 @@ struct Ctx {
     export_types: ExportTypes,
     serials: AtomicU64,
     deferred: Mutex<Vec<Error>>,
+    /// The messages of deferred errors not yet handed to `take_unwarned` (the bindings log
+    /// each once, as a warning).
+    unwarned: Mutex<Vec<String>>,
     /// Which exported fd backs which handle, for importers to check (made by the first
     /// `share` of fds; closed after every handle, since each holds the `Ctx`).
     registry: OnceLock<ExportRegistry>,
@@ -152,11 +155,54 @@ impl Ctx {
 
     fn defer(&self, result: Result<()>) {
         if let Err(err) = result {
-            self.deferred
-                .lock()
-                .expect("deferred errors poisoned")
-                .push(err);
+            relock(&self.unwarned).push(err.to_string());
+            relock(&self.deferred).push(err);
         }
+    }
+
+    fn num_deferred(&self) -> usize {
+        relock(&self.deferred).len()
+    }
+
+    /// The errors deferred since there were `mark`, taken out of the deferred list: what the
+    /// operation that set the mark met itself.
+    fn take_deferred_since(&self, mark: usize) -> Vec<Error> {
+        let mut deferred = relock(&self.deferred);
+        let mark = mark.min(deferred.len());
+        let own = deferred.split_off(mark);
+        drop(deferred);
+        let mut unwarned = relock(&self.unwarned);
+        let keep = unwarned.len().saturating_sub(own.len());
+        unwarned.truncate(keep);
+        own
+    }
+}
+
+/// The lock of `mutex`, even when a thread panicked holding it: a destructor must never
+/// panic, and what these mutexes guard (lists of errors, a snapshot) stays consistent.
+fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `err`, an error met by an operation that went on to complete, saying so: `done` states
+/// what holds now. (Only a driver's detail can carry it; other kinds are returned as they are.)
+fn completed_despite(err: Error, more: usize, done: &str) -> Error {
+    match err {
+        Error::Driver { op, code, detail } => {
+            let more = match more {
+                0 => String::new(),
+                n => format!("; {n} more in take_deferred_errors()"),
+            };
+            let sep = if detail.is_empty() { "" } else { "; " };
+            Error::Driver {
+                op,
+                code,
+                detail: format!("{detail}{sep}{done}{more}"),
+            }
+        }
+        other => other,
     }
 }
 
@@ -349,11 +395,63 @@ struct State {
     reservation: Option<Reservation>,
 }
 
+/// What the getters report, published at the end of every hold of the state's lock: getters
+/// read it without waiting for an operation that holds the state (a 2 GiB grow holds it for
+/// half a second; a serving stack's scheduler thread must not stall on a statistics read).
+#[derive(Clone, Debug, Default)]
+struct Snapshot {
+    segment_bytes: Vec<u64>,
+    physical_bytes: u64,
+    num_handles: usize,
+    /// Set by `close` before it lets go of anything, with the live views checked under the
+    /// same lock that `export` counts a new view under: no view can slip in meanwhile.
+    closed: bool,
+}
+
+impl Snapshot {
+    fn of(state: &State) -> Snapshot {
+        Snapshot {
+            segment_bytes: state.segment_bytes.clone(),
+            physical_bytes: state.mappings.values().map(Mapping::num_bytes).sum(),
+            num_handles: state.mappings.len(),
+            closed: state.reservation.is_none(),
+        }
+    }
+}
+
+/// The state's lock, which publishes a new `Snapshot` when released: no change can forget to.
+struct Locked<'a> {
+    guard: MutexGuard<'a, State>,
+    snapshot: &'a Mutex<Snapshot>,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let snapshot = Snapshot::of(&self.guard);
+        *relock(self.snapshot) = snapshot;
+    }
+}
+
 struct Inner {
     ctx: Arc<Ctx>,
     geometry: Geometry,
     policy: HandlePolicy,
     state: Mutex<State>,
+    /// Published by every `Locked` as it goes; held only to copy it in or out.
+    snapshot: Mutex<Snapshot>,
     live_views: AtomicUsize,
     /// The owner's pid when this tensor maps memory another process owns (`import`): it
     /// follows the owner (`refresh`) and can never grow, shrink or release that memory.
@@ -529,6 +627,7 @@ impl ExtensibleTensor {
             export_types,
             serials: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
+            unwarned: Mutex::new(Vec::new()),
             registry: OnceLock::new(),
         });
         let reservation = Reservation {
@@ -544,6 +643,7 @@ impl ExtensibleTensor {
             ctx,
             geometry,
             policy,
+            snapshot: Mutex::new(Snapshot::of(&state)),
             state: Mutex::new(state),
             live_views: AtomicUsize::new(0),
             imported_from,
@@ -554,11 +654,19 @@ impl ExtensibleTensor {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner.state.lock().expect("tensor state poisoned")
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            guard: relock(&self.inner.state),
+            snapshot: &self.inner.snapshot,
+        }
     }
 
-    fn lock_open(&self) -> Result<MutexGuard<'_, State>> {
+    /// `read` of the getters' view, which never waits for an operation in progress.
+    fn snapshot<T>(&self, read: impl FnOnce(&Snapshot) -> T) -> T {
+        read(&relock(&self.inner.snapshot))
+    }
+
+    fn lock_open(&self) -> Result<Locked<'_>> {
         let state = self.lock();
         match state.reservation {
             Some(_) => Ok(state),
@@ -567,7 +675,7 @@ impl ExtensibleTensor {
     }
 
     /// `lock_open` for what only the memory's owner may do (grow, shrink, release).
-    fn lock_owned(&self, what: &str) -> Result<MutexGuard<'_, State>> {
+    fn lock_owned(&self, what: &str) -> Result<Locked<'_>> {
         let state = self.lock_open()?;
         match self.inner.imported_from {
             None => Ok(state),
@@ -581,8 +689,7 @@ impl ExtensibleTensor {
     /// Whether resizing to `segment_bytes` would do nothing and succeed: the tensor is open and
     /// holds exactly that much. (A resize that is not a no-op grows, or fails.)
     pub fn is_noop_resize(&self, segment_bytes: &[u64]) -> bool {
-        let state = self.lock();
-        state.reservation.is_some() && state.segment_bytes == segment_bytes
+        self.snapshot(|s| !s.closed && s.segment_bytes == segment_bytes)
     }
 
     /// Grows a one-segment tensor to `num_bytes`.
@@ -719,50 +826,84 @@ impl ExtensibleTensor {
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
     /// Views stay valid for addressing; touching them faults until the next grow.
+    ///
+    /// An error before the fence (the device's pending work failed) releases nothing. Driver
+    /// errors met while unmapping and releasing do not stop it: the tensor holds nothing
+    /// afterwards, and the first such error is returned saying so (the rest stay in
+    /// `take_deferred_errors`). Errors deferred by earlier operations are not returned here.
     pub fn release_physical(&self) -> Result<()> {
         let mut state = self.lock_owned("release physical memory")?;
         self.release_locked(&mut state)
     }
 
     fn release_locked(&self, state: &mut State) -> Result<()> {
+        let ctx = &self.inner.ctx;
         if !state.mappings.is_empty() {
-            self.inner.ctx.driver.synchronize()?;
-            state.mappings.clear();
+            ctx.driver.synchronize()?;
         }
+        let mark = ctx.num_deferred();
+        state.mappings.clear();
         state.segment_bytes.fill(0);
-        self.take_deferred_errors()
-            .into_iter()
-            .next()
-            .map_or(Ok(()), Err)
+        self.own_errors(mark, "the release went on: every segment holds 0 bytes now")
+    }
+
+    /// The first error deferred since `mark` (what this operation met), saying that the
+    /// operation completed regardless (`done`); the rest stay deferred.
+    fn own_errors(&self, mark: usize, done: &str) -> Result<()> {
+        let ctx = &self.inner.ctx;
+        let mut own = ctx.take_deferred_since(mark).into_iter();
+        let Some(first) = own.next() else {
+            return Ok(());
+        };
+        let rest: Vec<Error> = own.collect();
+        let more = rest.len();
+        relock(&ctx.deferred).extend(rest);
+        Err(completed_despite(first, more, done))
     }
 
     /// Releases memory and addresses now. Refused while views exist: their pointers would
-    /// dangle. (Dropping the tensor instead defers the release to the last view.)
+    /// dangle. (Dropping the tensor instead defers the release to the last view.) Otherwise it
+    /// always ends closed: a driver error on the way is returned after everything that could
+    /// be released was, and errors deferred by earlier operations stay in
+    /// `take_deferred_errors`.
     pub fn close(&self) -> Result<()> {
         let mut state = self.lock();
         if state.reservation.is_none() {
             return Ok(());
         }
-        let live_views = self.inner.live_views.load(Ordering::Acquire);
-        if live_views > 0 {
-            return Err(Error::ViewsAlive { live_views });
+        {
+            let mut snapshot = relock(&self.inner.snapshot);
+            let live_views = self.inner.live_views.load(Ordering::Acquire);
+            if live_views > 0 {
+                return Err(Error::ViewsAlive { live_views });
+            }
+            snapshot.closed = true; // from here on `export` refuses
         }
-        self.release_locked(&mut state)?;
+        let ctx = &self.inner.ctx;
+        let mark = ctx.num_deferred();
+        if !state.mappings.is_empty() {
+            ctx.defer(ctx.driver.synchronize());
+            state.mappings.clear();
+        }
+        state.segment_bytes.fill(0);
         state.reservation = None;
-        self.take_deferred_errors()
-            .into_iter()
-            .next()
-            .map_or(Ok(()), Err)
+        self.own_errors(mark, "the tensor is closed regardless")
+    }
+
+    /// Messages of errors deferred since the last call (each once), for the bindings to log
+    /// as warnings; `take_deferred_errors` still returns the errors themselves.
+    pub fn take_unwarned(&self) -> Vec<String> {
+        std::mem::take(&mut *relock(&self.inner.ctx.unwarned))
     }
 
     /// Whether `close` has run: the addresses are gone and every call but `close` fails.
     pub fn is_closed(&self) -> bool {
-        self.lock().reservation.is_none()
+        self.snapshot(|s| s.closed)
     }
 
     /// Hands out `[offset, offset + num_bytes)` of the capacity; the guard keeps it alive.
+    /// Never waits for an operation in progress (it takes no lock but the snapshot's).
     pub fn export(&self, offset: u64, num_bytes: u64) -> Result<ExportedRegion> {
-        let _state = self.lock_open()?;
         let capacity = self.inner.geometry.capacity_bytes();
         if offset
             .checked_add(num_bytes)
@@ -773,7 +914,13 @@ impl ExtensibleTensor {
                  {capacity} bytes"
             )));
         }
-        self.inner.live_views.fetch_add(1, Ordering::AcqRel);
+        {
+            let snapshot = relock(&self.inner.snapshot);
+            if snapshot.closed {
+                return Err(Error::Closed);
+            }
+            self.inner.live_views.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(ExportedRegion {
             ptr: self.inner.ctx.base + offset,
             num_bytes,
@@ -786,7 +933,10 @@ impl ExtensibleTensor {
 
     /// The reservation's first address (views are offsets from it); `Error::Closed` once closed.
     pub fn base_ptr(&self) -> Result<u64> {
-        self.lock_open().map(|_| self.inner.ctx.base)
+        match self.snapshot(|s| s.closed) {
+            true => Err(Error::Closed),
+            false => Ok(self.inner.ctx.base),
+        }
     }
 
     /// The segments' capacities and offsets, and the granularity.
@@ -826,7 +976,7 @@ impl ExtensibleTensor {
 
     /// The committed bytes of each segment.
     pub fn segment_bytes(&self) -> Vec<u64> {
-        self.lock().segment_bytes.clone()
+        self.snapshot(|s| s.segment_bytes.clone())
     }
 
     /// The capacity every segment has; an error when they differ (see `segment_capacities`).
@@ -841,12 +991,12 @@ impl ExtensibleTensor {
 
     /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
     pub fn physical_bytes(&self) -> u64 {
-        self.lock().mappings.values().map(Mapping::num_bytes).sum()
+        self.snapshot(|s| s.physical_bytes)
     }
 
     /// How many physical handles are mapped.
     pub fn num_handles(&self) -> usize {
-        self.lock().mappings.len()
+        self.snapshot(|s| s.num_handles)
     }
 
     /// The granule runs of the mapped handles, in address order.
@@ -861,14 +1011,8 @@ impl ExtensibleTensor {
 
     /// Errors that destructors met (a failed unmap or release) since the last call.
     pub fn take_deferred_errors(&self) -> Vec<Error> {
-        std::mem::take(
-            &mut *self
-                .inner
-                .ctx
-                .deferred
-                .lock()
-                .expect("deferred errors poisoned"),
-        )
+        relock(&self.inner.ctx.unwarned).clear();
+        std::mem::take(&mut *relock(&self.inner.ctx.deferred))
     }
 
     /// Checks the invariants listed at the top of this module.
@@ -882,11 +1026,12 @@ impl ExtensibleTensor {
 fn random_id() -> u128 {
     use std::io::Read;
     let mut bytes = [0u8; 16];
-    let from_kernel = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    let from_kernel =
+        std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
     let id = match from_kernel {
         Ok(()) => u128::from_ne_bytes(bytes),
         Err(_) => {
-            use std::hash::{BuildHasher, Hash, Hasher};
+            use std::hash::BuildHasher;
             static COUNTER: AtomicU64 = AtomicU64::new(0);
             let seed = (
                 std::process::id(),
@@ -894,9 +1039,7 @@ fn random_id() -> u128 {
                 COUNTER.fetch_add(1, Ordering::Relaxed),
             );
             let half = |salt: u8| {
-                let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-                (seed, salt).hash(&mut hasher);
-                hasher.finish()
+                std::collections::hash_map::RandomState::new().hash_one((seed, salt))
             };
             u128::from(half(0)) << 64 | u128::from(half(1))
         }

@@ -73,7 +73,9 @@ impl SharedDescription {
     fn validate(&self) -> Result<Geometry> {
         let bad = |why: String| Error::invalid(format!("invalid shared description: {why}"));
         if self.tensor_id == 0 {
-            return Err(bad("tensor_id is 0: it names no tensor (use share()'s)".into()));
+            return Err(bad(
+                "tensor_id is 0: it names no tensor (use share()'s)".into()
+            ));
         }
         let geometry = Geometry::new(self.segment_capacities.clone(), self.granularity)
             .map_err(|e| bad(format!("segment_capacities / granularity: {e}")))?;
@@ -87,7 +89,9 @@ impl SharedDescription {
                 first_granule,
                 num_granules: n,
             } = handle.run;
-            let end = first_granule.checked_add(n).filter(|&end| n > 0 && end <= num_granules);
+            let end = first_granule
+                .checked_add(n)
+                .filter(|&end| n > 0 && end <= num_granules);
             let Some(end) = end else {
                 return Err(bad(format!(
                     "handles[{i}] covers granules {first_granule} + {n}, not a non-empty \
@@ -219,7 +223,9 @@ impl ExtensibleTensor {
                     let fd = fd.as_raw_fd();
                     if let Some(registry) = registry {
                         registry.publish(mapping.run.first_granule, handle.serial, fd)?;
-                        handle.published_at.get_or_init(|| mapping.run.first_granule);
+                        handle
+                            .published_at
+                            .get_or_init(|| mapping.run.first_granule);
                     }
                     SharedExport::Fd { pid: owner_pid, fd }
                 }
@@ -427,7 +433,10 @@ impl SharedDescription {
             )));
         }
         let (registry, fds) = self.checked_fds(&self.handles, None)?;
-        Ok(registry.into_iter().chain(fds.into_iter().flatten()).collect())
+        Ok(registry
+            .into_iter()
+            .chain(fds.into_iter().flatten())
+            .collect())
     }
 
     /// The registry's fd and one fd per fd handle of `shared` (`None` for fabric ones), taken
@@ -450,9 +459,12 @@ impl SharedDescription {
             return Ok((None, shared.iter().map(|_| None).collect()));
         };
         let registry_file = source.take(registry_fd)?;
-        let registry = RegistryView::open(registry_file.try_clone().map_err(|e| {
-            ipc::stale(format!("duplicating the registry fd: {e}"))
-        })?, self.tensor_id)?;
+        let registry = RegistryView::open(
+            registry_file
+                .try_clone()
+                .map_err(|e| ipc::stale(format!("duplicating the registry fd: {e}")))?,
+            self.tensor_id,
+        )?;
         let mut taken = Vec::with_capacity(shared.len());
         for wanted in shared {
             let SharedExport::Fd { fd, .. } = wanted.export else {
