@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 
@@ -99,6 +100,8 @@ def _grow_while_reading(t: ExtensibleTensor, num_bytes: int) -> dict[str, float]
             ticks.append(time.perf_counter())
 
     ticks_grow: list[float] = []
+    warm = (t.full_view(), repr(t))  # the first view imports torch's DLPack module
+    del warm
     counter = threading.Thread(target=count)
     grower = threading.Thread(target=grow)
     counter.start()
@@ -120,18 +123,23 @@ def _grow_while_reading(t: ExtensibleTensor, num_bytes: int) -> dict[str, float]
 def test_no_getter_or_view_waits_for_a_grow_holding_the_gil(
     backend: str, make_tensor: MakeTensor
 ) -> None:
-    """Before: `physical_bytes` blocked 0.52 s during a 2 GiB host grow, and every Python
-    thread with it. Targets: a getter < 10 ms, a pure-Python thread never stalls > 50 ms
-    (the bounds here leave room for a loaded 2-core CI machine, and stay far below the
-    grow's own time)."""
+    """Before: `physical_bytes` blocked 0.52 s during a 2 GiB host grow (as long as the grow),
+    and every Python thread with it. Targets, on a quiet machine: a getter < 10 ms, a
+    pure-Python thread never stalls > 50 ms (measured: 0.27 ms and 7 ms). Asserted relative to
+    the grow's own time, which a loaded 2-core CI machine stretches (5 s seen) along with every
+    pause: blocking would make both as long as the grow."""
     num_bytes = (2 << 30) if backend == "cpu" else (100 << 30)
     t = make_tensor(num_bytes)
-    times = _grow_while_reading(t, num_bytes)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)  # the GIL's own hand-offs, not the test's subject: keep short
+    try:
+        times = _grow_while_reading(t, num_bytes)
+    finally:
+        sys.setswitchinterval(interval)
     print(
         f"\n{backend}: grow {times['grow'] * 1e3:.1f} ms, longest getter "
         f"{times['getter'] * 1e3:.2f} ms, longest stall {times['stall'] * 1e3:.2f} ms"
     )
     assert t.physical_bytes == num_bytes
-    assert times["getter"] < 0.05 and times["stall"] < 0.1, times
-    if times["grow"] > 0.3:  # a grow long enough to tell blocking from noise
-        assert times["getter"] < times["grow"] / 5 and times["stall"] < times["grow"] / 3, times
+    assert times["grow"] > 0.02, "too short a grow to tell waiting from not"
+    assert times["getter"] < times["grow"] / 4 and times["stall"] < times["grow"] / 4, times

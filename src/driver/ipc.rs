@@ -334,4 +334,38 @@ mod tests {
             "{gone}"
         );
     }
+
+    #[test]
+    fn the_registry_names_live_handles_only_and_only_its_tensor() {
+        let registry = ExportRegistry::create(0xfeed, 8).unwrap();
+        let view = |id| RegistryView::open(borrow_fd(registry.raw_fd()).unwrap(), id);
+        let other = view(0xbeef).err().expect("another tensor's id");
+        assert!(other.to_string().contains("stale shared description"), "{other}");
+        let importer = view(0xfeed).unwrap();
+        assert!(!importer.is_live(3, 5, 40));
+        registry.publish(3, 5, 40).unwrap();
+        assert!(importer.is_live(3, 5, 40));
+        assert!(!importer.is_live(3, 5, 41) && !importer.is_live(3, 6, 40));
+        assert!(!importer.is_live(4, 5, 40) && !importer.is_live(1 << 40, 5, 40));
+        registry.withdraw(3, 6, 40); // another handle's: leaves this one
+        assert!(importer.is_live(3, 5, 40));
+        registry.withdraw(3, 5, 40);
+        assert!(!importer.is_live(3, 5, 40));
+        assert!(registry.publish(8, 0, 1).is_err(), "past the last granule");
+        assert!(registry.publish(0, 0, 1 << FD_BITS).is_err());
+        assert!(registry.publish(0, u64::MAX, 1).is_err());
+    }
+
+    #[test]
+    fn borrowed_fds_are_copies_and_closed_numbers_are_refused() {
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let copy = borrow_fd(file.as_raw_fd()).unwrap();
+        assert_ne!(copy.as_raw_fd(), file.as_raw_fd());
+        drop(copy);
+        file.metadata().unwrap(); // the caller's fd is still open
+        for bad in [-1, 1 << 20] {
+            let err = borrow_fd(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+    }
 }
