@@ -125,9 +125,9 @@ fn tampered_descriptions_are_refused() {
     let mut bigger = description.clone();
     bigger.handles[0].run.num_granules += 1;
     for (bad, why) in [
-        (grown, "in no handle"),
-        (twice, "serial"),
-        (bigger, "out of order or overlapping"),
+        (grown, "no handle covers them"),
+        (twice, "two handles have serial"),
+        (bigger, "inside the handle before it"),
     ] {
         match ExtensibleTensor::import(host_driver(), &bad, None) {
             Err(Error::InvalidArgument(message)) => assert!(message.contains(why), "{message}"),
