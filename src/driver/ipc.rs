@@ -340,7 +340,10 @@ mod tests {
         let registry = ExportRegistry::create(0xfeed, 8).unwrap();
         let view = |id| RegistryView::open(borrow_fd(registry.raw_fd()).unwrap(), id);
         let other = view(0xbeef).err().expect("another tensor's id");
-        assert!(other.to_string().contains("stale shared description"), "{other}");
+        assert!(
+            other.to_string().contains("stale shared description"),
+            "{other}"
+        );
         let importer = view(0xfeed).unwrap();
         assert!(!importer.is_live(3, 5, 40));
         registry.publish(3, 5, 40).unwrap();

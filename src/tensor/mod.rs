@@ -1038,9 +1038,8 @@ fn random_id() -> u128 {
                 std::time::SystemTime::now(),
                 COUNTER.fetch_add(1, Ordering::Relaxed),
             );
-            let half = |salt: u8| {
-                std::collections::hash_map::RandomState::new().hash_one((seed, salt))
-            };
+            let half =
+                |salt: u8| std::collections::hash_map::RandomState::new().hash_one((seed, salt));
             u128::from(half(0)) << 64 | u128::from(half(1))
         }
     };
