@@ -506,3 +506,39 @@ def test_send_shared_refuses_a_stale_description(g: int, make_owner: MakeOwner) 
     with left, right, pytest.raises(ValueError, match="stale shared description"):
         send_shared(left, old)
     owner.close()
+
+
+def test_recv_shared_refuses_fds_from_another_process_than_the_owner(
+    g: int, make_owner: MakeOwner
+) -> None:
+    """A peer that forges a description naming another owner is caught by the kernel-checked
+    credentials of the fds' message, and the fds are closed; nothing is unpickled."""
+    import array
+    import struct
+
+    from extensible_kv.ipc import _to_wire
+
+    owner = make_owner(4 * g, 1)
+    owner.resize_(g)
+    description = owner.share()
+    payload = _to_wire(replace(description, owner_pid=os.getppid()))  # a forged owner
+    before = open_fds()
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        left.sendall(struct.pack("!Q", len(payload)) + payload)
+        fds = [description.registry_fd, description.handles[0].fd]
+        creds = struct.pack("3i", os.getpid(), os.getuid(), os.getgid())
+        left.sendmsg(
+            [b"F"],
+            [
+                (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes()),
+                (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds),
+            ],
+        )
+        with pytest.raises(ValueError, match=f"came from process {os.getpid()}, not"):
+            recv_shared(right)
+        left.sendall(struct.pack("!Q", 7) + b"\x80junk!!")  # a pickle opcode: never loaded
+        with pytest.raises(ValueError, match="malformed shared description"):
+            recv_shared(right)
+    assert open_fds() == before
+    owner.close()

@@ -41,6 +41,7 @@ POSIX_FD = 1
 FABRIC = 8
 _NAMES = {"posix_fd": POSIX_FD, "fabric": FABRIC, "none": 0}
 _MAX_FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
+_MAX_DESCRIPTION_BYTES = 1 << 26  # ~500,000 handles: far past any real tensor
 
 
 def export_handle_types_bits(types: int | str | list[int | str] | tuple[int | str, ...]) -> int:
@@ -148,12 +149,34 @@ class SharedTensor:
         return (type(self), values)
 
 
+def _to_wire(description: SharedTensor) -> bytes:
+    """JSON, not pickle: the receiver must not run whatever a peer sends."""
+    import json
+
+    raw = list(description._to_native())
+    raw[-1] = [[*h[:5], None if h[5] is None else bytes(h[5]).hex()] for h in raw[-1]]
+    return json.dumps(raw).encode()
+
+
+def _from_wire(payload: bytes) -> SharedTensor:
+    import json
+
+    try:
+        raw = json.loads(payload)
+        *fields_, handles = raw
+        handles = [(*h[:5], None if h[5] is None else bytes.fromhex(h[5])) for h in handles]
+        return SharedTensor._from_native((*fields_, handles))
+    except (ValueError, TypeError, IndexError) as error:
+        raise ValueError(f"received a malformed shared description: {error}") from None
+
+
 def send_shared(sock: socket.socket, description: SharedTensor) -> None:
     """Sends `description` and the owner's fds over the connected Unix socket `sock`, for a
     peer that may not take them by pid (`recv_shared` on the other end). Call it from the
-    process that called `share()`: it sends that process's fds."""
+    process that called `share()`: it sends that process's fds, checked current first (a stale
+    description is a `ValueError`), with its credentials, which the kernel vouches for."""
     # Imported here: only the socket path needs them (`import extensible_kv` stays lean).
-    import pickle
+    import array
     import socket
     import struct
 
@@ -166,11 +189,17 @@ def send_shared(sock: socket.socket, description: SharedTensor) -> None:
 
     # Checked current first: a stale description's fd numbers may name other memory by now.
     fds = _native._owner_fds(description._to_native())
+    credentials = struct.pack("3i", os.getpid(), os.getuid(), os.getgid())
     try:
-        payload = pickle.dumps(description)
+        payload = _to_wire(description)
         sock.sendall(struct.pack("!Q", len(payload)) + payload)
         for start in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
-            socket.send_fds(sock, [b"F"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+            chunk = array.array("i", fds[start : start + _MAX_FDS_PER_MESSAGE])
+            ancillary = [
+                (socket.SOL_SOCKET, socket.SCM_RIGHTS, chunk.tobytes()),
+                (socket.SOL_SOCKET, socket.SCM_CREDENTIALS, credentials),
+            ]
+            sock.sendmsg([b"F"], ancillary)
     finally:
         for fd in fds:
             os.close(fd)
@@ -178,15 +207,17 @@ def send_shared(sock: socket.socket, description: SharedTensor) -> None:
 
 def recv_shared(sock: socket.socket) -> SharedTensor:
     """Receives a description sent by `send_shared`, carrying the received fds (given up to
-    the next `ExtensibleTensor.from_shared` or `refresh` of it)."""
-    import pickle
+    the next `ExtensibleTensor.from_shared` or `refresh` of it). The fds must come from the
+    description's owner, as the kernel-checked credentials of their messages say: else a
+    `ValueError`, and they are closed."""
     import socket
     import struct
 
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
     (length,) = struct.unpack("!Q", _recv_exactly(sock, 8))
-    description: SharedTensor = pickle.loads(_recv_exactly(sock, length))
-    if not isinstance(description, SharedTensor):
-        raise TypeError(f"received a {type(description).__name__}, not a SharedTensor")
+    if length > _MAX_DESCRIPTION_BYTES:
+        raise ValueError(f"a shared description of {length} bytes is too large")
+    description = _from_wire(_recv_exactly(sock, length))
     expected = sum(h.fd is not None for h in description.handles)
     if expected and description.registry_fd is not None:
         expected += 1  # the registry's fd comes first
@@ -194,16 +225,43 @@ def recv_shared(sock: socket.socket) -> SharedTensor:
     try:
         while len(received) < expected:
             want = min(_MAX_FDS_PER_MESSAGE, expected - len(received))
-            _, fds, _, _ = socket.recv_fds(sock, 1, want)
-            if not fds:
-                raise ConnectionError("the peer closed the socket before sending every fd")
+            fds, sender = _recv_fds(sock, want)
             received.extend(fds)
+            if sender != description.owner_pid:
+                raise ValueError(
+                    f"the fds came from process {sender}, not from the description's owner "
+                    f"({description.owner_pid})"
+                )
     except BaseException:
         for fd in received:
             os.close(fd)
         raise
     object.__setattr__(description, "received_fds", tuple(received))
     return description
+
+
+def _recv_fds(sock: socket.socket, max_fds: int) -> tuple[list[int], int | None]:
+    """One message's fds and its sender's pid (`None` if it carried no credentials)."""
+    import array
+    import socket
+    import struct
+
+    space = socket.CMSG_SPACE(max_fds * 4) + socket.CMSG_SPACE(struct.calcsize("3i"))
+    data, ancillary, _, _ = sock.recvmsg(1, space)
+    fds: list[int] = []
+    sender = None
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            chunk = array.array("i")
+            chunk.frombytes(payload[: len(payload) - len(payload) % 4])
+            fds.extend(chunk)
+        elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            sender = struct.unpack("3i", payload[:12])[0]
+    if not data or not fds:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError("the peer closed the socket before sending every fd")
+    return fds, sender
 
 
 def _recv_exactly(sock: socket.socket, num_bytes: int) -> bytes:
