@@ -43,3 +43,20 @@ def test_metadata_carries_the_readme() -> None:
     description = meta.get_payload() or meta["Description"]  # type: ignore[attr-defined]
     assert isinstance(description, str)
     assert readme.splitlines()[0] in description and "## What it guarantees" in description
+
+
+def test_the_license_file_matches_the_metadata_and_the_cli_tells_its_version() -> None:
+    import subprocess
+    import sys
+
+    import extensible_kv
+
+    assert metadata.metadata("extensible-kv")["License"] == "Apache-2.0"
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+    out = subprocess.run(
+        [sys.executable, "-m", "extensible_kv", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == f"extensible-kv {extensible_kv.__version__}"

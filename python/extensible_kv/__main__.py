@@ -1,4 +1,5 @@
-"""`python -m extensible_kv COMMAND`: the one command is `demo` (`extensible_kv._demo`)."""
+"""`python -m extensible_kv COMMAND`: the one command is `demo` (`extensible_kv._demo`);
+`--version` prints the installed version."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from extensible_kv._demo import cli as demo_cli
 
 
 def _parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("extensible-kv")
+    except PackageNotFoundError:  # imported from a source tree, not installed
+        installed = "unknown (not installed)"
     parser = argparse.ArgumentParser(prog="python -m extensible_kv")
+    parser.add_argument("--version", action="version", version=f"extensible-kv {installed}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_cli.add_command(commands)
     return parser
