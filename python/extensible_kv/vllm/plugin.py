@@ -87,11 +87,14 @@ def _commit_keeping_data(
     target = num_blocks if remap else max(num_blocks, self.num_committed_blocks)
     sizes = [target * stride for stride in self.segment_strides]
     if target < self.num_committed_blocks:
-        self.buffer.shrink_segments_(sizes)
-        self.num_committed_blocks = target
-    if target > self.num_committed_blocks:
+        # Released (asleep), a segment holds less than the count says: nothing to give back.
+        held = self.buffer.segment_bytes
+        self.buffer.shrink_segments_([min(h, s) for h, s in zip(held, sizes, strict=True)])
+    if remap or target > self.num_committed_blocks:
+        # A no-op where every segment holds its size already; else new blocks, zeroed (all
+        # of them when asleep, as vLLM's remap).
         self.buffer.resize_segments_(sizes, zero_new=True)
-        self.num_committed_blocks = target
+    self.num_committed_blocks = target
     if defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes)):
         self.buffer.consolidate()
     logger.debug(
