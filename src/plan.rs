@@ -30,11 +30,24 @@ impl Run {
     }
 
     /// One past the last granule.
+    ///
+    /// Cannot overflow for the runs this module makes and takes: those come from a
+    /// `Geometry` (`needed_runs`, `granules_of` its bytes, cuts of those), whose granules end
+    /// at `num_granules() <= u64::MAX`, or passed `check_runs` (a description's), which
+    /// refuses a run whose end does not fit.
     pub fn end_granule(self) -> u64 {
         self.first_granule + self.num_granules
     }
 
+    /// `end_granule`, or `None` where it does not fit in 64 bits: for runs not yet checked.
+    pub fn checked_end_granule(self) -> Option<u64> {
+        self.first_granule.checked_add(self.num_granules)
+    }
+
     /// The bytes of these granules, relative to the reservation's start.
+    ///
+    /// Cannot overflow for a run inside a `Geometry` of this `granularity` (see `end_granule`):
+    /// its bytes end at most at `reserved_bytes()`, which `Geometry::new` checked fits.
     pub fn bytes(self, granularity: u64) -> ByteRange {
         ByteRange {
             offset: self.first_granule * granularity,
@@ -54,6 +67,10 @@ pub struct ByteRange {
 
 impl ByteRange {
     /// One past the last byte.
+    ///
+    /// Cannot overflow for the ranges this module makes: a `Geometry`'s (`needed_runs`,
+    /// `new_ranges`, `run_bytes`, after `check_request`) end at most at `reserved_bytes()`;
+    /// `footprint_bytes` checks its own before making them.
     pub fn end(self) -> u64 {
         self.offset + self.num_bytes
     }
@@ -195,8 +212,10 @@ impl Geometry {
     }
 
     /// The granules that hold the first `segment_bytes[i]` bytes of every segment, merged into
-    /// sorted, disjoint, non-adjacent runs.
+    /// sorted, disjoint, non-adjacent runs. `segment_bytes` must pass `check_request`: then
+    /// `offset_i + segment_bytes[i] <= capacity_bytes()`, and no sum here overflows.
     pub fn needed_runs(&self, segment_bytes: &[u64]) -> Vec<Run> {
+        debug_assert!(self.check_request(segment_bytes).is_ok());
         let prefixes: Vec<ByteRange> = self
             .segment_offsets
             .iter()
@@ -207,7 +226,11 @@ impl Geometry {
     }
 
     /// The logical bytes a grow from `old` to `new` adds: `[old_i, new_i)` of every segment.
+    /// Both must pass `check_request`, so `offset_i + old_i` cannot overflow (as in
+    /// `needed_runs`).
     pub fn new_ranges(&self, old: &[u64], new: &[u64]) -> Vec<ByteRange> {
+        debug_assert!(self.check_request(old).is_ok());
+        debug_assert!(self.check_request(new).is_ok());
         let triples = self.segment_offsets.iter().zip(old).zip(new);
         triples
             .filter(|((_, o), n)| n > o)
@@ -249,11 +272,20 @@ pub fn footprint_bytes(
             ))),
         })
         .collect::<Result<Vec<ByteRange>>>()?;
-    let num_granules: u64 = granules_of(&prefixes, granularity)
+    let too_large = || {
+        Error::invalid(format!(
+            "{prefix_bytes} bytes of {} segments in granules of {granularity} bytes map more \
+             than 2^64 bytes",
+            segment_offsets.len()
+        ))
+    };
+    // The runs are disjoint and inside `[0, ceil(u64::MAX / granularity)]`, so their sum fits;
+    // checked all the same, as the product is.
+    granules_of(&prefixes, granularity)
         .iter()
-        .map(|run| run.num_granules)
-        .sum();
-    Ok(num_granules * granularity)
+        .try_fold(0u64, |sum, run| sum.checked_add(run.num_granules))
+        .and_then(|num_granules| num_granules.checked_mul(granularity))
+        .ok_or_else(too_large)
 }
 
 /// `needed` minus `mapped`; both sorted and disjoint. The result is sorted and disjoint.
@@ -279,6 +311,8 @@ pub fn subtract(needed: &[Run], mapped: &[Run]) -> Vec<Run> {
 }
 
 /// The parts of `ranges` (sorted, disjoint) that fall inside granule `runs` (sorted, disjoint).
+/// Both lie inside one `Geometry` of this `granularity`, so no product or sum here passes its
+/// `reserved_bytes()` (see `Run::bytes`).
 pub fn intersect(ranges: &[ByteRange], runs: &[Run], granularity: u64) -> Vec<ByteRange> {
     let mut out = Vec::new();
     let mut r = 0;
@@ -330,6 +364,9 @@ pub enum HandlePolicy {
 impl HandlePolicy {
     /// `Adaptive` capped at `max_handle_bytes`, a power-of-two multiple of `granularity`.
     pub fn adaptive(max_handle_bytes: u64, granularity: u64) -> Result<HandlePolicy> {
+        if granularity == 0 {
+            return Err(Error::invalid("granularity must be positive"));
+        }
         if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
             return Err(Error::invalid(format!(
                 "max_handle_bytes ({max_handle_bytes}) must be a positive multiple of the \
@@ -341,7 +378,8 @@ impl HandlePolicy {
         })
     }
 
-    /// Appends the handles for `run` to `out`.
+    /// Appends the handles for `run` to `out`. Nothing here overflows given `end_granule`
+    /// does: every size is at most `end - cursor`, and a shift is by at most 63.
     pub fn cut(self, run: Run, out: &mut Vec<Run>) {
         let mut cursor = run.first_granule;
         let end = run.end_granule();
@@ -517,6 +555,7 @@ pub fn plan_consolidate(mapped: &[Run], needed: &[Run]) -> Vec<Regroup> {
 }
 
 /// The granules holding sorted, disjoint byte `ranges`, merged into sorted, disjoint runs.
+/// `granularity` is positive and each range's `end()` fits (see `ByteRange::end`).
 pub fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
     for range in ranges.iter().filter(|r| r.num_bytes > 0) {
@@ -536,6 +575,16 @@ pub fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
 
 /// Checks that `runs` are sorted, disjoint, non-empty and inside `num_granules`.
 pub fn check_runs(runs: &[Run], num_granules: u64) -> Result<(), String> {
+    // Bounds first, in 64 bits checked: a description's runs may be anything, and a wrapped
+    // end would pass both tests below. After it, `end_granule` fits for every run.
+    let outside = |r: &Run| {
+        r.num_granules == 0 || r.checked_end_granule().is_none_or(|end| end > num_granules)
+    };
+    if let Some(run) = runs.iter().find(|r| outside(r)) {
+        return Err(format!(
+            "run {run:?} is empty or past granule {num_granules}"
+        ));
+    }
     for pair in runs.windows(2) {
         if pair[0].end_granule() > pair[1].first_granule {
             return Err(format!(
@@ -543,14 +592,6 @@ pub fn check_runs(runs: &[Run], num_granules: u64) -> Result<(), String> {
                 pair[0], pair[1]
             ));
         }
-    }
-    if let Some(run) = runs
-        .iter()
-        .find(|r| r.num_granules == 0 || r.end_granule() > num_granules)
-    {
-        return Err(format!(
-            "run {run:?} is empty or past granule {num_granules}"
-        ));
     }
     Ok(())
 }
@@ -713,6 +754,65 @@ mod tests {
         })
     }
 
+    #[test]
+    fn footprint_past_64_bits_is_an_error_not_a_wrapped_value() {
+        // 2^63 granules of 2 bytes: 2^64 bytes, which an unchecked multiply wraps to 0.
+        let err = footprint_bytes(&[0], u64::MAX, 2).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("18446744073709551615"), "{err}");
+        assert_eq!(footprint_bytes(&[0], u64::MAX, 1).unwrap(), u64::MAX);
+        assert_eq!(footprint_bytes(&[0], 1 << 63, 1 << 63).unwrap(), 1 << 63);
+    }
+
+    #[test]
+    fn runs_past_64_bits_are_refused_not_wrapped() {
+        // first + num wraps to 1, inside a 4-granule reservation.
+        let err = check_runs(&[Run::new(u64::MAX, 2)], 4).unwrap_err();
+        assert!(err.contains("past granule 4"), "{err}");
+        assert!(check_runs(&[Run::new(0, 1), Run::new(u64::MAX, 2)], 4).is_err());
+        assert!(check_runs(&[Run::new(0, u64::MAX)], u64::MAX).is_ok());
+        assert!(HandlePolicy::adaptive(4096, 0).is_err());
+    }
+
+    /// Values at the edges of `u64`: near 0, near `u64::MAX`, near every power of two.
+    fn edge() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..4,
+            (0u64..4).prop_map(|d| u64::MAX - d),
+            (0u32..64, -2i64..=2).prop_map(|(k, d)| (1u64 << k).saturating_add_signed(d)),
+            any::<u64>(),
+        ]
+    }
+
+    /// Granularities up to 2^63.
+    fn power_of_two() -> impl Strategy<Value = u64> {
+        (0u32..64).prop_map(|k| 1u64 << k)
+    }
+
+    /// The granules holding `[offset, offset + len)` of each range, merged, computed in 128
+    /// bits: the model the 64-bit code must match or refuse.
+    fn wide_runs(ranges: &[(u64, u64)], g: u64) -> Vec<(u128, u128)> {
+        let (g, mut runs) = (u128::from(g), Vec::<(u128, u128)>::new());
+        let mut ranges: Vec<(u128, u128)> = ranges
+            .iter()
+            .filter(|r| r.1 > 0)
+            .map(|&(o, n)| (u128::from(o), u128::from(o) + u128::from(n)))
+            .collect();
+        ranges.sort_unstable();
+        for (start, end) in ranges {
+            let (first, end) = (start / g, end.div_ceil(g));
+            match runs.last_mut() {
+                Some(last) if first <= last.1 => last.1 = last.1.max(end),
+                _ => runs.push((first, end)),
+            }
+        }
+        runs
+    }
+
+    fn is_invalid<T: std::fmt::Debug>(result: &Result<T>) -> bool {
+        matches!(result, Err(Error::InvalidArgument(_)))
+    }
+
     proptest! {
         #[test]
         fn needed_runs_match_a_per_granule_model(
@@ -795,6 +895,141 @@ mod tests {
             let expect: Vec<u64> = ranges.iter().flat_map(|r| r.offset..r.end())
                 .filter(|b| granules.contains(&(b / g))).collect();
             prop_assert_eq!(got, expect);
+        }
+
+        /// Caller-provided sizes at the edges of `u64`: a correct footprint or InvalidArgument,
+        /// never a panic or a wrapped value.
+        #[test]
+        fn footprint_at_the_edges_of_u64_is_exact_or_refused(
+            offsets in prop::collection::vec(edge(), 1..64),
+            prefix in edge(),
+            granularity in prop_oneof![edge(), power_of_two()],
+        ) {
+            let got = footprint_bytes(&offsets, prefix, granularity);
+            let fits = offsets.iter().all(|&o| o.checked_add(prefix).is_some());
+            if granularity == 0 || !fits {
+                prop_assert!(is_invalid(&got), "{:?}", got);
+            } else {
+                let ranges: Vec<(u64, u64)> = offsets.iter().map(|&o| (o, prefix)).collect();
+                let granules: u128 = wide_runs(&ranges, granularity).iter().map(|r| r.1 - r.0).sum();
+                match u64::try_from(granules * u128::from(granularity)) {
+                    Ok(bytes) => prop_assert_eq!(got.unwrap(), bytes),
+                    Err(_) => prop_assert!(is_invalid(&got), "{:?}", got),
+                }
+            }
+        }
+
+        /// A geometry of many segments and capacities at the edges of `u64`, granules up to
+        /// 2^63: made exactly or refused; then every plan over it (needed runs, their bytes, new
+        /// ranges, their intersection with the granules, every cutting policy) is exact.
+        #[test]
+        fn plans_at_the_edges_of_u64_are_exact_or_refused(
+            capacities in prop::collection::vec(edge(), 1..300),
+            split in any::<bool>(),
+            granularity in power_of_two(),
+            picks in prop::collection::vec((0u8..4, any::<u64>()), 300),
+            cap in edge(),
+        ) {
+            // Split, the capacities sum to at most u64::MAX: many segments that fit, some
+            // only until rounded up to whole granules.
+            let n = capacities.len() as u64;
+            let capacities: Vec<u64> = match split {
+                true => capacities.iter().map(|&c| (c / n).max(1)).collect(),
+                false => capacities,
+            };
+            let geometry = Geometry::new(capacities.clone(), granularity);
+            let total: u128 = capacities.iter().map(|&c| u128::from(c)).sum();
+            let reserved = total.next_multiple_of(u128::from(granularity));
+            if capacities.contains(&0) || reserved > u128::from(u64::MAX) {
+                prop_assert!(is_invalid(&geometry), "{:?}", geometry.map(|g| g.reserved_bytes()));
+                return Ok(());
+            }
+            let geometry = geometry.unwrap();
+            prop_assert_eq!(u128::from(geometry.reserved_bytes()), reserved);
+            prop_assert_eq!(u128::from(geometry.capacity_bytes()), total);
+            let bytes: Vec<u64> = geometry.segment_capacities().iter().zip(&picks)
+                .map(|(&c, &(kind, r))| match kind { 0 => 0, 1 => c, 2 => c - 1, _ => c.checked_add(1).map_or(r, |m| r % m) })
+                .collect();
+            geometry.check_request(&bytes).unwrap();
+            let needed = geometry.needed_runs(&bytes);
+            check_runs(&needed, geometry.num_granules()).unwrap();
+            let ranges: Vec<(u64, u64)> = geometry.segment_offsets().iter().copied().zip(bytes.iter().copied()).collect();
+            let model = wide_runs(&ranges, granularity);
+            let got: Vec<(u128, u128)> = needed.iter()
+                .map(|r| (u128::from(r.first_granule), u128::from(r.end_granule()))).collect();
+            prop_assert_eq!(&got, &model);
+            for run in &needed {
+                let span = geometry.run_bytes(*run);
+                prop_assert_eq!(u128::from(span.offset), u128::from(run.first_granule) * u128::from(granularity));
+                prop_assert_eq!(u128::from(span.end()), u128::from(run.end_granule()) * u128::from(granularity));
+            }
+            let new_ranges = geometry.new_ranges(&vec![0; bytes.len()], &bytes);
+            prop_assert!(new_ranges.iter().all(|r| r.end() <= geometry.reserved_bytes()));
+            prop_assert_eq!(granules_of(&new_ranges, granularity), needed.clone());
+            // Every new byte lies in a needed granule; intersecting gives the ranges back,
+            // split only where a granule boundary falls between two runs (never here).
+            let nonempty: Vec<ByteRange> = new_ranges.iter().copied().filter(|r| r.num_bytes > 0).collect();
+            prop_assert_eq!(intersect(&new_ranges, &needed, granularity), nonempty);
+            let longest = needed.iter().map(|r| r.num_granules).max().unwrap_or(1);
+            // At least longest / 1024 granules per handle, so cutting stays fast.
+            let cap = cap.max(longest / 1024 + 1);
+            for policy in [
+                HandlePolicy::Adaptive { max_handle_granules: cap },
+                HandlePolicy::Fixed { handle_granules: cap },
+                HandlePolicy::CapAligned { max_handle_granules: cap },
+                HandlePolicy::WholeRuns,
+            ] {
+                let mut handles = Vec::new();
+                for &run in &needed {
+                    policy.cut(run, &mut handles);
+                }
+                check_runs(&handles, geometry.num_granules()).unwrap();
+                prop_assert_eq!(granules_of(
+                    &handles.iter().map(|&h| geometry.run_bytes(h)).collect::<Vec<_>>(),
+                    granularity,
+                ), needed.clone());
+            }
+        }
+
+        /// `Geometry::equal` at the edges of `u64`: made exactly or refused, never a panic.
+        #[test]
+        fn equal_segments_at_the_edges_of_u64_are_exact_or_refused(
+            max_bytes in edge(),
+            num_segments in prop_oneof![0u64..300, edge()],
+            granularity in prop_oneof![edge(), power_of_two()],
+        ) {
+            match Geometry::equal(max_bytes, num_segments, granularity) {
+                Ok(geometry) => {
+                    prop_assert_eq!(geometry.num_segments() as u64, num_segments);
+                    prop_assert_eq!(geometry.capacity_bytes(), max_bytes);
+                    prop_assert_eq!(geometry.reserved_bytes() % granularity, 0);
+                    prop_assert!(geometry.reserved_bytes() >= max_bytes);
+                }
+                Err(err) => prop_assert!(matches!(err, Error::InvalidArgument(_)), "{}", err),
+            }
+        }
+
+        /// Runs at the edges of `u64`: accepted exactly when they lie, sorted and disjoint,
+        /// inside the granules, computed in 128 bits.
+        #[test]
+        fn check_runs_at_the_edges_of_u64_matches_a_wide_model(
+            runs in prop::collection::vec((edge(), edge()), 0..4),
+            num_granules in edge(),
+        ) {
+            let runs: Vec<Run> = runs.into_iter().map(|(s, n)| Run::new(s, n)).collect();
+            let wide: Vec<(u128, u128)> = runs.iter()
+                .map(|r| (u128::from(r.first_granule), u128::from(r.first_granule) + u128::from(r.num_granules)))
+                .collect();
+            let ok = wide.iter().all(|&(s, e)| e > s && e <= u128::from(num_granules))
+                && wide.windows(2).all(|w| w[0].1 <= w[1].0);
+            prop_assert_eq!(check_runs(&runs, num_granules).is_ok(), ok);
+            if ok {
+                let mut cut = Vec::new();
+                for &run in &runs {
+                    HandlePolicy::CapAligned { max_handle_granules: 1 << 62 }.cut(run, &mut cut);
+                }
+                check_runs(&cut, num_granules).unwrap();
+            }
         }
 
         /// Random handles (adjacent or not) and a random subset of their granules as needed:

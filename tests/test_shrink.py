@@ -159,6 +159,39 @@ def test_consolidate_after_a_plain_shrink_drops_the_slack(make_tensor: MakeTenso
     assert torch.equal(t.segment_view(0).cpu(), expected(t, 0, 5 * g, 1))
 
 
+def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handles(
+    make_tensor: MakeTensor, g: int
+) -> None:
+    # The README's word: each run is all or nothing, not the whole call. Two runs of
+    # granules, [0, 6) and [8, 11), each over several handles; the second one's create fails.
+    def setup(**kw: Any) -> ExtensibleTensor:
+        t = make_tensor(2 * 8 * g, 2, max_handle_bytes=2 * g, **kw)
+        for step in (1, 3, 6):
+            t.resize_per_segment_(step * g)
+        t.shrink_per_segment_([6 * g, 3 * g])
+        fill_blocks(t, seed=5)
+        return t
+
+    counter = setup(_profile=True)
+    creates = counter._op_times()["create"][0]
+    counter.close()
+    t = setup(_fault=("create", creates + 2, "oom"))
+    ptr, data, old = t.full_view().data_ptr(), contents(t), t.handle_runs()
+    seg1_handles = [run for run in old if run[0] >= 8]
+    assert len(seg1_handles) > 1 and len(old) > len(seg1_handles) + 1
+    with pytest.raises(OutOfMemoryError):
+        t.consolidate()
+    assert t.segment_bytes == (6 * g, 3 * g)
+    assert t.full_view().data_ptr() == ptr
+    assert all(torch.equal(a, b) for a, b in zip(contents(t), data, strict=True))
+    assert t.handle_runs() == [(0, 6), *seg1_handles]  # the first (largest) run is done
+    assert t.take_deferred_errors() == []
+    t._check_invariants()
+    t.consolidate()  # the fault was one call: again, it finishes
+    assert t.handle_runs() == [(0, 6), (8, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(contents(t), data, strict=True))
+
+
 def test_shrink_refuses_what_it_cannot_do(make_tensor: MakeTensor, g: int) -> None:
     t = make_tensor(4 * g, 2)
     t.resize_per_segment_(g)

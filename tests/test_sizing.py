@@ -147,6 +147,18 @@ def test_shared_granules_count_once() -> None:
     assert blocks_within(512, cache) == 3
 
 
+def test_a_footprint_past_64_bits_is_refused_not_wrapped() -> None:
+    from extensible_kv import _native
+
+    # 2^63 granules of 2 bytes are 2^64 bytes: an unchecked multiply made that 0.
+    with pytest.raises(ValueError, match="18446744073709551615 bytes"):
+        _native.footprint_bytes([0], 2**64 - 1, 2)
+    with pytest.raises(ValueError, match="overflow 64 bits"):
+        _native.footprint_bytes([1], 2**64 - 1, 1)
+    assert _native.footprint_bytes([0], 2**64 - 1, 1) == 2**64 - 1
+    assert _native.footprint_bytes([0, 2**62], 2**62, 2**63) == 2**63
+
+
 # ---------------------------------------------------------------------------------------------
 # against real caches
 

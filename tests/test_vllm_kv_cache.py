@@ -291,6 +291,88 @@ def test_keep_data_shrinks_and_defragments_without_losing_blocks(
         assert all(setup.one_chunk(450))
 
 
+@pytest.fixture
+def vllms_commit(vllm_plugin: Any) -> Any:
+    """vLLM's own `ExtensibleKVCache.commit`, taken before `keep_data` replaces it."""
+    return vllm_plugin.ExtensibleKVCache.commit
+
+
+START = 500  # blocks committed before the commit under test
+# (name, the commits that got there, the last one defragmenting, then asleep): vLLM's
+# defragment decides by the chunks; asleep (`release_physical`), nothing is mapped.
+STARTS = [
+    ("grown in steps", (50, 300, START), False, False),
+    ("defragmented", (50, START), True, False),
+    ("asleep", (50, 300, START), False, True),
+]
+# Two below (a defragment remaps or not, by the chunks of the count's blocks), equal, above.
+COUNTS = [100, 400, START, 650]
+
+
+@pytest.mark.parametrize("shrink", [False, True], ids=["keep", "shrink"])
+@pytest.mark.parametrize("defragment", [False, True], ids=["plain", "defragment"])
+def test_keep_data_commit_ends_where_vllms_does(
+    vllms_commit: Any,
+    keep_data: Any,
+    case: Case,
+    device: torch.device,
+    defragment: bool,
+    shrink: bool,
+) -> None:
+    # Every (start, count) against vLLM's own commit on a twin cache: the same final count;
+    # keep-data keeps the blocks below both counts and zeroes the rest, where vLLM's remap
+    # zeroes everything.
+    from extensible_kv.vllm import plugin
+
+    assert vllms_commit is not plugin._commit_keeping_data
+    assert keep_data.ExtensibleKVCache.commit is plugin._commit_keeping_data
+    rows = []
+    for start, grows, defragmented, asleep in STARTS:
+        for n in COUNTS:
+            theirs = Setup(keep_data, case, device, CAPACITY)
+            ours = Setup(keep_data, case, device, CAPACITY)
+            try:
+                for twin in (theirs, ours):
+                    for grow in grows:
+                        vllms_commit(twin.kv, grow, defragment=defragmented and grow == START)
+                    twin.fill(START)
+                    if asleep:
+                        twin.kv.release_physical()
+                vllms_commit(theirs.kv, n, defragment=defragment, shrink=shrink)
+                ours.kv.commit(n, defragment=defragment, shrink=shrink)
+                final = theirs.kv.num_committed_blocks
+                row = (start, n, final)
+                assert ours.kv.num_committed_blocks == final, row
+                assert ours.buffer.physical_bytes == theirs.buffer.physical_bytes, row
+                if asleep and ours.buffer.physical_bytes == 0:
+                    rows.append(row)  # still asleep, as vLLM's: nothing to touch
+                    continue
+                kept = 0 if asleep else min(final, START)
+                ours.assert_filled(kept)
+                ours.assert_zero(kept, final)
+                for twin in (theirs, ours):
+                    twin.assert_physical(final)
+                    if defragment and case.aligned:
+                        assert all(twin.one_chunk(n)), row
+                rows.append(row)
+            finally:
+                for twin in (theirs, ours):
+                    twin.views.clear()
+                    twin.kv.free()
+    # vLLM's table: a count at or above START, or a shrinking one, is where it ends; a plain
+    # one below START is a no-op; a defragmenting one below START ends at the count when it
+    # remaps (the count's blocks were not one chunk per segment), else at START: both occur
+    # where a defragmented start is one chunk per segment.
+    below = {(start, n): final for start, n, final in rows if n < START and start != "asleep"}
+    for start, n, final in rows:
+        if n >= START or shrink:
+            assert final == n, (start, n, final)
+    if not shrink and not defragment:
+        assert set(below.values()) == {START}, below
+    if defragment and not shrink and case.aligned:
+        assert {final == n for (_, n), final in below.items()} == {True, False}, below
+
+
 def test_free_with_live_views(
     vllm_plugin: Any, case: Case, device: torch.device, leak_check: Callable[[], tuple[int, int]]
 ) -> None:

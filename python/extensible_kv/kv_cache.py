@@ -440,6 +440,8 @@ class ExtensibleKVCache:
         `committed_blocks`. Whole handles past the new last block are released; `exact` also
         trims the handles that straddle it (copying their live part), so the physical bytes are
         the granule-rounded footprint. Growing again with `commit` zeroes the blocks it adds.
+        An `exact` shrink copies live bytes: writes racing it on another thread or stream may
+        be lost.
 
         Each buffer shrinks all or nothing. If one fails, the error is raised with
         `committed_blocks` at `num_blocks` all the same (every buffer still holds at least
@@ -460,7 +462,10 @@ class ExtensibleKVCache:
     def consolidate(self) -> None:
         """Backs each buffer's committed blocks by as few physical allocations as its layout
         allows (one per segment when segments share no granule), keeping every byte and
-        address; registrations of the old pages (RDMA) must be renewed."""
+        address; registrations of the old pages (RDMA) must be renewed. Buffer by buffer,
+        each as `ExtensibleTensor.consolidate`: a failure leaves the buffers (and runs) done
+        before it consolidated, every byte kept; writes racing it on another thread or stream
+        may be lost."""
         if self._closed:
             raise ClosedError("the KV cache is closed")
         for buffer in self._buffers:

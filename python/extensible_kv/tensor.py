@@ -196,7 +196,11 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         keeping the bytes below, all or nothing. Handles no committed byte needs any more are
         released once the device is done with them; `exact` also replaces the handles that
         straddle the new frontier by handles of their live granules (copied on `stream`, by
-        default torch's current stream), so `physical_bytes` is the granule-rounded footprint."""
+        default torch's current stream), so `physical_bytes` is the granule-rounded footprint.
+
+        An `exact` shrink copies the live bytes, then swaps the copy in at the same addresses:
+        a write to the tensor issued while it runs (from another thread, on any stream) may be
+        lost, and an access during the swap may fault. Work ordered before the call is kept."""
         if stream is None and exact:
             stream = self._current_stream()
         return super().shrink_per_segment_(bytes_per_segment, exact=exact, stream=stream)
@@ -212,7 +216,14 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
         valid; RDMA registrations of the old pages must be renewed. One run at a time, largest
         first: at most the largest new handle is extra memory, and `OutOfMemoryError` on it
-        leaves the tensor as it was. Copies run on `stream` (default torch's current one)."""
+        leaves the tensor as it was. Copies run on `stream` (default torch's current one).
+
+        Each run is all or nothing, not the whole call: one that fails past the first run keeps
+        every committed byte, segment size and address, but the runs done before it stay
+        consolidated and the others in their old handles; calling again finishes. A write to
+        the tensor issued while it runs (from another thread, on any stream) may be lost, since
+        the new handles hold the bytes as copied, and an access during the swap may fault. Work
+        ordered before the call is kept."""
         super().consolidate(stream=self._current_stream() if stream is None else stream)
 
     def _current_stream(self) -> int | None:

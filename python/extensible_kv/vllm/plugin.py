@@ -10,7 +10,8 @@ worker before the worker module is imported). `register()` replaces
 
 With `EXTENSIBLE_KV_VLLM_KEEP_DATA=1` it also replaces `ExtensibleKVCache.commit`, so that a
 shrinking or defragmenting commit keeps the blocks below the count (vLLM's releases everything
-and re-grows zeroed): it shrinks in place and consolidates instead.
+and re-grows zeroed): it shrinks in place and consolidates instead, ending at the count
+vLLM's would.
 
 It stays out of the way: `EXTENSIBLE_KV_VLLM=0` switches it off; it imports no vLLM module
 unless vLLM is loaded (vLLM is the caller); and on ROCm, or on a vLLM whose `ExtensibleTensor`
@@ -69,17 +70,31 @@ def _commit_keeping_data(
     self: Any, num_blocks: int, defragment: bool = False, shrink: bool = False
 ) -> None:
     """vLLM 0.34's `ExtensibleKVCache.commit`, keeping the live blocks: a shrink gives back
-    the memory past `num_blocks` in place, and a defragment consolidates (one allocation per
+    the memory past the count in place, and a defragment consolidates (one allocation per
     segment, contents and addresses kept), where vLLM's releases everything and re-grows
-    zeroed. New blocks are zeroed, as in vLLM."""
+    zeroed. New blocks are zeroed, as in vLLM.
+
+    It ends at the count vLLM's would, for every `defragment` and `shrink`: vLLM's remaps
+    (release, then grow from 0) when `shrink` and the count is below the committed one, or
+    when `defragment` and its own test says the count's bytes are not one chunk per segment
+    (asked before anything changes, as vLLM does); a remap ends at the count, anything else
+    never goes below the committed count. Blocks below both counts keep their contents."""
     num_blocks = min(num_blocks, self.capacity_blocks)
     sizes = [num_blocks * stride for stride in self.segment_strides]
-    if shrink and num_blocks < self.num_committed_blocks:
-        self.buffer.shrink_segments_(sizes)
-        self.num_committed_blocks = num_blocks
-    if num_blocks > self.num_committed_blocks:
+    remap = (defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes))) or (
+        shrink and num_blocks < self.num_committed_blocks
+    )
+    target = num_blocks if remap else max(num_blocks, self.num_committed_blocks)
+    sizes = [target * stride for stride in self.segment_strides]
+    if target < self.num_committed_blocks:
+        # Released (asleep), a segment holds less than the count says: nothing to give back.
+        held = self.buffer.segment_bytes
+        self.buffer.shrink_segments_([min(h, s) for h, s in zip(held, sizes, strict=True)])
+    if remap or target > self.num_committed_blocks:
+        # A no-op where every segment holds its size already; else new blocks, zeroed (all
+        # of them when asleep, as vLLM's remap).
         self.buffer.resize_segments_(sizes, zero_new=True)
-        self.num_committed_blocks = num_blocks
+    self.num_committed_blocks = target
     if defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes)):
         self.buffer.consolidate()
     logger.debug(

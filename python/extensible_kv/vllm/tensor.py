@@ -276,6 +276,12 @@ class ExtensibleTensor:
         return sum(self._committed())
 
     @property
+    def segment_bytes(self) -> list[int]:
+        """Each segment's committed prefix in bytes (extensible-kv's own): 0 after
+        `release_physical`, whatever the cache counts."""
+        return self._committed()
+
+    @property
     def bytes_per_segment(self) -> int:
         """Current committed prefix size of each segment in bytes (equal segments)."""
         return self._uniform(self._committed())
