@@ -89,9 +89,13 @@ impl Geometry {
                 "{num_segments} segments: at most {MAX_SEGMENTS} are supported"
             )));
         }
+        if max_bytes == 0 {
+            return Err(Error::invalid("max_bytes must be at least 1, got 0"));
+        }
         if num_segments > max_bytes {
             return Err(Error::invalid(format!(
-                "{num_segments} segments of {max_bytes} bytes in all would have capacity 0"
+                "max_bytes ({max_bytes}) is less than num_segments ({num_segments}): every \
+                 segment needs at least 1 byte"
             )));
         }
         let count = usize::try_from(num_segments).expect("bounded by MAX_SEGMENTS");

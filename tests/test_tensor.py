@@ -166,7 +166,11 @@ def test_exception_hierarchy() -> None:
 
 CONSTRUCTOR_VALUE_ERRORS = {
     "not divisible": (lambda g: ((4 * g + 1, 2), {}), "divisible"),
-    "zero capacity": (lambda g: ((0,), {}), "capacity 0"),
+    "zero capacity": (lambda g: ((0,), {}), r"^max_bytes must be at least 1, got 0$"),
+    "fewer bytes than segments": (
+        lambda g: ((3, 4), {"granularity": g}),
+        r"^max_bytes \(3\) is less than num_segments \(4\): every segment needs at least 1 byte$",
+    ),
     "zero segments": (lambda g: ((4 * g, 0), {}), "num_segments"),
     "capacities sum": (
         lambda g: ((4 * g,), {"segment_capacities": [g, 2 * g]}),

@@ -32,7 +32,7 @@ pub use share::{SharedDescription, SharedExport, SharedHandle};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, Stream};
 use crate::error::{Error, Result};
@@ -148,11 +148,14 @@ impl Ctx {
 
     fn defer(&self, result: Result<()>) {
         if let Err(err) = result {
-            self.deferred
-                .lock()
-                .expect("deferred errors poisoned")
-                .push(err);
+            self.deferred().push(err);
         }
+    }
+
+    /// The deferred errors. Destructors call this, so it never panics: a panic while the list
+    /// was held (only `push` and `take` hold it) leaves a whole list, kept as it is.
+    fn deferred(&self) -> MutexGuard<'_, Vec<Error>> {
+        self.deferred.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -345,7 +348,10 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let state = self.state.get_mut().expect("tensor state poisoned");
+        // A destructor never panics. A panic while another thread held the state left it as
+        // it was before the mutation (every mutation builds in locals and moves in at the
+        // end), so its mappings and reservation are still the ones to give back.
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
         if !state.mappings.is_empty() {
             self.ctx.defer(self.ctx.driver.synchronize());
             state.mappings.clear();
@@ -829,14 +835,7 @@ impl ExtensibleTensor {
 
     /// Errors that destructors met (a failed unmap or release) since the last call.
     pub fn take_deferred_errors(&self) -> Vec<Error> {
-        std::mem::take(
-            &mut *self
-                .inner
-                .ctx
-                .deferred
-                .lock()
-                .expect("deferred errors poisoned"),
-        )
+        std::mem::take(&mut *self.inner.ctx.deferred())
     }
 
     /// Checks the invariants listed at the top of this module.
@@ -975,5 +974,34 @@ mod tests {
             !tensor.is_noop_resize(&[0, 0]),
             "a closed tensor refuses every resize"
         );
+    }
+
+    /// Panics on another thread while it holds `mutex`, leaving it poisoned.
+    fn poison<T: Send>(mutex: &Mutex<T>) {
+        std::thread::scope(|scope| {
+            let held = scope.spawn(|| {
+                let _guard = mutex.lock();
+                panic!("poisoning on purpose");
+            });
+            assert!(held.join().is_err());
+        });
+        assert!(mutex.is_poisoned());
+    }
+
+    #[test]
+    fn a_poisoned_state_or_error_list_panics_no_destructor() {
+        let driver = Arc::new(HostDriver::new(4096).unwrap());
+        let options = Options::default();
+        let tensor = ExtensibleTensor::with_equal_segments(driver.clone(), 4 << 12, 2, options);
+        let tensor = tensor.unwrap();
+        tensor.resize_segments(&[5000, 10], GrowOptions::zeroed()).unwrap();
+        poison(&tensor.inner.ctx.deferred);
+        let failed = Error::invalid("a failure a destructor met");
+        tensor.inner.ctx.defer(Err(failed));
+        let recorded = tensor.take_deferred_errors();
+        assert_eq!(recorded.len(), 1, "{recorded:?}");
+        poison(&tensor.inner.state);
+        drop(tensor); // Inner::drop: must release everything rather than panic
+        assert_eq!(driver.live_counts(), (0, 0, 0));
     }
 }
