@@ -136,7 +136,12 @@ pub enum Error {
 
 /// The message of `Error::OutOfMemory`: a failed reservation ran out of address space, not of
 /// memory, and committing fewer bytes would not help.
-fn out_of_memory_message(op: Op, requested_bytes: u64, free_bytes: Option<u64>, code: &str) -> String {
+fn out_of_memory_message(
+    op: Op,
+    requested_bytes: u64,
+    free_bytes: Option<u64>,
+    code: &str,
+) -> String {
     if op == Op::Reserve {
         return format!(
             "out of address space: reserving {requested_bytes} bytes failed ({code}); this \

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::books::Books;
-use super::headroom;
+use super::{headroom, stray};
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
@@ -276,6 +276,7 @@ impl Driver for HostDriver {
         }
         let mut books = self.books();
         books.reservations.insert(start, num_bytes);
+        stray::register(start, num_bytes);
         Ok(start)
     }
 
@@ -284,7 +285,8 @@ impl Driver for HostDriver {
         if let Some(why) = books.refuse_free(va, num_bytes) {
             return Err(invalid_range(Op::FreeReservation, va, num_bytes, why));
         }
-        // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
+        stray::unregister(va); // before the addresses can be anyone else's
+                               // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
         if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
             return Err(last_os_error(
                 Op::FreeReservation,
@@ -539,6 +541,10 @@ impl Driver for HostDriver {
         Ok((free_bytes()?, total))
     }
 
+    fn note_layout(&self, va: u64, offsets: &[u64], capacities: &[u64], committed: &[u64]) {
+        stray::note_layout(va, offsets, capacities, committed);
+    }
+
     /// Refuses what does not fit `MemAvailable` and the memory cgroup's room, before any
     /// memfd exists: `fallocate` would not fail but feed the OOM killer (`headroom`).
     fn check_room(&self, num_bytes: u64) -> Result<()> {
@@ -598,6 +604,7 @@ impl Drop for HostDriver {
         // A destructor never panics: a poisoned lock still holds consistent books (`books`).
         let books = self.books.get_mut().unwrap_or_else(PoisonError::into_inner);
         for (&start, &len) in &books.reservations {
+            stray::unregister(start);
             // SAFETY: each entry is a live reservation of ours; nothing can use it any more,
             // since the driver that hands out its addresses is being dropped.
             unsafe { libc::munmap(start as *mut _, bytes_as_usize(len)) };

@@ -523,9 +523,11 @@ impl ExtensibleTensor {
             live_views: AtomicUsize::new(0),
             imported_from,
         };
-        Ok(ExtensibleTensor {
+        let tensor = ExtensibleTensor {
             inner: Arc::new(inner),
-        })
+        };
+        tensor.publish(&tensor.lock());
+        Ok(tensor)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -633,8 +635,19 @@ impl ExtensibleTensor {
             state.mappings.insert(mapping.run.first_granule, mapping);
         }
         state.segment_bytes.copy_from_slice(segment_bytes);
+        self.publish(&state);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
+    }
+
+    /// Tells the driver every segment's committed bytes, for the report of a stray access
+    /// (`driver::stray`); called after every change of them.
+    fn publish(&self, state: &State) {
+        let (ctx, geometry) = (&self.inner.ctx, &self.inner.geometry);
+        let (offsets, capacities) = (geometry.segment_offsets(), geometry.segment_capacities());
+        let committed = &state.segment_bytes;
+        ctx.driver
+            .note_layout(ctx.base, offsets, capacities, committed);
     }
 
     /// Creates, maps and grants access to one handle per planned run, and zeroes the new
@@ -704,6 +717,7 @@ impl ExtensibleTensor {
             state.mappings.clear();
         }
         state.segment_bytes.fill(0);
+        self.publish(state);
         self.take_deferred_errors()
             .into_iter()
             .next()
@@ -994,7 +1008,9 @@ mod tests {
         let options = Options::default();
         let tensor = ExtensibleTensor::with_equal_segments(driver.clone(), 4 << 12, 2, options);
         let tensor = tensor.unwrap();
-        tensor.resize_segments(&[5000, 10], GrowOptions::zeroed()).unwrap();
+        tensor
+            .resize_segments(&[5000, 10], GrowOptions::zeroed())
+            .unwrap();
         poison(&tensor.inner.ctx.deferred);
         let failed = Error::invalid("a failure a destructor met");
         tensor.inner.ctx.defer(Err(failed));

@@ -91,6 +91,7 @@ impl ExtensibleTensor {
             self.reback(&mut state, &old, &new, options.stream)?;
         }
         state.segment_bytes.copy_from_slice(segment_bytes);
+        self.publish(&state);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
     }
