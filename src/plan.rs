@@ -89,14 +89,9 @@ impl Geometry {
                 "{num_segments} segments: at most {MAX_SEGMENTS} are supported"
             )));
         }
+        // Divisible and positive, max_bytes is at least num_segments: no segment is empty.
         if max_bytes == 0 {
             return Err(Error::invalid("max_bytes must be at least 1, got 0"));
-        }
-        if num_segments > max_bytes {
-            return Err(Error::invalid(format!(
-                "max_bytes ({max_bytes}) is less than num_segments ({num_segments}): every \
-                 segment needs at least 1 byte"
-            )));
         }
         let count = usize::try_from(num_segments).expect("bounded by MAX_SEGMENTS");
         Geometry::new(vec![max_bytes / num_segments; count], granularity)

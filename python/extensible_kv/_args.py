@@ -10,6 +10,7 @@ aliases either (`tensor.view("float32")` fails).
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ def sizes(values: object, name: str, *, minimum: int | None = 0) -> tuple[int, .
     if isinstance(values, str | bytes) or not hasattr(type(values), "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints, not {_type_name(values)}")
     low = -(2**63) if minimum is None else minimum
-    return tuple(size(v, f"{name}[{i}]", minimum=low) for i, v in enumerate(values))  # type: ignore[call-overload]
+    items: Iterable[object] = values  # type: ignore[assignment]
+    return tuple(size(v, f"{name}[{i}]", minimum=low) for i, v in enumerate(items))
 
 
 def flag(value: object, name: str) -> bool:

@@ -15,6 +15,7 @@ __all__ = [
     "UnsupportedError",
     "extent_bytes",
     "footprint_bytes",
+    "host_free_bytes",
     "host_mem_info",
     "vmm_unavailable_reason",
 ]
@@ -46,6 +47,13 @@ def vmm_unavailable_reason(device: object) -> str | None: ...
 def footprint_bytes(segment_offsets: Sequence[int], prefix_bytes: int, granularity: int) -> int: ...
 def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int: ...
 def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
+def host_free_bytes() -> int:
+    """The bytes a host commit can take now: MemAvailable, or the memory cgroup's room."""
+
+# Every `stream` below is a raw CUstream (an int; 0 the legacy default stream) that the caller
+# vouches for, as for `torch.cuda.ExternalStream`: a live stream of the tensor's device that
+# stays live until the call returns. Nothing checks it; a dead or foreign stream is undefined
+# behaviour in the CUDA driver. The facade passes torch's current stream by default.
 
 @disjoint_base
 class ExtensibleTensor:

@@ -281,9 +281,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
         dtype = _args.torch_dtype(dtype)
         shape = _args.sizes(shape, "shape")
-        strides = (
-            contiguous_strides(shape) if strides is None else _args.sizes(strides, "strides")
-        )
+        strides = contiguous_strides(shape) if strides is None else _args.sizes(strides, "strides")
         offset = _args.size(offset, "offset")
         code, bits, exact = _dlpack_code(dtype)
         view = from_dlpack(self._view_capsule(offset, code, bits, shape, strides))
