@@ -99,7 +99,10 @@ def _export_bits(types: object) -> int:
         for item in types if isinstance(types, list | tuple) else ():
             if isinstance(item, bool) or not isinstance(item, int | str):
                 raise TypeError(f"{name} entries must be ints or names, not {type(item).__name__}")
-        bits = export_handle_types_bits(types)
+        try:
+            bits = export_handle_types_bits(types)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
     else:
         bits = _args.size(types, name)  # a TypeError naming it for anything but an int
     if not 0 <= bits < 2**32:

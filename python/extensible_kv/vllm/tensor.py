@@ -88,7 +88,7 @@ def _current_cuda_index() -> int:
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
-def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+def _resolve_device(device: torch.device | str | int | None, name: str = "device") -> torch.device:
     """`cpu` or `cuda:N` (the current CUDA device when `device` is None or has no index)."""
     import torch
 
@@ -96,11 +96,11 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
         return torch.device("cuda", _current_cuda_index())
     if not isinstance(device, str | torch.device):
         try:
-            device = _args.size(device, "device")
+            device = _args.size(device, name)
         except TypeError:
-            name = type(device).__name__
+            kind = type(device).__name__
             raise TypeError(
-                f"device must be a torch.device, a name or a CUDA index, not {name}"
+                f"{name} must be a torch.device, a name or a CUDA index, not {kind}"
             ) from None
     if isinstance(device, int):
         dev = torch.device("cuda", device)
@@ -132,7 +132,7 @@ def granule_size(device_index: int | str | torch.device) -> int:
     `device_index` is a CUDA device index, as vLLM passes it; a device name or
     `torch.device` (`"cpu"`: the host backend) is accepted too.
     """
-    return _granule_size_of(_device_name(_resolve_device(device_index)))
+    return _granule_size_of(_device_name(_resolve_device(device_index, "device_index")))
 
 
 def _empty_torch_cache(device: torch.device) -> None:
