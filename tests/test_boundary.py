@@ -374,6 +374,9 @@ def test_the_flow_and_the_demo_measure_host_free_bytes(monkeypatch: pytest.Monke
     options = demo.DemoOptions(device="cpu", steps=4, num_seqs=2, budget_mib=None, max_blocks=40)
     result = demo.run(options)
     assert result.extensible.report.budget_source == "host_free_bytes"
+    from extensible_kv._demo import cli
+
+    assert (cli._budget_mib("free"), cli._budget_mib("8")) == (None, 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,3 +448,33 @@ def test_a_fault_outside_every_reservation_is_left_to_the_others() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == -11
     assert "stray access" not in run.stderr and "Fatal Python error" in run.stderr
+
+
+_CUDA_REASON = extensible_kv.vmm_unavailable_reason("cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+def test_on_cuda_a_stray_access_is_a_sticky_illegal_address() -> None:
+    """What the docs say CUDA reports for the same mistake (in a child: it ruins the context)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from extensible_kv import ExtensibleTensor
+        t = ExtensibleTensor(64 << 21, 2, "cuda:0")
+        t.resize_per_segment_(1)
+        view = t.full_view()
+        view[(32 << 21) + (4 << 21)] = 1  # 4 granules past segment 1's committed byte
+        for attempt in ("synchronize", "again"):
+            try:
+                torch.cuda.synchronize()
+                print(attempt, "ok", flush=True)
+            except RuntimeError as error:
+                print(attempt, "failed:", str(error).splitlines()[0], flush=True)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2, run.stdout + run.stderr
+    for line in lines:  # reported late, at a synchronising call, and sticky
+        assert "failed:" in line and "illegal memory access" in line, run.stdout
