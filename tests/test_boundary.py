@@ -7,6 +7,7 @@ of the messages issue 22 lists.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import os
@@ -242,6 +243,21 @@ def test_a_bad_argument_is_named_and_changes_nothing(
     assert not isinstance(error, OverflowError | AttributeError), repr(error)
     assert case.name in str(error), f"{case.name!r} not named in {error!r}"
     assert state(obj) == before
+
+
+def test_every_bad_argument_together_leaks_no_fd_or_mapping(
+    leak_check: Callable[[], tuple[int, int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    before = leak_check()
+    with caplog.at_level(logging.CRITICAL, logger="extensible_kv"):
+        for case in CASES:
+            make, _ = OWNERS[case.owner]
+            obj = make()
+            with pytest.raises(case.error):
+                case.call(obj, case.value)
+            obj.close() if hasattr(obj, "close") else obj.free()
+    gc.collect()
+    assert leak_check() == before
 
 
 def test_the_table_covers_every_public_method_with_arguments() -> None:
