@@ -90,12 +90,9 @@ pub enum Error {
     #[error("{0}")]
     InvalidArgument(String),
 
-    /// Physical memory could not be had; nothing was mapped.
-    #[error(
-        "out of memory: {op} of {requested_bytes} bytes failed ({code}){}; \
-         commit fewer bytes or free memory first",
-        match .free_bytes { Some(b) => format!(", {b} bytes free"), None => String::new() }
-    )]
+    /// Physical memory could not be had; nothing was mapped. With `op` `Reserve`, it is
+    /// address space that ran out (the message says so): no physical memory was asked for.
+    #[error("{}", out_of_memory_message(*.op, *.requested_bytes, *.free_bytes, .code))]
     OutOfMemory {
         /// The operation that could not get memory.
         op: Op,
@@ -135,6 +132,28 @@ pub enum Error {
         /// How many views still point into the reservation.
         live_views: usize,
     },
+}
+
+/// The message of `Error::OutOfMemory`: a failed reservation ran out of address space, not of
+/// memory, and committing fewer bytes would not help.
+fn out_of_memory_message(
+    op: Op,
+    requested_bytes: u64,
+    free_bytes: Option<u64>,
+    code: &str,
+) -> String {
+    if op == Op::Reserve {
+        return format!(
+            "out of address space: reserving {requested_bytes} bytes failed ({code}); this \
+             process cannot reserve that much address space (no memory was asked for): reserve \
+             a smaller capacity (max_bytes), or raise the address-space limit (ulimit -v)"
+        );
+    }
+    let free = free_bytes.map_or_else(String::new, |b| format!(", {b} bytes free"));
+    format!(
+        "out of memory: {op} of {requested_bytes} bytes failed ({code}){free}; commit fewer \
+         bytes or free memory first"
+    )
 }
 
 impl Error {

@@ -106,10 +106,9 @@ impl Geometry {
                 "{num_segments} segments: at most {MAX_SEGMENTS} are supported"
             )));
         }
-        if num_segments > max_bytes {
-            return Err(Error::invalid(format!(
-                "{num_segments} segments of {max_bytes} bytes in all would have capacity 0"
-            )));
+        // Divisible and positive, max_bytes is at least num_segments: no segment is empty.
+        if max_bytes == 0 {
+            return Err(Error::invalid("max_bytes must be at least 1, got 0"));
         }
         let count = usize::try_from(num_segments).expect("bounded by MAX_SEGMENTS");
         Geometry::new(vec![max_bytes / num_segments; count], granularity)

@@ -175,7 +175,7 @@ def _valid_targets(t: ExtensibleTensor, targets: Any) -> bool:
     n = t.num_segments
     if type(targets) is int:
         targets = [targets] * n
-    elif isinstance(targets, list | bytes):  # any iterable of ints works; bytes is one
+    elif isinstance(targets, list):  # a sequence of ints; bytes and str are refused
         if len(targets) != n or any(type(b) is not int for b in targets):
             return False
     else:

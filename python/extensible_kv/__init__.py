@@ -27,7 +27,12 @@ from extensible_kv.kv_cache import (
 )
 from extensible_kv.layouts import ATTENTION_BACKEND_PRESETS, STANDARD_LAYOUTS
 from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
-from extensible_kv.sizing import blocks_within, capacity_blocks_for, measure_budget
+from extensible_kv.sizing import (
+    blocks_within,
+    capacity_blocks_for,
+    host_free_bytes,
+    measure_budget,
+)
 from extensible_kv.tensor import ExtensibleTensor
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "blocks_within",
     "capacity_blocks_for",
     "gated_delta_net_state_spec",
+    "host_free_bytes",
     "mamba2_state_spec",
     "measure_budget",
     "min_over_group",

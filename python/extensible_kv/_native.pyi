@@ -15,6 +15,8 @@ __all__ = [
     "UnsupportedError",
     "extent_bytes",
     "footprint_bytes",
+    "_owner_fds",
+    "host_free_bytes",
     "host_mem_info",
     "vmm_unavailable_reason",
 ]
@@ -47,6 +49,13 @@ def footprint_bytes(segment_offsets: Sequence[int], prefix_bytes: int, granulari
 def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int: ...
 def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
 def _owner_fds(description: tuple[Any, ...]) -> list[int]: ...
+def host_free_bytes() -> int:
+    """The bytes a host commit can take now: MemAvailable, or the memory cgroup's room."""
+
+# Every `stream` below is a raw CUstream (an int; 0 the legacy default stream) that the caller
+# vouches for, as for `torch.cuda.ExternalStream`: a live stream of the tensor's device that
+# stays live until the call returns. Nothing checks it; a dead or foreign stream is undefined
+# behaviour in the CUDA driver. The facade passes torch's current stream by default.
 
 @disjoint_base
 class ExtensibleTensor:

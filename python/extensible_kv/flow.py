@@ -7,10 +7,12 @@
 `reserve` notes free memory, reserves every buffer for the capacity and commits one block, so
 the views the graphs capture exist and their addresses never move. `extend_to_fit` measures
 what warm-up and capture left (`torch.cuda.mem_get_info` on a GPU, after returning torch's
-cached unused blocks; on the host backend a budget the caller gives, or `/proc/meminfo` when
-asked), keeps the safety margin, converts the rest to blocks granule-aware, takes the minimum
-over a process group, commits (zeroing the new blocks on the current stream), logs `Extended
-KV cache to N blocks (X GiB)` on the `extensible_kv` logger and returns an `ExtendReport`.
+cached unused blocks; on the host backend a budget the caller gives, or, when asked,
+`host_free_bytes()`: `MemAvailable` or the memory cgroup's room, whichever is less, the very
+figure the host backend checks each commit against), keeps the safety margin, converts the
+rest to blocks granule-aware, takes the minimum over a process group, commits (zeroing the new
+blocks on the current stream), logs `Extended KV cache to N blocks (X GiB)` on the
+`extensible_kv` logger and returns an `ExtendReport`.
 Replaying the graphs then uses the new blocks: nothing is re-captured.
 
 `legacy=True` is the same API over a cache committed in full at `reserve` (as engines
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extensible_kv import _torch, sizing
+from extensible_kv import _args, _torch, sizing
 from extensible_kv._native import UnsupportedError, vmm_unavailable_reason
 from extensible_kv.distributed import min_over_group
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec
@@ -46,8 +48,10 @@ class ExtendReport:
     """What one `extend_to_fit` did. Bytes are physical (whole granules, every buffer).
 
     `fit_blocks` is what this rank's budget fits; `blocks_after` is that after the cap and the
-    minimum over ranks. `free_bytes` is the measured free memory (`None` when the caller gave
-    the budget), `budget_source` names where the budget came from. `commit_ms` times the
+    minimum over ranks. `budget_bytes` is what this call could commit: the measured free
+    memory less the margin, or a given budget less what the cache already held. `free_bytes`
+    is the measured free memory (`None` when the caller gave the budget), `budget_source`
+    names where the budget came from. `commit_ms` times the
     commit alone (mapping and zeroing, synchronised on a GPU), `total_ms` the whole call.
     Handles are the VMM handles mapped; a legacy cache counts one allocation per buffer.
     """
@@ -109,6 +113,7 @@ class KVCacheFlow:
         """Step 1: note free memory, reserve every buffer for `capacity_blocks`, commit
         `initial_blocks` (legacy: allocate and zero everything)."""
         _torch.require("KVCacheFlow")
+        initial_blocks = _args.size(initial_blocks, "initial_blocks")
         device = _normalize(device, legacy)
         _refuse_while_capturing(device, "reserve")
         free_at_init = _free_bytes_or_none(device)
@@ -134,13 +139,22 @@ class KVCacheFlow:
     ) -> ExtendReport:
         """Steps 3 and 4: measure, convert to blocks, agree, commit, log, report.
 
-        `budget_bytes` gives the bytes the cache may still commit and skips the measurement
-        (no margin); it is required on the host backend unless `host_meminfo=True` measures
-        `MemAvailable`. Measured budgets keep `margin_bytes` (default `max(1 GiB, 0.75 *
+        `budget_bytes` is the physical bytes the KV cache may hold in all, counting what it
+        holds already, and skips the measurement (no margin): a second call with the same
+        budget commits nothing more. It is required on the host backend unless
+        `host_meminfo=True` measures `host_free_bytes()` (`MemAvailable`, or the memory
+        cgroup's room where that is less). A measured budget is the free memory now, so it
+        is what the cache may add; it keeps `margin_bytes` (default `max(1 GiB, 0.75 *
         transient_peak_bytes)`; the peak defaults to torch's allocator statistics on a GPU,
         0 on the host). `max_blocks` caps the commit; `group` (a `torch.distributed` process
-        group, e.g. `group.WORLD`) makes every rank commit the minimum of their counts.
+        group, e.g. `group.WORLD`) makes every rank commit the minimum of their counts. Every
+        byte count is an int >= 0; a wrong argument raises before anything is committed.
         """
+        budget_bytes = _args.optional_size(budget_bytes, "budget_bytes")
+        host_meminfo = _args.flag(host_meminfo, "host_meminfo")
+        margin_bytes = _args.optional_size(margin_bytes, "margin_bytes")
+        transient_peak_bytes = _args.optional_size(transient_peak_bytes, "transient_peak_bytes")
+        max_blocks = _args.optional_size(max_blocks, "max_blocks")
         start = time.perf_counter()
         _refuse_while_capturing(self.device, "extend_to_fit")
         budget, source = self._budget(
@@ -198,7 +212,8 @@ class KVCacheFlow:
     ) -> tuple[sizing.MemoryBudget, str]:
         committed = self.cache.physical_bytes
         if budget_bytes is not None:
-            return sizing.MemoryBudget(budget_bytes, 0, committed), "given"
+            # A budget in all: what the cache holds already counts against it.
+            return sizing.MemoryBudget(max(0, budget_bytes - committed), 0, committed), "given"
         if self.device.type == "cuda":
             import torch
 
@@ -209,11 +224,12 @@ class KVCacheFlow:
             if transient_peak_bytes is None:
                 transient_peak_bytes = sizing.cuda_transient_peak_bytes(self.device)
         elif host_meminfo:
-            free_now, source = sizing.host_available_bytes(), "/proc/meminfo MemAvailable"
+            free_now, source = sizing.host_free_bytes(), "host_free_bytes"
         else:
             raise ValueError(
                 "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
-                "KV cache may still commit), or host_meminfo=True to use /proc/meminfo"
+                "KV cache may hold in all), or host_meminfo=True to use host_free_bytes() "
+                "(MemAvailable and the memory cgroup's room)"
             )
         budget = sizing.measure_budget(
             free_now,
@@ -238,6 +254,8 @@ class KVCacheFlow:
         of those below (e.g. to lend memory to another model on the GPU); logs `Shrank KV cache
         to N blocks (X GiB)`. `extend_to_fit` or `cache.commit` grows it again, zeroed. Like
         any unmap, not while a stream is capturing a graph."""
+        num_blocks = _args.size(num_blocks, "num_blocks")
+        exact = _args.flag(exact, "exact")
         _refuse_while_capturing(self.device, "shrink_to")
         self.cache.shrink_to(num_blocks, exact=exact)
         logger.info(
@@ -294,14 +312,14 @@ def _refuse_while_capturing(device: torch.device, step: str) -> None:
 
 
 def _free_bytes_or_none(device: torch.device) -> int | None:
-    """Free memory before the reservation: the driver's on a GPU, MemAvailable on the host
-    (used only to report `non_kv_used`; `None` where unreadable)."""
+    """Free memory before the reservation: the driver's on a GPU, `host_free_bytes()` on the
+    host (used only to report `non_kv_used`; `None` where unreadable)."""
     if device.type == "cuda":
         import torch
 
         return int(torch.cuda.mem_get_info(device)[0])
     try:
-        return sizing.host_available_bytes()
+        return sizing.host_free_bytes()
     except (OSError, RuntimeError):
         return None
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from extensible_kv import _torch
+from extensible_kv import _args, _torch
 from extensible_kv._native import ClosedError
 from extensible_kv.layouts import (
     ATTENTION_BACKEND_PRESETS,
@@ -107,10 +107,15 @@ class StandardLayerSpec:
 
 
 def _check_positive(spec: object, *fields: str) -> None:
+    """Each field a positive int (numpy and torch integers taken as ints): TypeError for other
+    types, ValueError for 0 and below, each naming the field."""
     for field in fields:
         value = getattr(spec, field)
-        if not (isinstance(value, int) and value > 0):
-            raise ValueError(f"{field} {value!r} must be a positive int")
+        try:
+            number = _args.size(value, field, minimum=1)
+        except ValueError:
+            raise ValueError(f"{field} {value!r} must be a positive int") from None
+        object.__setattr__(spec, field, number)  # frozen: set once, here
 
 
 @dataclass(frozen=True)
@@ -212,8 +217,16 @@ def _check_buffer(index: int, block_bytes: int, plans: Sequence[_LayerPlan]) -> 
 
 
 def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list[_LayerPlan]]:
+    capacity_blocks = _args.size(capacity_blocks, "capacity_blocks", minimum=-(2**63))
     if capacity_blocks <= 0:
         raise ValueError(f"capacity_blocks {capacity_blocks} must be positive")
+    if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
+        raise TypeError(f"spec must be a sequence of KVCacheTensorSpec, not {type(specs).__name__}")
+    for index, tensor in enumerate(specs):
+        if not isinstance(tensor, KVCacheTensorSpec):
+            name = type(tensor).__name__
+            raise TypeError(f"spec[{index}] must be a KVCacheTensorSpec, not {name}")
+        _args.size(tensor.block_bytes, f"spec[{index}].block_bytes", minimum=-(2**63))
     hybrid = any(isinstance(s, MambaLayerSpec) for t in specs for s in t.layers.values())
     plans, seen = [], set[str]()
     for index, tensor in enumerate(specs):
@@ -332,6 +345,9 @@ class ExtensibleKVCache:
         granularity: int | None = None,
     ) -> None:
         _torch.require("ExtensibleKVCache")
+        capacity_blocks = _args.size(capacity_blocks, "capacity_blocks", minimum=-(2**63))
+        granularity = _args.optional_size(granularity, "granularity", minimum=1)
+        legacy = _args.flag(legacy, "legacy")
         self._plans = _plan(spec, capacity_blocks)
         self._capacity_blocks = capacity_blocks
         self._committed_blocks = 0
@@ -422,6 +438,7 @@ class ExtensibleKVCache:
         below `committed_blocks`. If one buffer fails (out of memory), the ones before it keep
         their growth (growth is never undone), `committed_blocks` stays put, and a retry
         resumes."""
+        num_blocks = _args.size(num_blocks, "num_blocks", minimum=-(2**63))
         if self._closed:
             raise ClosedError("the KV cache is closed")
         if not 0 <= num_blocks <= self._capacity_blocks:
@@ -447,6 +464,8 @@ class ExtensibleKVCache:
         `committed_blocks` at `num_blocks` all the same (every buffer still holds at least
         that many blocks); the buffers that did not shrink keep their blocks past it, and a
         later `commit` does not zero those."""
+        num_blocks = _args.size(num_blocks, "num_blocks", minimum=-(2**63))
+        exact = _args.flag(exact, "exact")
         if self._closed:
             raise ClosedError("the KV cache is closed")
         if num_blocks < 0:

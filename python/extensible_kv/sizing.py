@@ -42,6 +42,7 @@ __all__ = [
     "default_margin_bytes",
     "device_granularity",
     "host_available_bytes",
+    "host_free_bytes",
     "measure_budget",
 ]
 
@@ -199,6 +200,13 @@ def host_available_bytes(meminfo: str = "/proc/meminfo") -> int:
     """`MemAvailable` from `/proc/meminfo`, in bytes: the host's stand-in for free memory, as
     the host backend reads it (`DriverError` when the file is unreadable or lacks it)."""
     return _native.host_mem_info(meminfo)[0]
+
+
+def host_free_bytes() -> int:
+    """The bytes a host commit can take now: `MemAvailable`, or the room under the memory
+    cgroup's limit (a container's) where that is less. The host backend refuses a commit of
+    more (`OutOfMemoryError`), so a budget from it is one the backend accepts."""
+    return _native.host_free_bytes()
 
 
 def cuda_transient_peak_bytes(device: str | torch.device) -> int:

@@ -3,19 +3,37 @@
 Every view is a torch tensor over memory exported through DLPack; the export holds a
 reference to the reservation, so memory lives as long as any view of it, whatever happens to
 the `ExtensibleTensor` object. Views over the capacity are valid for addressing, but touching
-bytes past a segment's committed prefix faults (SIGSEGV on the host backend, an illegal
-address on CUDA): paged indexing never does. `segment_view` covers exactly the committed
-prefix, for consumers that register memory.
+bytes past a segment's committed prefix faults: paged indexing never does. `segment_view`
+covers exactly the committed prefix, for consumers that register memory.
+
+What such a stray access reports:
+- on the host backend, a SIGSEGV. Before the process dies, a handler prints the tensor
+  (`base_ptr`, bytes reserved), the offset, the segment and its committed bytes, then the
+  Python stack (the facade enables `faulthandler` unless it is on already). It chains to
+  the handlers installed before it, and the exit status is the signal's, as without it.
+  `EXTENSIBLE_KV_FAULT_REPORT=0` leaves the signal handlers and faulthandler alone.
+- on CUDA, `CUDA_ERROR_ILLEGAL_ADDRESS` ("an illegal memory access was encountered"),
+  reported by a later call, usually the next synchronising one, and without the address.
+  The error is sticky: the CUDA context of the process is unusable from then on, and every
+  later CUDA call fails. `CUDA_LAUNCH_BLOCKING=1` moves the report to the faulty launch, and
+  `compute-sanitizer` names the address.
+
+A `stream` argument is a raw `CUstream` (an int, as `torch.cuda.Stream.cuda_stream` gives).
+The caller vouches for it, as for `torch.cuda.ExternalStream`: it must be 0 (the legacy
+default stream) or a live stream of the tensor's device, and stay live until the call
+returns. Nothing can check that, and a dead or foreign stream is undefined behaviour in the
+CUDA driver. By default the facade passes torch's current stream, which is always valid.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from extensible_kv import _native, _torch
+from extensible_kv import _args, _native, _torch
 from extensible_kv.ipc import FABRIC, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
@@ -76,6 +94,41 @@ def _close_all(fds: list[int] | None) -> None:
             pass  # the caller closed it itself
 
 
+@functools.cache
+def _enable_fault_report() -> None:
+    """Turns Python's faulthandler on before the first tensor, so that the native report of a
+    stray access (module docstring) is followed by the Python stack. Off with
+    `EXTENSIBLE_KV_FAULT_REPORT=0`."""
+    if os.environ.get("EXTENSIBLE_KV_FAULT_REPORT", "").strip() == "0":
+        return
+    import faulthandler
+
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable()
+    except (RuntimeError, OSError, ValueError):  # no usable stderr (a daemon, a capture)
+        logger.debug("faulthandler could not be enabled; stray accesses print no Python stack")
+
+
+def _export_bits(types: object) -> int:
+    """`export_handle_types` as CUDA's bits, each wrong type or value named."""
+    name = "export_handle_types"
+    if isinstance(types, str | list | tuple):
+        for item in types if isinstance(types, list | tuple) else ():
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                raise TypeError(f"{name} entries must be ints or names, not {type(item).__name__}")
+        try:
+            bits = export_handle_types_bits(types)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    else:
+        bits = _args.size(types, name)  # a TypeError naming it for anything but an int
+    if not 0 <= bits < 2**32:
+        raise ValueError(f"{name} must be CUDA's handle-type bits (0 to 2**32-1), got {bits}")
+    return bits
+
+
 class ExtensibleTensor(_native.ExtensibleTensor):
     """One address reservation of `max_bytes`, in `num_segments` segments that grow in lockstep.
 
@@ -86,6 +139,9 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     makes the memory shareable with other processes (`share`, `from_shared`); fabric is
     dropped, with a warning, where the device does not support it. Use as a context manager
     to `close()` on exit.
+
+    Sizes are ints or any integer with `__index__` (numpy, torch scalars); each wrong argument
+    raises a `TypeError` or `ValueError` naming it, and leaves the tensor unchanged.
     """
 
     def __new__(
@@ -97,15 +153,18 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         export_handle_types: int | str | list[int | str] | tuple[int | str, ...] = 0,
         **kwargs: Any,
     ) -> Self:
-        bits = export_handle_types_bits(export_handle_types)
+        bits = _export_bits(export_handle_types)
+        _enable_fault_report()
         tensor = super().__new__(
             cls, max_bytes, num_segments, device, export_handle_types=bits, **kwargs
         )
         if bits & FABRIC and not tensor.export_handle_types & FABRIC:
             logger.warning(
-                "%s cannot export fabric handles; the memory is exportable as %s only",
+                "%s cannot export fabric handles; %s",
                 tensor.device,
-                "POSIX fds" if tensor.export_handle_types else "nothing",
+                "the memory is exportable as POSIX fds only"
+                if tensor.export_handle_types
+                else "the memory is not exportable",
             )
         return tensor
 
@@ -161,7 +220,11 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         nothing. With `zero_new`, zeroes exactly the new bytes; on a GPU that is ordered on
         `stream`, a raw CUDA stream of the tensor's device (e.g. `torch.cuda.Stream.cuda_stream`,
         0 the legacy default stream), by default torch's current stream. `one_handle_per_run`
-        backs each run of new granules by one allocation (for RDMA registration)."""
+        backs each run of new granules by one allocation (for RDMA registration). A `stream`
+        given is vouched for by the caller (module docstring), as for
+        `torch.cuda.ExternalStream`."""
+        _args.flag(zero_new, "zero_new")
+        _args.flag(one_handle_per_run, "one_handle_per_run")
         if self._is_noop_resize(bytes_per_segment):
             return self  # the fast path: no torch call, no GIL release
         if stream is None and zero_new:
@@ -179,6 +242,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         one_handle_per_run: bool = False,
     ) -> Self:
         """`resize_per_segment_` for a one-segment tensor."""
+        _args.flag(zero_new, "zero_new")
+        _args.flag(one_handle_per_run, "one_handle_per_run")
         if self._is_noop_resize([num_bytes]):  # a list: an int would stand for every segment
             return self
         if stream is None and zero_new:
@@ -196,17 +261,20 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         keeping the bytes below, all or nothing. Handles no committed byte needs any more are
         released once the device is done with them; `exact` also replaces the handles that
         straddle the new frontier by handles of their live granules (copied on `stream`, by
-        default torch's current stream), so `physical_bytes` is the granule-rounded footprint.
+        default torch's current stream; one given is vouched for by the caller, as for
+        `torch.cuda.ExternalStream`), so `physical_bytes` is the granule-rounded footprint.
 
         An `exact` shrink copies the live bytes, then swaps the copy in at the same addresses:
         a write to the tensor issued while it runs (from another thread, on any stream) may be
         lost, and an access during the swap may fault. Work ordered before the call is kept."""
+        _args.flag(exact, "exact")
         if stream is None and exact:
             stream = self._current_stream()
         return super().shrink_per_segment_(bytes_per_segment, exact=exact, stream=stream)
 
     def shrink_(self, num_bytes: int, *, exact: bool = False, stream: int | None = None) -> Self:
         """`shrink_per_segment_` for a one-segment tensor."""
+        _args.flag(exact, "exact")
         if stream is None and exact:
             stream = self._current_stream()
         return super().shrink_(num_bytes, exact=exact, stream=stream)
@@ -216,7 +284,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
         valid; RDMA registrations of the old pages must be renewed. One run at a time, largest
         first: at most the largest new handle is extra memory, and `OutOfMemoryError` on it
-        leaves the tensor as it was. Copies run on `stream` (default torch's current one).
+        leaves the tensor as it was. Copies run on `stream` (default torch's current one; one
+        given is vouched for by the caller, as for `torch.cuda.ExternalStream`).
 
         Each run is all or nothing, not the whole call: one that fails past the first run keeps
         every committed byte, segment size and address, but the runs done before it stay
@@ -254,8 +323,10 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         _torch.require("ExtensibleTensor.view")
         from torch.utils.dlpack import from_dlpack
 
-        shape = tuple(shape)
-        strides = contiguous_strides(shape) if strides is None else tuple(strides)
+        dtype = _args.torch_dtype(dtype)
+        shape = _args.sizes(shape, "shape")
+        strides = contiguous_strides(shape) if strides is None else _args.sizes(strides, "strides")
+        offset = _args.size(offset, "offset")
         code, bits, exact = _dlpack_code(dtype)
         view = from_dlpack(self._view_capsule(offset, code, bits, shape, strides))
         # Types DLPack consumers may not know (float8, complex) travel as same-sized ints.
@@ -266,7 +337,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         _torch.require("ExtensibleTensor.full_view")
         import torch
 
-        dtype = torch.uint8 if dtype is None else dtype
+        dtype = torch.uint8 if dtype is None else _args.torch_dtype(dtype)
         itemsize = dtype.itemsize
         if self.capacity_bytes % itemsize:
             raise ValueError(
@@ -280,9 +351,10 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         _torch.require("ExtensibleTensor.segment_view")
         import torch
 
+        index = _args.size(index, "index", minimum=-(2**63))
         if not 0 <= index < self.num_segments:
             raise IndexError(f"segment {index} out of range for {self.num_segments} segments")
-        dtype = torch.uint8 if dtype is None else dtype
+        dtype = torch.uint8 if dtype is None else _args.torch_dtype(dtype)
         itemsize = dtype.itemsize
         committed = self.segment_bytes[index]
         if committed % itemsize:

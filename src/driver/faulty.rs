@@ -180,4 +180,8 @@ impl Driver for FaultyDriver {
         self.check(Op::MemInfo, 0)?;
         self.inner.mem_info()
     }
+
+    fn note_layout(&self, va: u64, offsets: &[u64], capacities: &[u64], committed: &[u64]) {
+        self.inner.note_layout(va, offsets, capacities, committed);
+    }
 }

@@ -16,10 +16,10 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::books::Books;
-use super::headroom;
+use super::{headroom, stray};
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
@@ -82,8 +82,10 @@ impl HostDriver {
         self.books().live_counts()
     }
 
-    fn books(&self) -> std::sync::MutexGuard<'_, Books<OwnedFd>> {
-        self.books.lock().expect("host books poisoned")
+    /// Books change only after a call succeeded, so a panic elsewhere leaves them consistent:
+    /// a poisoned lock is taken as it is (as the CUDA backend does).
+    fn books(&self) -> MutexGuard<'_, Books<OwnedFd>> {
+        self.books.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn check_aligned(&self, op: Op, what: &str, value: u64) -> Result<()> {
@@ -274,6 +276,7 @@ impl Driver for HostDriver {
         }
         let mut books = self.books();
         books.reservations.insert(start, num_bytes);
+        stray::register(start, num_bytes);
         Ok(start)
     }
 
@@ -282,7 +285,8 @@ impl Driver for HostDriver {
         if let Some(why) = books.refuse_free(va, num_bytes) {
             return Err(invalid_range(Op::FreeReservation, va, num_bytes, why));
         }
-        // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
+        stray::unregister(va); // before the addresses can be anyone else's
+                               // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
         if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
             return Err(last_os_error(
                 Op::FreeReservation,
@@ -533,9 +537,12 @@ impl Driver for HostDriver {
     }
 
     fn mem_info(&self) -> Result<(u64, u64)> {
-        let (available, total) = mem_info_from(MEMINFO)?;
-        let free = headroom::current().map_or(available, |h| h.bytes());
-        Ok((free, total))
+        let (_, total) = mem_info_from(MEMINFO)?;
+        Ok((free_bytes()?, total))
+    }
+
+    fn note_layout(&self, va: u64, offsets: &[u64], capacities: &[u64], committed: &[u64]) {
+        stray::note_layout(va, offsets, capacities, committed);
     }
 
     /// Refuses what does not fit `MemAvailable` and the memory cgroup's room, before any
@@ -551,6 +558,14 @@ impl Driver for HostDriver {
             _ => Ok(()),
         }
     }
+}
+
+/// The bytes a host commit can take now: `MemAvailable`, or the room under the memory
+/// cgroup's limit where that is less (`headroom`). `check_room` refuses a commit of more, so a
+/// budget taken from this figure is one the host backend accepts.
+pub fn free_bytes() -> Result<u64> {
+    let (available, _) = mem_info_from(MEMINFO)?;
+    Ok(headroom::current().map_or(available, |h| h.bytes()))
 }
 
 /// Where Linux reports memory.
@@ -586,8 +601,10 @@ impl Drop for HostDriver {
     fn drop(&mut self) {
         // Owners free everything before their driver goes; this only guards against a leak
         // of address space if one did not.
-        let books = self.books.get_mut().expect("host books poisoned");
+        // A destructor never panics: a poisoned lock still holds consistent books (`books`).
+        let books = self.books.get_mut().unwrap_or_else(PoisonError::into_inner);
         for (&start, &len) in &books.reservations {
+            stray::unregister(start);
             // SAFETY: each entry is a live reservation of ours; nothing can use it any more,
             // since the driver that hands out its addresses is being dropped.
             unsafe { libc::munmap(start as *mut _, bytes_as_usize(len)) };
@@ -655,5 +672,34 @@ mod tests {
             other => panic!("expected OutOfMemory, got {other:?}"),
         }
         assert_eq!(driver.live_counts(), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_poisoned_books_lock_fails_no_call_and_panics_no_destructor() {
+        let driver = HostDriver::new(4096).unwrap();
+        let kept = driver.reserve(4 * 4096).unwrap();
+        let freed = driver.reserve(4096).unwrap();
+        std::thread::scope(|scope| {
+            let held = scope.spawn(|| {
+                let _books = driver.books.lock();
+                panic!("poisoning on purpose");
+            });
+            assert!(held.join().is_err());
+        });
+        assert!(driver.books.is_poisoned());
+        driver.free_reservation(freed, 4096).unwrap();
+        assert_eq!(driver.live_counts(), (0, 0, 1));
+        let mapped = |va: u64| {
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            maps.lines().any(|line| {
+                let range = line.split_whitespace().next().unwrap();
+                let (start, end) = range.split_once('-').unwrap();
+                let parse = |hex| u64::from_str_radix(hex, 16).unwrap();
+                (parse(start)..parse(end)).contains(&va)
+            })
+        };
+        assert!(mapped(kept));
+        drop(driver); // unmaps the reservation left behind rather than panic
+        assert!(!mapped(kept));
     }
 }

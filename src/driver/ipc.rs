@@ -8,8 +8,8 @@
 //! An fd number names a file only while its holder keeps it open: once the owner releases a
 //! handle, the kernel hands the same number to the next file opened, maybe another tensor's
 //! memory. So the owner keeps an [`ExportRegistry`], a memfd named after the tensor's random
-//! id, with one word per granule: the serial and fd number of the exported handle that starts
-//! there, cleared *before* that fd is closed. An importer takes the registry by number too,
+//! id, with two words per granule: the serial and fd number of the exported handle that starts
+//! there (cleared *before* that fd is closed), and its length in granules. An importer takes the registry by number too,
 //! checks its name (the tensor's id), then takes each handle's fd and only then reads the
 //! handle's word: if the word still names that serial and fd, the fd was the handle's when it
 //! was taken (the owner clears the word before the number can be reused). Anything else is a
@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::host::os_error;
 use crate::error::{Error, Op, Result};
+use crate::plan::Run;
 
 /// The name prefix of registry memfds (`/memfd:<prefix><id as 32 hex digits>`).
 const REGISTRY_PREFIX: &str = "extensible-kv-ids:";
@@ -160,6 +161,7 @@ impl ExportRegistry {
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let num_words = usize::try_from(num_granules)
             .ok()
+            .and_then(|n| n.checked_mul(2))
             .filter(|n| n.checked_mul(8).is_some_and(|b| i64::try_from(b).is_ok()))
             .ok_or_else(|| Error::invalid(format!("{num_granules} granules is too many")))?;
         // SAFETY: ftruncate on our own fd; the size fits off_t (checked above). Sparse: only
@@ -181,12 +183,18 @@ impl ExportRegistry {
         self.fd.as_raw_fd()
     }
 
-    /// Records that the handle `serial` at `first_granule` is exported as `fd`.
-    pub fn publish(&self, first_granule: u64, serial: u64, fd: i32) -> Result<()> {
+    /// Records that the handle `serial` over granules `run` is exported as `fd`. (Only `share`
+    /// publishes, under the owner's lock, after any handle that started at the same granule
+    /// was dropped: its length word is never rewritten under a live word.)
+    pub fn publish(&self, run: Run, serial: u64, fd: i32) -> Result<()> {
         let word = registry_word(serial, fd)?;
-        let slot = self.words.get(first_granule).ok_or_else(|| {
-            Error::invalid(format!("granule {first_granule} is outside the registry"))
-        })?;
+        let (Some(slot), Some(len)) = self.slots(run.first_granule) else {
+            return Err(Error::invalid(format!(
+                "granule {} is outside the registry",
+                run.first_granule
+            )));
+        };
+        len.store(run.num_granules, Ordering::SeqCst);
         slot.store(word, Ordering::SeqCst);
         Ok(())
     }
@@ -194,9 +202,22 @@ impl ExportRegistry {
     /// Forgets the handle `serial` at `first_granule` (exported as `fd`), unless another
     /// handle took the slot since. Call it before closing `fd`.
     pub fn withdraw(&self, first_granule: u64, serial: u64, fd: i32) {
-        if let (Ok(word), Some(slot)) = (registry_word(serial, fd), self.words.get(first_granule)) {
+        if let (Ok(word), (Some(slot), _)) = (registry_word(serial, fd), self.slots(first_granule))
+        {
             let _ = slot.compare_exchange(word, 0, Ordering::SeqCst, Ordering::SeqCst);
         }
+    }
+
+    fn slots(&self, first_granule: u64) -> (Option<&AtomicU64>, Option<&AtomicU64>) {
+        slots(&self.words, first_granule)
+    }
+}
+
+/// The word and the length word of `first_granule`'s slot.
+fn slots(words: &Words, first_granule: u64) -> (Option<&AtomicU64>, Option<&AtomicU64>) {
+    match first_granule.checked_mul(2) {
+        Some(i) => (words.get(i), words.get(i + 1)),
+        None => (None, None),
     }
 }
 
@@ -229,14 +250,18 @@ impl RegistryView {
         })
     }
 
-    /// Whether the handle `serial` at `first_granule` is still exported as `fd`.
-    pub fn is_live(&self, first_granule: u64, serial: u64, fd: i32) -> bool {
+    /// Whether the handle `serial` over granules `run` is still exported as `fd`.
+    pub fn is_live(&self, run: Run, serial: u64, fd: i32) -> bool {
         let Ok(word) = registry_word(serial, fd) else {
             return false;
         };
-        self.words
-            .get(first_granule)
-            .is_some_and(|slot| slot.load(Ordering::SeqCst) == word)
+        match slots(&self.words, run.first_granule) {
+            (Some(slot), Some(len)) => {
+                slot.load(Ordering::SeqCst) == word
+                    && len.load(Ordering::SeqCst) == run.num_granules
+            }
+            _ => false,
+        }
     }
 }
 
@@ -345,18 +370,24 @@ mod tests {
             "{other}"
         );
         let importer = view(0xfeed).unwrap();
-        assert!(!importer.is_live(3, 5, 40));
-        registry.publish(3, 5, 40).unwrap();
-        assert!(importer.is_live(3, 5, 40));
-        assert!(!importer.is_live(3, 5, 41) && !importer.is_live(3, 6, 40));
-        assert!(!importer.is_live(4, 5, 40) && !importer.is_live(1 << 40, 5, 40));
+        let run = Run::new(3, 2);
+        assert!(!importer.is_live(run, 5, 40));
+        registry.publish(run, 5, 40).unwrap();
+        assert!(importer.is_live(run, 5, 40));
+        assert!(!importer.is_live(run, 5, 41) && !importer.is_live(run, 6, 40));
+        assert!(!importer.is_live(Run::new(3, 1), 5, 40), "another length");
+        assert!(!importer.is_live(Run::new(4, 2), 5, 40));
+        assert!(!importer.is_live(Run::new(u64::MAX, 1), 5, 40));
         registry.withdraw(3, 6, 40); // another handle's: leaves this one
-        assert!(importer.is_live(3, 5, 40));
+        assert!(importer.is_live(run, 5, 40));
         registry.withdraw(3, 5, 40);
-        assert!(!importer.is_live(3, 5, 40));
-        assert!(registry.publish(8, 0, 1).is_err(), "past the last granule");
-        assert!(registry.publish(0, 0, 1 << FD_BITS).is_err());
-        assert!(registry.publish(0, u64::MAX, 1).is_err());
+        assert!(!importer.is_live(run, 5, 40));
+        assert!(
+            registry.publish(Run::new(8, 1), 0, 1).is_err(),
+            "past the last granule"
+        );
+        assert!(registry.publish(run, 0, 1 << FD_BITS).is_err());
+        assert!(registry.publish(run, u64::MAX, 1).is_err());
     }
 
     #[test]

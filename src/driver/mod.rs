@@ -19,6 +19,7 @@ pub mod faulty;
 pub mod headroom;
 pub mod host;
 pub mod ipc;
+pub mod stray;
 pub mod timing;
 
 #[cfg(feature = "cuda")]
@@ -248,6 +249,13 @@ pub trait Driver: Send + Sync + 'static {
     fn check_room(&self, num_bytes: u64) -> Result<()> {
         let _ = num_bytes;
         Ok(())
+    }
+
+    /// Tells the backend where the segments of the reservation at `va` lie and how many bytes
+    /// each has committed; the owner calls it after every change. The host backend keeps it
+    /// for the report of a stray access (`stray`); the default ignores it.
+    fn note_layout(&self, va: u64, offsets: &[u64], capacities: &[u64], committed: &[u64]) {
+        let _ = (va, offsets, capacities, committed);
     }
 }
 

@@ -135,6 +135,10 @@ impl Driver for TimingDriver {
         // Counted as a read of the free memory, which is what it costs.
         self.time(Op::MemInfo, || self.inner.check_room(num_bytes))
     }
+
+    fn note_layout(&self, va: u64, offsets: &[u64], capacities: &[u64], committed: &[u64]) {
+        self.inner.note_layout(va, offsets, capacities, committed);
+    }
 }
 
 #[cfg(test)]

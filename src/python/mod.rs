@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyList, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::dlpack::StridedLayout;
 use crate::driver::faulty::{Fault, FaultKind};
@@ -20,19 +21,47 @@ use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};
 
-/// A non-negative size from an int or anything with `__index__` (numpy ints): TypeError for
-/// other types, ValueError (not OverflowError) for negative or oversized values.
-fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    let is_int_like = !obj.is_instance_of::<pyo3::types::PyBool>()
-        && (obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")?);
-    if !is_int_like {
-        let type_name = obj.get_type().name()?;
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be an int, not {type_name}"
-        )));
+/// The int that `obj` stands for: an int or anything `operator.index` takes (numpy and torch
+/// integer scalars), never a bool or a float; `None` for anything else.
+fn as_int<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyInt>>> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(None);
     }
-    obj.extract::<u64>().map_err(|_| {
-        PyValueError::new_err(format!("{what} must be between 0 and 2**64-1, got {obj}"))
+    if let Ok(int) = obj.cast::<PyInt>() {
+        return Ok(Some(int.clone()));
+    }
+    if !obj.hasattr("__index__")? {
+        return Ok(None);
+    }
+    static INDEX: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let py = obj.py();
+    let index = INDEX.import(py, "operator", "index")?;
+    match index.call1((obj,)) {
+        Ok(int) => Ok(int.cast_into::<PyInt>().ok()),
+        // numpy's bools and arrays of more than one item have `__index__` but refuse it.
+        Err(err) if err.is_instance_of::<PyTypeError>(py) => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// A TypeError naming the argument `what` and the type it got.
+fn not_an_int(obj: &Bound<'_, PyAny>, what: &str) -> PyErr {
+    let type_name = obj
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string());
+    PyTypeError::new_err(format!("{what} must be an int, not {type_name}"))
+}
+
+/// A size from an int or anything with `__index__` (numpy and torch integer scalars): TypeError
+/// for other types (bools and floats included), ValueError (not OverflowError) for negative or
+/// oversized values. Each message names the argument.
+fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    let int = as_int(obj)?.ok_or_else(|| not_an_int(obj, what))?;
+    int.extract::<u64>().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a non-negative int below 2**64, got {int}"
+        ))
     })
 }
 
@@ -63,16 +92,19 @@ fn to_cut(name: &str) -> PyResult<Cut> {
     }
 }
 
-/// The stream a Python caller names; none is the default stream.
+/// The stream a Python caller names (an int, as `torch.cuda.Stream.cuda_stream` gives it);
+/// none is the default stream.
 #[allow(unsafe_code)]
-fn to_stream(raw: Option<u64>) -> Stream {
-    match raw {
+fn to_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Stream> {
+    Ok(match to_u64_opt(obj, "stream")? {
         None => Stream::DEFAULT,
-        // SAFETY: the caller vouches for the stream, as for any raw stream handed to torch
-        // (`torch.cuda.ExternalStream`): the facade passes torch's current stream on the
-        // tensor's device, which torch keeps live while this call runs.
+        // SAFETY: the caller vouches for the stream, as `torch.cuda.ExternalStream` makes its
+        // caller vouch for the pointer it wraps: it must be 0 or a live CUstream of the
+        // tensor's device (its primary context), and stay live until this call returns. Nothing
+        // here can check that; the docstrings and the stub say so. The facade passes torch's
+        // current stream on the tensor's device, which torch keeps live while this call runs.
         Some(raw) => unsafe { Stream::from_raw(raw) },
-    }
+    })
 }
 
 /// One reservation of address space, split into segments that grow in lockstep.
@@ -113,22 +145,31 @@ impl PyExtensibleTensor {
         Ok(result?)
     }
 
+    /// One size per segment from `bytes`: an int (or `__index__` integer) for every segment, or
+    /// a sequence of one per segment. Strings and bytes are refused, not read as sequences.
     fn segment_targets(&self, bytes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let what = "bytes_per_segment";
         let n = self.core.num_segments();
-        if bytes.is_instance_of::<PyInt>() {
-            return Ok(vec![to_u64(bytes, "bytes_per_segment")?; n]);
+        if as_int(bytes)?.is_some() {
+            return Ok(vec![to_u64(bytes, what)?; n]);
         }
-        let items: Vec<Bound<'_, PyAny>> = bytes.try_iter()?.collect::<PyResult<_>>()?;
+        let is_text = bytes.is_instance_of::<PyString>() || bytes.is_instance_of::<PyBytes>();
+        let items = match bytes.try_iter() {
+            Ok(items) if !is_text => items.collect::<PyResult<Vec<_>>>()?,
+            _ => {
+                let type_name = bytes.get_type().name()?;
+                return Err(PyTypeError::new_err(format!(
+                    "{what} must be an int or a sequence of {n} ints, not {type_name}"
+                )));
+            }
+        };
         if items.len() != n {
             return Err(PyValueError::new_err(format!(
-                "expected an int or {n} per-segment sizes, got {}",
+                "{what}: expected an int or {n} per-segment sizes, got {}",
                 items.len()
             )));
         }
-        items
-            .iter()
-            .map(|b| to_u64(b, "bytes_per_segment"))
-            .collect()
+        items.iter().map(|b| to_u64(b, what)).collect()
     }
 }
 
@@ -208,14 +249,14 @@ impl PyExtensibleTensor {
         slf: &Bound<'_, Self>,
         bytes_per_segment: &Bound<'_, PyAny>,
         zero_new: bool,
-        stream: Option<u64>,
+        stream: Option<&Bound<'_, PyAny>>,
         one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
         let this = slf.get();
         let targets = this.segment_targets(bytes_per_segment)?;
         let options = GrowOptions {
             zero_new,
-            stream: to_stream(stream),
+            stream: to_stream(stream)?,
             one_handle_per_run,
         };
         this.run(slf.py(), |core| core.resize_segments(&targets, options))?;
@@ -228,13 +269,13 @@ impl PyExtensibleTensor {
         slf: &Bound<'_, Self>,
         num_bytes: &Bound<'_, PyAny>,
         zero_new: bool,
-        stream: Option<u64>,
+        stream: Option<&Bound<'_, PyAny>>,
         one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
         let num_bytes = to_u64(num_bytes, "num_bytes")?;
         let options = GrowOptions {
             zero_new,
-            stream: to_stream(stream),
+            stream: to_stream(stream)?,
             one_handle_per_run,
         };
         slf.get()
@@ -256,13 +297,13 @@ impl PyExtensibleTensor {
         slf: &Bound<'_, Self>,
         bytes_per_segment: &Bound<'_, PyAny>,
         exact: bool,
-        stream: Option<u64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<Self>> {
         let this = slf.get();
         let targets = this.segment_targets(bytes_per_segment)?;
         let options = ShrinkOptions {
             exact,
-            stream: to_stream(stream),
+            stream: to_stream(stream)?,
         };
         this.run(slf.py(), |core| core.shrink_segments(&targets, options))?;
         Ok(slf.clone().unbind())
@@ -274,12 +315,12 @@ impl PyExtensibleTensor {
         slf: &Bound<'_, Self>,
         num_bytes: &Bound<'_, PyAny>,
         exact: bool,
-        stream: Option<u64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<Self>> {
         let num_bytes = to_u64(num_bytes, "num_bytes")?;
         let options = ShrinkOptions {
             exact,
-            stream: to_stream(stream),
+            stream: to_stream(stream)?,
         };
         slf.get()
             .run(slf.py(), |core| core.shrink(num_bytes, options))?;
@@ -288,8 +329,9 @@ impl PyExtensibleTensor {
 
     /// Backs every run of committed granules by one handle, keeping every byte and address.
     #[pyo3(signature = (*, stream=None))]
-    fn consolidate(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<()> {
-        self.run(py, |core| core.consolidate(to_stream(stream)))
+    fn consolidate(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = to_stream(stream)?;
+        self.run(py, |core| core.consolidate(stream))
     }
 
     /// The description of this tensor's memory for other processes (`extensible_kv.ipc`).
@@ -572,6 +614,13 @@ fn extent_bytes(shape: Vec<i64>, strides: Vec<i64>, itemsize: u64) -> PyResult<u
     Ok(crate::dlpack::extent_bytes(&shape, &strides, itemsize)?)
 }
 
+/// The bytes a host commit can take now: `MemAvailable`, or less where a memory cgroup's
+/// limit leaves less room. The very figure the host backend checks each commit against.
+#[pyfunction]
+fn host_free_bytes() -> PyResult<u64> {
+    Ok(driver::host::free_bytes()?)
+}
+
 /// `(available_bytes, total_bytes)` of host memory from a file in `/proc/meminfo`'s format,
 /// as the host backend reads it.
 #[pyfunction]
@@ -602,6 +651,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(extent_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(host_mem_info, m)?)?;
     m.add_function(wrap_pyfunction!(_owner_fds, m)?)?;
+    m.add_function(wrap_pyfunction!(host_free_bytes, m)?)?;
     errors::add_to(m)?;
     m.add(
         "DEFAULT_MAX_HANDLE_BYTES",

@@ -419,10 +419,12 @@ impl Snapshot {
     }
 }
 
-/// The state's lock, which publishes a new `Snapshot` when released: no change can forget to.
+/// The state's lock, which publishes what changed when released: a new `Snapshot`, and every
+/// segment's committed bytes to the driver (for the report of a stray access,
+/// `driver::stray`). No change can forget to.
 struct Locked<'a> {
     guard: MutexGuard<'a, State>,
-    snapshot: &'a Mutex<Snapshot>,
+    inner: &'a Inner,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -441,7 +443,10 @@ impl std::ops::DerefMut for Locked<'_> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let snapshot = Snapshot::of(&self.guard);
-        *relock(self.snapshot) = snapshot;
+        if snapshot.segment_bytes != relock(&self.inner.snapshot).segment_bytes {
+            self.inner.note_layout(&snapshot.segment_bytes);
+        }
+        *relock(&self.inner.snapshot) = snapshot;
     }
 }
 
@@ -461,9 +466,24 @@ struct Inner {
     tensor_id: u128,
 }
 
+impl Inner {
+    fn note_layout(&self, committed: &[u64]) {
+        let (ctx, geometry) = (&self.ctx, &self.geometry);
+        let (offsets, capacities) = (geometry.segment_offsets(), geometry.segment_capacities());
+        ctx.driver
+            .note_layout(ctx.base, offsets, capacities, committed);
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
-        let state = self.state.get_mut().expect("tensor state poisoned");
+        // A destructor never panics. A panic while another thread held the state left it as
+        // it was before the mutation (every mutation builds in locals and moves in at the
+        // end), so its mappings and reservation are still the ones to give back.
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !state.mappings.is_empty() {
             self.ctx.defer(self.ctx.driver.synchronize());
             state.mappings.clear();
@@ -649,15 +669,17 @@ impl ExtensibleTensor {
             imported_from,
             tensor_id,
         };
-        Ok(ExtensibleTensor {
+        let tensor = ExtensibleTensor {
             inner: Arc::new(inner),
-        })
+        };
+        tensor.note_layout(&tensor.lock().segment_bytes);
+        Ok(tensor)
     }
 
     fn lock(&self) -> Locked<'_> {
         Locked {
             guard: relock(&self.inner.state),
-            snapshot: &self.inner.snapshot,
+            inner: &self.inner,
         }
     }
 
@@ -768,6 +790,12 @@ impl ExtensibleTensor {
         state.segment_bytes.copy_from_slice(segment_bytes);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
+    }
+
+    /// Tells the driver every segment's committed bytes, for the report of a stray access
+    /// (`driver::stray`): at reservation, then by every `Locked` that changed them.
+    fn note_layout(&self, committed: &[u64]) {
+        self.inner.note_layout(committed);
     }
 
     /// Creates, maps and grants access to one handle per planned run, and zeroes the new
@@ -1176,5 +1204,36 @@ mod tests {
             !tensor.is_noop_resize(&[0, 0]),
             "a closed tensor refuses every resize"
         );
+    }
+
+    /// Panics on another thread while it holds `mutex`, leaving it poisoned.
+    fn poison<T: Send>(mutex: &Mutex<T>) {
+        std::thread::scope(|scope| {
+            let held = scope.spawn(|| {
+                let _guard = mutex.lock();
+                panic!("poisoning on purpose");
+            });
+            assert!(held.join().is_err());
+        });
+        assert!(mutex.is_poisoned());
+    }
+
+    #[test]
+    fn a_poisoned_state_or_error_list_panics_no_destructor() {
+        let driver = Arc::new(HostDriver::new(4096).unwrap());
+        let options = Options::default();
+        let tensor = ExtensibleTensor::with_equal_segments(driver.clone(), 4 << 12, 2, options);
+        let tensor = tensor.unwrap();
+        tensor
+            .resize_segments(&[5000, 10], GrowOptions::zeroed())
+            .unwrap();
+        poison(&tensor.inner.ctx.deferred);
+        let failed = Error::invalid("a failure a destructor met");
+        tensor.inner.ctx.defer(Err(failed));
+        let recorded = tensor.take_deferred_errors();
+        assert_eq!(recorded.len(), 1, "{recorded:?}");
+        poison(&tensor.inner.state);
+        drop(tensor); // Inner::drop: must release everything rather than panic
+        assert_eq!(driver.live_counts(), (0, 0, 0));
     }
 }

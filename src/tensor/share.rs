@@ -222,7 +222,7 @@ impl ExtensibleTensor {
                 Exported::Fd(fd) => {
                     let fd = fd.as_raw_fd();
                     if let Some(registry) = registry {
-                        registry.publish(mapping.run.first_granule, handle.serial, fd)?;
+                        registry.publish(mapping.run, handle.serial, fd)?;
                         handle
                             .published_at
                             .get_or_init(|| mapping.run.first_granule);
@@ -472,10 +472,10 @@ impl SharedDescription {
                 continue;
             };
             let owned = source.take(fd)?;
-            if !registry.is_live(wanted.run.first_granule, wanted.serial, fd) {
+            if !registry.is_live(wanted.run, wanted.serial, fd) {
                 return Err(ipc::stale(format!(
-                    "the owner released handle {} (granules {} to {}), or its fd {fd} names \
-                     other memory now",
+                    "the owner holds no handle {} over granules {} to {} exported as fd {fd} \
+                     (it released it, or the description was altered)",
                     wanted.serial,
                     wanted.run.first_granule,
                     wanted.run.end_granule() - 1

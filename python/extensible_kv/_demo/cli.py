@@ -13,6 +13,11 @@ from extensible_kv import _torch
 from extensible_kv.layouts import KV_LAYOUTS
 
 
+def _budget_mib(text: str) -> int | None:
+    """`--budget-mib`: an integer >= 0, or `free` (None: measure `host_free_bytes()`)."""
+    return None if text.strip().lower() == "free" else _at_least(0)(text)
+
+
 def _at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `low`, else an error naming the range."""
 
@@ -103,9 +108,11 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     add(
         "--budget-mib",
-        type=_at_least(0),
+        type=_budget_mib,
         default=64,
-        help="host backend: the MiB the extension may commit (default: %(default)s)",
+        help="host backend: the MiB the KV cache may hold in all, or 'free' for the host's free "
+        "memory (MemAvailable and the memory cgroup's room) less the margin "
+        "(default: %(default)s)",
     )
     add(
         "--max-blocks",

@@ -51,7 +51,9 @@ HOST_ESTIMATE_BYTES = GIB  # the host's first estimate: address space only, noth
 class DemoOptions:
     """What to run. `None` picks per device: cuda:0 when usable; bf16 on a GPU, fp32 on the
     host; a capacity estimate of the device's memory (GPU) or 1 GiB (host). `budget_mib` is the
-    host backend's budget; `max_blocks` caps the commit (default: commit the fit)."""
+    host backend's budget, in all; `None` measures it as the flow does on a GPU, from
+    `host_free_bytes()` (the figure the host backend checks commits against) less the margin.
+    `max_blocks` caps the commit (default: commit the fit)."""
 
     device: str | None = None
     layout: str = "FLASH_ATTN"
@@ -66,7 +68,7 @@ class DemoOptions:
     vocab: int = 512
     block_size: int = 16
     dtype: str | None = None
-    budget_mib: int = 64
+    budget_mib: int | None = 64
     max_blocks: int | None = None
     capacity_gib: float | None = None
     granularity: int | None = None
@@ -245,6 +247,8 @@ def _decode(
     mapped_at_reserve = sizing.blocks_within(0, flow.cache)  # legacy: all of them
     if model.device.type == "cuda":
         report = flow.extend_to_fit(max_blocks=options.max_blocks)
+    elif options.budget_mib is None:
+        report = flow.extend_to_fit(host_meminfo=True, max_blocks=options.max_blocks)
     else:
         report = flow.extend_to_fit(
             budget_bytes=options.budget_mib * MIB, max_blocks=options.max_blocks

@@ -49,6 +49,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from extensible_kv import _args
 from extensible_kv._native import ExtensibleTensor as _NativeTensor
 from extensible_kv._native import OutOfMemoryError, UnsupportedError
 from extensible_kv.ipc import FABRIC, POSIX_FD
@@ -87,12 +88,20 @@ def _current_cuda_index() -> int:
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
-def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+def _resolve_device(device: torch.device | str | int | None, name: str = "device") -> torch.device:
     """`cpu` or `cuda:N` (the current CUDA device when `device` is None or has no index)."""
     import torch
 
     if device is None:
         return torch.device("cuda", _current_cuda_index())
+    if not isinstance(device, str | torch.device):
+        try:
+            device = _args.size(device, name)
+        except TypeError:
+            kind = type(device).__name__
+            raise TypeError(
+                f"{name} must be a torch.device, a name or a CUDA index, not {kind}"
+            ) from None
     if isinstance(device, int):
         dev = torch.device("cuda", device)
     else:
@@ -123,7 +132,7 @@ def granule_size(device_index: int | str | torch.device) -> int:
     `device_index` is a CUDA device index, as vLLM passes it; a device name or
     `torch.device` (`"cpu"`: the host backend) is accepted too.
     """
-    return _granule_size_of(_device_name(_resolve_device(device_index)))
+    return _granule_size_of(_device_name(_resolve_device(device_index, "device_index")))
 
 
 def _empty_torch_cache(device: torch.device) -> None:
@@ -151,6 +160,12 @@ class ExtensibleTensor:
         segment_capacities: Sequence[int] | None = None,
         export_handle_types: int = 0,
     ) -> None:
+        # Types first, by name (vLLM's class fails on them somewhere inside); then vLLM's own
+        # range checks and wording.
+        max_num_bytes = _args.size(max_num_bytes, "max_num_bytes", minimum=-(2**63))
+        num_segments = _args.size(num_segments, "num_segments", minimum=-(2**63))
+        if segment_capacities is not None:
+            segment_capacities = _args.sizes(segment_capacities, "segment_capacities", minimum=None)
         if max_num_bytes < 0:
             raise ValueError("max_num_bytes must be non-negative.")
         if segment_capacities is None:
@@ -175,6 +190,7 @@ class ExtensibleTensor:
             raise ValueError(
                 "max_num_bytes must be positive: extensible-kv reserves no empty address range."
             )
+        export_handle_types = _args.size(export_handle_types, "export_handle_types")
         if export_handle_types & ~(POSIX_FD | FABRIC):
             raise UnsupportedError(
                 f"export_handle_types={export_handle_types}: only POSIX fd (1) and fabric (8) "
@@ -216,19 +232,23 @@ class ExtensibleTensor:
 
     def segment_view(self, index: int) -> torch.Tensor:
         """Uint8 tensor over one segment's committed prefix, sized exactly to it."""
+        index = _args.size(index, "index", minimum=-(2**63))
         if not 0 <= index < self.num_segments:
             raise IndexError(f"Segment {index} out of range ({self.num_segments}).")
         return self._open().segment_view(index)
 
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
         """Grow every segment's committed prefix to the same size."""
-        self.resize_segments_([bytes_per_segment] * self.num_segments, zero_new)
+        size = _args.size(bytes_per_segment, "bytes_per_segment", minimum=-(2**63))
+        self.resize_segments_([size] * self.num_segments, zero_new)
 
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
         """Grow each segment's committed prefix; optionally zero the new bytes.
 
         All or nothing; out of memory, torch's cache is emptied and the grow retried once.
         """
+        sizes = _args.sizes(sizes, "sizes", minimum=None)
+        zero_new = _args.flag(zero_new, "zero_new")
         tensor = self._open()
         if len(sizes) != self.num_segments:
             raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
@@ -255,6 +275,7 @@ class ExtensibleTensor:
         """Shrink each segment's committed prefix to `sizes[i]`, keeping its bytes below and
         giving back every granule no committed byte needs (extensible-kv's own: vLLM's class
         is grow-only). All or nothing."""
+        sizes = _args.sizes(sizes, "sizes", minimum=None)
         tensor = self._open()
         if len(sizes) != self.num_segments:
             raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
@@ -322,6 +343,7 @@ class ExtensibleTensor:
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         """Whether each segment's first `sizes[i]` bytes lie within a single driver
         allocation, as RDMA registration of the segment requires."""
+        sizes = _args.sizes(sizes, "sizes", minimum=None)
         runs = [] if self._tensor is None else self._tensor.handle_runs()
         g = self._granularity
         chunks = [(first * g, (first + count) * g) for first, count in runs]
