@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-__all__ = ["ExtendReport", "KVCacheFlow"]
+__all__ = ["ExtendReport", "KVCacheFlow", "measure_budget_now"]
 
 GIB = 1 << 30
 logger = logging.getLogger("extensible_kv")
@@ -143,8 +143,14 @@ class KVCacheFlow:
         """
         start = time.perf_counter()
         _refuse_while_capturing(self.device, "extend_to_fit")
-        budget, source = self._budget(
-            budget_bytes, host_meminfo, margin_bytes, transient_peak_bytes
+        budget, source = measure_budget_now(
+            self.device,
+            kv_committed_bytes=self.cache.physical_bytes,
+            free_at_init_bytes=self.free_at_init_bytes,
+            budget_bytes=budget_bytes,
+            host_meminfo=host_meminfo,
+            margin_bytes=margin_bytes,
+            transient_peak_bytes=transient_peak_bytes,
         )
         fit = sizing.blocks_within(budget.budget_bytes, self.cache)
         target = fit if max_blocks is None else min(fit, max_blocks)
@@ -189,41 +195,6 @@ class KVCacheFlow:
 
             torch.cuda.synchronize(self.device)
 
-    def _budget(
-        self,
-        budget_bytes: int | None,
-        host_meminfo: bool,
-        margin_bytes: int | None,
-        transient_peak_bytes: int | None,
-    ) -> tuple[sizing.MemoryBudget, str]:
-        committed = self.cache.physical_bytes
-        if budget_bytes is not None:
-            return sizing.MemoryBudget(budget_bytes, 0, committed), "given"
-        if self.device.type == "cuda":
-            import torch
-
-            # Blocks torch caches but does not use count as free: the margin covers their
-            # coming back (as vLLM measures).
-            torch.cuda.empty_cache()
-            free_now, source = torch.cuda.mem_get_info(self.device)[0], "cuda mem_get_info"
-            if transient_peak_bytes is None:
-                transient_peak_bytes = sizing.cuda_transient_peak_bytes(self.device)
-        elif host_meminfo:
-            free_now, source = sizing.host_available_bytes(), "/proc/meminfo MemAvailable"
-        else:
-            raise ValueError(
-                "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
-                "KV cache may still commit), or host_meminfo=True to use /proc/meminfo"
-            )
-        budget = sizing.measure_budget(
-            free_now,
-            free_at_init_bytes=self.free_at_init_bytes,
-            kv_committed_bytes=committed,
-            transient_peak_bytes=transient_peak_bytes or 0,
-            margin_bytes=margin_bytes,
-        )
-        return budget, source
-
     def _state(self) -> tuple[int, int, int]:
         """`(committed blocks, physical bytes, handles)` of the cache."""
         cache = self.cache
@@ -254,6 +225,47 @@ class KVCacheFlow:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def measure_budget_now(
+    device: torch.device,
+    *,
+    kv_committed_bytes: int,
+    free_at_init_bytes: int | None = None,
+    budget_bytes: int | None = None,
+    host_meminfo: bool = False,
+    margin_bytes: int | None = None,
+    transient_peak_bytes: int | None = None,
+) -> tuple[sizing.MemoryBudget, str]:
+    """Step 3 for any cache on `device` (`KVCacheFlow.extend_to_fit`, the transformers cache):
+    the budget the KV cache may still commit and where it came from, with `extend_to_fit`'s
+    arguments and margin rule. `kv_committed_bytes` is what the cache holds now."""
+    if budget_bytes is not None:
+        return sizing.MemoryBudget(budget_bytes, 0, kv_committed_bytes), "given"
+    if device.type == "cuda":
+        import torch
+
+        # Blocks torch caches but does not use count as free: the margin covers their
+        # coming back (as vLLM measures).
+        torch.cuda.empty_cache()
+        free_now, source = torch.cuda.mem_get_info(device)[0], "cuda mem_get_info"
+        if transient_peak_bytes is None:
+            transient_peak_bytes = sizing.cuda_transient_peak_bytes(device)
+    elif host_meminfo:
+        free_now, source = sizing.host_available_bytes(), "/proc/meminfo MemAvailable"
+    else:
+        raise ValueError(
+            "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
+            "KV cache may still commit), or host_meminfo=True to use /proc/meminfo"
+        )
+    budget = sizing.measure_budget(
+        free_now,
+        free_at_init_bytes=free_at_init_bytes,
+        kv_committed_bytes=kv_committed_bytes,
+        transient_peak_bytes=transient_peak_bytes or 0,
+        margin_bytes=margin_bytes,
+    )
+    return budget, source
 
 
 def _normalize(device: str | torch.device, legacy: bool) -> torch.device:
