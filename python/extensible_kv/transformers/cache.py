@@ -255,6 +255,11 @@ def _cache_class(base: Any, pool_class: type) -> type:
                     "disable it (extensible_kv.transformers.disable()) for TP managers"
                 )
             device = flow._normalize(arguments["device"], legacy=False)
+            if device.type != "cuda" and options.budget_bytes is None and not options.host_meminfo:
+                raise ValueError(
+                    "the host backend has no free-memory figure: enable(budget_bytes=...) (the "
+                    "bytes the KV cache may commit after warm-up), or enable(host_meminfo=True)"
+                )
             free_at_init = flow._free_bytes_or_none(device)
             build = _Build(options)
             token = _BUILD.set(build)

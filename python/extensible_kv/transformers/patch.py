@@ -132,7 +132,8 @@ def _check_version() -> dict[str, Any]:
         if cls is None or not hasattr(cls, method)
     ]
     api = sys.modules[_API_MODULE]
-    if getattr(api, "PagedAttentionCache", None) is not found["PagedAttentionCache"]:
+    bound = getattr(api, "PagedAttentionCache", None)
+    if bound is not found["PagedAttentionCache"] and not (is_enabled() and bound in _installed()):
         missing.append("continuous_api.PagedAttentionCache (the name the manager builds)")
     if missing:
         raise UnsupportedError(
@@ -185,6 +186,11 @@ def _install(found: dict[str, Any]) -> None:
     _set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
     create = vars(manager)["_create_batch_processor"]
     _set(manager, "_create_batch_processor", _wrap_create(create))
+
+
+def _installed() -> list[Any]:
+    """What `enable` bound, in place now."""
+    return [getattr(target, name) for target, name in _originals]
 
 
 def _set(target: Any, name: str, value: Any) -> None:
