@@ -11,7 +11,9 @@ That is one segment that grows at its end, so the flow (docs/design.md §5) fits
    over a view that spans the capacity: the addresses never move.
 2. Warm-up: the pool hands out sectors lowest first and commits each one before handing it
    out (`ExtensiblePool.allocate_sector`), so the warm-up requests touch committed memory only
-   and CUDA graphs capture the final addresses.
+   and CUDA graphs capture the final addresses. From 5.21 the warm-up's prefill request has
+   one page of past: it touches `max_batch_tokens` plus a page. 5.18 to 5.20 give it the
+   whole cache as its past, so there the warm-up commits transformers' own size.
 3. `extend` measures with the flow's rule (`flow.measure_budget_now`), converts bytes to
    sectors granule-aware (`sizing.blocks_within`), commits, gives the new sectors to the pool,
    logs `Extended KV cache to N blocks (X GiB)` and returns an `ExtendReport`.
