@@ -143,9 +143,13 @@ class _State:
         self._synchronize()
 
     def grow_to_hold(self, sector_id: int) -> None:
-        """Commits up to sector `sector_id` (a tensor index) before the pool hands it out."""
-        if sector_id >= TRASH_SECTORS + self.committed_sectors:
-            self.commit(sector_id + 1 - TRASH_SECTORS)
+        """Commits up to sector `sector_id` (a tensor index) before the pool hands it out:
+        at least doubling what is committed (within transformers' own size), so that a
+        warm-up touching n sectors costs O(log n) commits, not n."""
+        needed = sector_id + 1 - TRASH_SECTORS
+        if needed > self.committed_sectors:
+            doubled = min(2 * self.committed_sectors, self.read_sectors)
+            self.commit(max(needed, doubled))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
