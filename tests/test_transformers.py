@@ -448,3 +448,22 @@ def test_readme_example_runs(tf: Any, capsys: pytest.CaptureFixture[str]) -> Non
     exec(block.replace("ekt.enable()", "ekt.enable(budget_bytes=1 << 24)"), namespace)
     assert len(namespace["outputs"]) == len(PROMPT_LENGTHS)
     assert "ExtendReport(blocks_before=0, blocks_after=" in capsys.readouterr().out
+
+
+def test_without_warmup_the_generation_loop_extends(tf: Any) -> None:
+    """`warmup=False`: the generation loop builds the batch processor itself, and the cache is
+    extended there, before the first step."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "qwen3", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        outputs = model.generate_batch(
+            prompts(),
+            generation_config=gen_config(tf),
+            continuous_batching_config=cb_config(tf, "cpu"),
+            warmup=False,
+        )
+    assert [o.generated_tokens for o in outputs.values()] == own
+    report = ekt.last_report()
+    assert report is not None and report.blocks_before == 0 < report.blocks_after
