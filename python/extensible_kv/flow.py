@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-__all__ = ["ExtendReport", "KVCacheFlow"]
+__all__ = ["ExtendReport", "KVCacheFlow", "measure_budget_now"]
 
 GIB = 1 << 30
 logger = logging.getLogger("extensible_kv")
@@ -157,8 +157,14 @@ class KVCacheFlow:
         max_blocks = _args.optional_size(max_blocks, "max_blocks")
         start = time.perf_counter()
         _refuse_while_capturing(self.device, "extend_to_fit")
-        budget, source = self._budget(
-            budget_bytes, host_meminfo, margin_bytes, transient_peak_bytes
+        budget, source = measure_budget_now(
+            self.device,
+            kv_committed_bytes=self.cache.physical_bytes,
+            free_at_init_bytes=self.free_at_init_bytes,
+            budget_bytes=budget_bytes,
+            host_meminfo=host_meminfo,
+            margin_bytes=margin_bytes,
+            transient_peak_bytes=transient_peak_bytes,
         )
         fit = sizing.blocks_within(budget.budget_bytes, self.cache)
         target = fit if max_blocks is None else min(fit, max_blocks)
@@ -203,43 +209,6 @@ class KVCacheFlow:
 
             torch.cuda.synchronize(self.device)
 
-    def _budget(
-        self,
-        budget_bytes: int | None,
-        host_meminfo: bool,
-        margin_bytes: int | None,
-        transient_peak_bytes: int | None,
-    ) -> tuple[sizing.MemoryBudget, str]:
-        committed = self.cache.physical_bytes
-        if budget_bytes is not None:
-            # A budget in all: what the cache holds already counts against it.
-            return sizing.MemoryBudget(max(0, budget_bytes - committed), 0, committed), "given"
-        if self.device.type == "cuda":
-            import torch
-
-            # Blocks torch caches but does not use count as free: the margin covers their
-            # coming back (as vLLM measures).
-            torch.cuda.empty_cache()
-            free_now, source = torch.cuda.mem_get_info(self.device)[0], "cuda mem_get_info"
-            if transient_peak_bytes is None:
-                transient_peak_bytes = sizing.cuda_transient_peak_bytes(self.device)
-        elif host_meminfo:
-            free_now, source = sizing.host_free_bytes(), "host_free_bytes"
-        else:
-            raise ValueError(
-                "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
-                "KV cache may hold in all), or host_meminfo=True to use host_free_bytes() "
-                "(MemAvailable and the memory cgroup's room)"
-            )
-        budget = sizing.measure_budget(
-            free_now,
-            free_at_init_bytes=self.free_at_init_bytes,
-            kv_committed_bytes=committed,
-            transient_peak_bytes=transient_peak_bytes or 0,
-            margin_bytes=margin_bytes,
-        )
-        return budget, source
-
     def _state(self) -> tuple[int, int, int]:
         """`(committed blocks, physical bytes, handles)` of the cache."""
         cache = self.cache
@@ -272,6 +241,50 @@ class KVCacheFlow:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def measure_budget_now(
+    device: torch.device,
+    *,
+    kv_committed_bytes: int,
+    free_at_init_bytes: int | None = None,
+    budget_bytes: int | None = None,
+    host_meminfo: bool = False,
+    margin_bytes: int | None = None,
+    transient_peak_bytes: int | None = None,
+) -> tuple[sizing.MemoryBudget, str]:
+    """Step 3 for any cache on `device` (`KVCacheFlow.extend_to_fit`, the transformers cache):
+    the budget the KV cache may still commit and where it came from, with `extend_to_fit`'s
+    arguments and margin rule. `kv_committed_bytes` is what the cache holds now; a given
+    `budget_bytes` is what it may hold in all, so that counts against it."""
+    if budget_bytes is not None:
+        still = max(0, budget_bytes - kv_committed_bytes)
+        return sizing.MemoryBudget(still, 0, kv_committed_bytes), "given"
+    if device.type == "cuda":
+        import torch
+
+        # Blocks torch caches but does not use count as free: the margin covers their
+        # coming back (as vLLM measures).
+        torch.cuda.empty_cache()
+        free_now, source = torch.cuda.mem_get_info(device)[0], "cuda mem_get_info"
+        if transient_peak_bytes is None:
+            transient_peak_bytes = sizing.cuda_transient_peak_bytes(device)
+    elif host_meminfo:
+        free_now, source = sizing.host_free_bytes(), "host_free_bytes"
+    else:
+        raise ValueError(
+            "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
+            "KV cache may hold in all), or host_meminfo=True to use host_free_bytes() "
+            "(MemAvailable and the memory cgroup's room)"
+        )
+    budget = sizing.measure_budget(
+        free_now,
+        free_at_init_bytes=free_at_init_bytes,
+        kv_committed_bytes=kv_committed_bytes,
+        transient_peak_bytes=transient_peak_bytes or 0,
+        margin_bytes=margin_bytes,
+    )
+    return budget, source
 
 
 def _normalize(device: str | torch.device, legacy: bool) -> torch.device:

@@ -1,0 +1,529 @@
+"""transformers' `PagedAttentionCache` placed in one `ExtensibleTensor` reservation.
+
+transformers 5.18+ keeps a continuous-batching KV cache in one flat uint8 tensor: two trash
+sectors first (sector 0: the zeroed read trash and the sliding window's sentinel; sector 1: the
+write trash), then the data sectors its `CachePool` hands to the allocators (full, sliding).
+That is one segment that grows at its end, so the flow (docs/design.md §5) fits as it is:
+
+1. `ExtensiblePagedAttentionCache.__init__` runs transformers' own constructor (allocators,
+   sector geometry, `max_batch_tokens`, its own sizing as `estimate`), then reserves
+   `2 + capacity` sectors, commits the trash sectors (zeroed) and registers every allocator
+   over a view that spans the capacity: the addresses never move.
+2. Warm-up: the pool hands out sectors lowest first and commits each one before handing it
+   out (`ExtensiblePool.allocate_sector`), so the warm-up requests touch committed memory only
+   and CUDA graphs capture the final addresses. From 5.21 the warm-up's prefill request has
+   one page of past: it touches `max_batch_tokens` plus a page. 5.18 to 5.20 give it the
+   whole cache as its past, so there the warm-up commits transformers' own size.
+3. `extend` measures with the flow's rule (`flow.measure_budget_now`), converts bytes to
+   sectors granule-aware (`sizing.blocks_within`), commits, gives the new sectors to the pool,
+   logs `Extended KV cache to N blocks (X GiB)` and returns an `ExtendReport`.
+
+Units: the pool counts sectors; transformers' `num_blocks`, and the reports and logs here,
+count whole-model blocks of `page_size` tokens (`sectors * bytes_per_sector //
+bytes_per_block`, as `PagedAttentionCache.num_blocks`).
+
+Buffers sized from the block count: transformers sizes the read indices `(groups, R + M)` and,
+for eager/sdpa, the attention masks `(1, 1, M, R + M)` from `max_tokens_read` (R), which its own
+cache sets to the tokens it holds. Here R is the tokens of transformers' own sizing (its memory
+handler's sector count at `max_memory_percent`, or the user's `num_blocks`), capped by the
+capacity; never the capacity itself (the device's whole memory: masks of M x that would not
+fit). Why that bound: the buffers are allocated and captured into graphs before warm-up, so
+they cannot follow the final size, and R is not the cache's size but the scheduler's budget of
+cache tokens one batch reads; correctness needs only R >= the longest request. With
+transformers' own R, the buffers, the warm-up sizes (hence the graph pool) and the batches are
+the very ones transformers' own cache gets, so the outputs are identical and the buffers take
+at most what transformers' cache of the final size takes whenever the extension reaches
+transformers' own size (its purpose: it sets aside 10% of free memory, where the flow keeps
+`max(1 GiB, 0.75 * transient peak)`). When the measurement finds less, the slack is the
+buffers' share of the missing blocks: `(R_own - R_final) * (groups * 8 + masks * M * itemsize)`
+bytes per IO set, which is what transformers' own cache would have failed to place anyway.
+
+Invariants: every sector the pool holds or has handed out is committed; the trash sectors are
+committed (and the read trash zero) for as long as the cache lives; a resize never runs while a
+stream captures a graph.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from extensible_kv import _native, flow, sizing
+from extensible_kv._native import UnsupportedError
+from extensible_kv.flow import ExtendReport
+from extensible_kv.layouts import round_up
+from extensible_kv.tensor import ExtensibleTensor
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Options", "build_classes", "extend", "release", "resume"]
+
+GIB = 1 << 30
+TRASH_SECTORS = 2
+logger = logging.getLogger("extensible_kv")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `enable(**options)` takes: `budget_bytes` (the physical bytes the cache may hold in
+    all after warm-up, as `KVCacheFlow.extend_to_fit` takes it; required on the host backend
+    unless `host_meminfo`), `host_meminfo` (measure `host_free_bytes()` on the host), `margin_bytes` (instead of the flow's `max(1 GiB, 0.75 *
+    transient peak)`), `granularity` (the reservation's granule; the device's by default)."""
+
+    budget_bytes: int | None = None
+    host_meminfo: bool = False
+    margin_bytes: int | None = None
+    granularity: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
+            if value < least:
+                raise ValueError(f"{name} {value} must be at least {least}")
+        if not isinstance(self.host_meminfo, bool):
+            raise TypeError(f"host_meminfo must be a bool, not {type(self.host_meminfo).__name__}")
+
+
+@dataclass
+class _Build:
+    """What transformers' own sizing said while our cache's constructor ran."""
+
+    options: Options
+    handler: Any = None
+    estimate_sectors: int = 0
+
+
+# Set only while an `ExtensiblePagedAttentionCache` runs transformers' constructor: the memory
+# handler then records its sizing and asks transformers for a one-sector tensor.
+_BUILD: contextvars.ContextVar[_Build | None] = contextvars.ContextVar("ekv_build", default=None)
+
+
+@dataclass
+class _State:
+    """The extensible side of one cache (its `_ekv` attribute)."""
+
+    tensor: ExtensibleTensor
+    device: torch.device
+    options: Options
+    handler: Any
+    bytes_per_sector: int
+    bytes_per_block: int
+    capacity_sectors: int
+    read_sectors: int
+    free_at_init_bytes: int | None
+    committed_sectors: int = 0  # data sectors, past the trash
+    final_sectors: int | None = None  # set by `extend`
+    released: bool = False
+    pause: Any = None  # the manager's entered `pause()` context while released
+    report: ExtendReport | None = field(default=None, repr=False)
+
+    def blocks(self, sectors: int) -> int:
+        """Sectors in transformers' whole-model blocks."""
+        return sectors * self.bytes_per_sector // self.bytes_per_block
+
+    def commit(self, data_sectors: int) -> None:
+        """Grows the tensor to the trash plus `data_sectors` (zeroed), finished on the device
+        before any other stream can use it (transformers computes on its own stream)."""
+        num_bytes = (TRASH_SECTORS + data_sectors) * self.bytes_per_sector
+        if num_bytes <= self.tensor.bytes_per_segment:
+            return
+        flow._refuse_while_capturing(self.device, "committing KV cache memory")
+        self.tensor.resize_(num_bytes)
+        self.committed_sectors = data_sectors
+        self._synchronize()
+
+    def grow_to_hold(self, sector_id: int) -> None:
+        """Commits up to sector `sector_id` (a tensor index) before the pool hands it out:
+        at least doubling what is committed (within transformers' own size), so that a
+        warm-up touching n sectors costs O(log n) commits, not n."""
+        needed = sector_id + 1 - TRASH_SECTORS
+        if needed > self.committed_sectors:
+            doubled = min(2 * self.committed_sectors, self.read_sectors)
+            self.commit(max(needed, doubled))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+def _state(cache: Any) -> _State:
+    state = getattr(cache, "_ekv", None)
+    if not isinstance(state, _State):
+        raise ValueError(
+            "this manager's KV cache is not extensible: create the manager while "
+            "extensible_kv.transformers is enabled"
+        )
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# the classes bound into transformers (built at enable(), over the running version's bases)
+
+
+@dataclass(frozen=True)
+class Classes:
+    cache: type
+    handler: type
+    pool: type
+
+
+def build_classes(cache_base: Any, handler_base: Any, pool_base: Any) -> Classes:
+    """Subclasses of the running transformers' `PagedAttentionCache`,
+    `PagedAttentionMemoryHandler` and `CachePool` (transformers is only imported by
+    `enable`)."""
+    pool = _pool_class(pool_base)
+    handler = _handler_class(handler_base)
+    return Classes(_cache_class(cache_base, pool), handler, pool)
+
+
+def _pool_class(base: Any) -> type:
+    class ExtensiblePool(base):  # type: ignore[misc]
+        """`CachePool` whose sectors are committed before they are handed out. Until the cache
+        is extended the pool counts transformers' own sizing (so the warm-up runs at the sizes
+        transformers' own cache would) and hands out its lowest sectors first (so it commits
+        only what the warm-up requests touch)."""
+
+        def __init__(self, num_sectors: int, num_allocators: int, state: _State) -> None:
+            self._ekv_state = state
+            self.lowest_first = True
+            super().__init__(num_sectors, num_allocators)
+
+        def reset(self) -> None:
+            super().reset()
+            if self.lowest_first:
+                self.free_sectors.reverse()  # transformers pops from the end
+
+        def allocate_sector(self, index: int) -> None:
+            if self.free_sectors:
+                self._ekv_state.grow_to_hold(self.free_sectors[-1])
+            super().allocate_sector(index)
+
+    return ExtensiblePool
+
+
+def _handler_class(base: Any) -> type:
+    class ExtensibleMemoryHandler(base):  # type: ignore[misc]
+        """transformers' `PagedAttentionMemoryHandler`, unchanged except while our cache is
+        built: it then records transformers' sizing and has a one-sector tensor allocated (the
+        reservation replaces it), and a `num_blocks` larger than memory is a cap, not an
+        error (the flow measures after warm-up)."""
+
+        def infer_max_batch_tokens_and_num_sectors(self) -> tuple[int, int]:
+            build = _BUILD.get()
+            max_batch_tokens, num_sectors = super().infer_max_batch_tokens_and_num_sectors()
+            if build is None:
+                return max_batch_tokens, num_sectors
+            build.handler, build.estimate_sectors = self, num_sectors
+            return max_batch_tokens, 1
+
+        def _check_footprint(self, max_batch_tokens: int, num_sectors: int) -> tuple[int, int]:
+            if _BUILD.get() is None:
+                result: tuple[int, int] = super()._check_footprint(max_batch_tokens, num_sectors)
+                return result
+            if max_batch_tokens <= 0 or num_sectors <= 0:
+                raise ValueError(
+                    f"transformers' sizing leaves no room for a KV cache: max_batch_tokens="
+                    f"{max_batch_tokens}, num_sectors={num_sectors}; set num_blocks in the "
+                    "ContinuousBatchingConfig"
+                )
+            return max_batch_tokens, num_sectors
+
+    return ExtensibleMemoryHandler
+
+
+def _cache_class(base: Any, pool_class: type) -> type:
+    signature = inspect.signature(base.__init__)
+
+    class ExtensiblePagedAttentionCache(base):  # type: ignore[misc]
+        """transformers' `PagedAttentionCache` (same API and tensors) in one `ExtensibleTensor`
+        reservation, sized after warm-up (see the module's docstring)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            options = _current_options()
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            if getattr(arguments["distributed_helper"], "tp_size", 1) > 1:
+                raise UnsupportedError(
+                    "extensible_kv.transformers does not support tensor parallelism yet: "
+                    "disable it (extensible_kv.transformers.disable()) for TP managers"
+                )
+            device = flow._normalize(arguments["device"], legacy=False)
+            if device.type != "cuda" and options.budget_bytes is None and not options.host_meminfo:
+                raise ValueError(
+                    "the host backend has no free-memory figure: enable(budget_bytes=...) (the "
+                    "bytes the KV cache may commit after warm-up), or enable(host_meminfo=True)"
+                )
+            free_at_init = flow._free_bytes_or_none(device)
+            build = _Build(options)
+            token = _BUILD.set(build)
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                _BUILD.reset(token)
+            _place(self, device, build, arguments["continuous_batching_config"], free_at_init)
+
+    def _place(
+        cache: Any, device: torch.device, build: _Build, cb_config: Any, free_at_init: int | None
+    ) -> None:
+        bytes_per_sector = cache.bytes_per_sector
+        capacity = _capacity_sectors(build, cb_config, device, bytes_per_sector)
+        read_sectors = min(build.estimate_sectors, capacity)
+        granularity = sizing.device_granularity(device, build.options.granularity)
+        num_bytes = (TRASH_SECTORS + capacity) * bytes_per_sector
+        tensor = ExtensibleTensor(
+            round_up(num_bytes, granularity), 1, device, granularity=build.options.granularity
+        )
+        try:
+            state = _State(
+                tensor=tensor,
+                device=device,
+                options=build.options,
+                handler=build.handler,
+                bytes_per_sector=bytes_per_sector,
+                bytes_per_block=build.handler.bytes_per_block,
+                capacity_sectors=capacity,
+                read_sectors=read_sectors,
+                free_at_init_bytes=free_at_init,
+            )
+            state.commit(0)  # the trash sectors
+            view = tensor.full_view()[:num_bytes]
+            pool = pool_class(read_sectors, len(cache.cache_allocators), state)
+            for allocator in cache.cache_allocators.values():
+                allocator.register_cache_tensor(
+                    bytes_per_sector, capacity * bytes_per_sector, view, pool
+                )
+        except BaseException:
+            tensor.close()
+            raise
+        cache.cache_tensor, cache.pool, cache._ekv = view, pool, state
+        _set_num_sectors(cache, read_sectors)
+        cache.max_tokens_read = read_sectors * _tokens_read_per_sector(cache)
+        logger.info(
+            "Reserved KV cache for %d blocks (%.2f GiB of addresses); reads per batch sized "
+            "for %d blocks, transformers' own sizing (%s)",
+            state.blocks(capacity),
+            num_bytes / GIB,
+            state.blocks(read_sectors),
+            device,
+        )
+
+    return ExtensiblePagedAttentionCache
+
+
+def _current_options() -> Options:
+    from extensible_kv.transformers import patch
+
+    options = patch.current_options()
+    if options is None:
+        raise RuntimeError(
+            "ExtensiblePagedAttentionCache was built while extensible_kv.transformers is "
+            "disabled: call extensible_kv.transformers.enable() first"
+        )
+    return options
+
+
+def _capacity_sectors(
+    build: _Build, cb_config: Any, device: torch.device, bytes_per_sector: int
+) -> int:
+    """The reservation's data sectors: the user's `num_blocks` when set (it caps the cache),
+    else the device's whole memory (address space is cheap: an upper bound costs nothing)."""
+    if cb_config.num_blocks is not None:
+        return int(build.handler.num_sectors_from_config())
+    if device.type == "cuda":
+        import torch
+
+        total = int(torch.cuda.mem_get_info(device)[1])
+    else:
+        total = int(_native.host_mem_info()[1])
+    return max(1, total // bytes_per_sector - TRASH_SECTORS)
+
+
+def _tokens_read_per_sector(cache: Any) -> int:
+    """transformers' `max_tokens_read` per sector: `max(tokens_per_page * num_blocks)` over the
+    allocators, with `num_blocks = sectors * blocks_per_sector`."""
+    return max(
+        int(allocator.tokens_per_page * allocator.blocks_per_sector)
+        for allocator in cache.cache_allocators.values()
+    )
+
+
+def _set_num_sectors(cache: Any, sectors: int) -> None:
+    """The pool's and the cache's sector counts (the scheduler's free-capacity ratio, `reset`),
+    and `num_blocks` in transformers' unit."""
+    state: _State = cache._ekv
+    cache.num_sectors = cache.pool.num_sectors = sectors
+    cache.num_blocks = state.blocks(sectors)
+
+
+# ---------------------------------------------------------------------------------------------
+# the flow's steps on a live cache
+
+
+def modelled_transient_peak_bytes(cache: Any) -> int:
+    """transformers' own model of the activations of its largest batch (what its sizing sets
+    aside): the margin's transient peak when the warm-up ran no forward pass to measure."""
+    state: _State = cache._ekv
+    handler = state.handler
+    per_batch = cache.max_batch_tokens * handler.bytes_per_batch_token
+    per_read = state.read_sectors * handler.tokens_per_sector * handler.bytes_per_cache_token
+    return int(per_batch + per_read)
+
+
+def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendReport | None:
+    """Steps 3 and 4 on a warmed-up cache: measure, commit the most sectors that fit (capped
+    by the capacity, never fewer than committed), hand them to the pool, log, report. None when
+    the cache was extended before."""
+    state = _state(cache)
+    if state.final_sectors is not None:
+        return None
+    start = time.perf_counter()
+    tensor = state.tensor
+    budget, source = flow.measure_budget_now(
+        state.device,
+        kv_committed_bytes=tensor.physical_bytes,
+        free_at_init_bytes=state.free_at_init_bytes,
+        budget_bytes=state.options.budget_bytes,
+        host_meminfo=state.options.host_meminfo,
+        margin_bytes=state.options.margin_bytes,
+        transient_peak_bytes=transient_peak_bytes,
+    )
+    fit = sizing.blocks_within(budget.budget_bytes, _footprint(state)) - TRASH_SECTORS
+    before = (state.committed_sectors, tensor.physical_bytes, tensor.num_handles)
+    state._synchronize()  # the warm-up's work is not the commit's
+    commit_start = time.perf_counter()
+    state.commit(fit)
+    commit_ms = (time.perf_counter() - commit_start) * 1e3
+    state.final_sectors = state.committed_sectors
+    _hand_to_pool(cache, state.final_sectors)
+    report = ExtendReport(
+        blocks_before=state.blocks(before[0]),
+        blocks_after=state.blocks(state.final_sectors),
+        capacity_blocks=state.blocks(state.capacity_sectors),
+        fit_blocks=state.blocks(max(fit, 0)),
+        bytes_before=before[1],
+        bytes_after=tensor.physical_bytes,
+        handles_before=before[2],
+        handles_after=tensor.num_handles,
+        commit_ms=commit_ms,
+        total_ms=(time.perf_counter() - start) * 1e3,
+        budget_bytes=budget.budget_bytes,
+        margin_bytes=budget.margin_bytes,
+        free_bytes=None if source == "given" else budget.free_now_bytes,
+        non_kv_used_bytes=budget.non_kv_used_bytes,
+        budget_source=source,
+        legacy=False,
+    )
+    state.report = report
+    flow._log(report)
+    return report
+
+
+def _footprint(state: _State) -> sizing.CacheFootprint:
+    """The tensor as `sizing` sees it, in sectors with the trash counted (one segment)."""
+    buffer = sizing.BufferFootprint((0,), state.bytes_per_sector, state.tensor.granularity)
+    return sizing.CacheFootprint(
+        (buffer,),
+        TRASH_SECTORS + state.capacity_sectors,
+        TRASH_SECTORS + state.committed_sectors,
+    )
+
+
+def _hand_to_pool(cache: Any, sectors: int) -> None:
+    """The pool holds `sectors` data sectors, handed out in transformers' own order. Only
+    called with no request holding blocks (after warm-up's reset, or release's)."""
+    pool = cache.pool
+    pool.lowest_first = False
+    _set_num_sectors(cache, sectors)
+    pool.reset()
+
+
+def _busy_requests(cache: Any) -> list[str]:
+    return sorted({rid for a in cache.cache_allocators.values() for rid in a.block_table})
+
+
+def release(manager: Any, cache: Any, keep_blocks: int) -> None:
+    """See `extensible_kv.transformers.release`."""
+    state = _state(cache)
+    if isinstance(keep_blocks, bool) or not isinstance(keep_blocks, int):
+        raise TypeError(f"keep_blocks must be an int, not {type(keep_blocks).__name__}")
+    if keep_blocks < 0:
+        raise ValueError(f"keep_blocks {keep_blocks} must be non-negative")
+    if state.final_sectors is None:
+        raise RuntimeError(
+            "the KV cache is not sized yet: release it after the manager's warm-up or start"
+        )
+    if state.released:
+        raise RuntimeError("the KV cache is already released: call resume(manager) first")
+    keep = min(
+        math.ceil(keep_blocks * state.bytes_per_block / state.bytes_per_sector), state.final_sectors
+    )
+    pause = _enter_pause(manager)
+    try:
+        busy = _busy_requests(cache)
+        if busy:
+            raise RuntimeError(
+                f"{len(busy)} requests hold KV blocks ({', '.join(busy[:3])}...): release the "
+                "cache once they are finished"
+            )
+        flow._refuse_while_capturing(state.device, "release")
+        cache.reset()  # every block free, the prefix cache forgotten: the contents are gone
+        state._synchronize()
+        # exact: the handle that straddles the frontier is cut too, so what stays is the
+        # granule-rounded footprint of the trash and the kept sectors.
+        state.tensor.shrink_((TRASH_SECTORS + keep) * state.bytes_per_sector, exact=True)
+        state.committed_sectors = keep
+        state._synchronize()
+        _hand_to_pool(cache, keep)
+    except BaseException:
+        _exit_pause(pause)
+        raise
+    state.released, state.pause = True, pause
+    logger.info(
+        "Released KV cache: %d blocks kept (%.2f GiB)",
+        state.blocks(keep),
+        state.tensor.physical_bytes / GIB,
+    )
+
+
+def resume(cache: Any) -> None:
+    """See `extensible_kv.transformers.resume`."""
+    state = _state(cache)
+    if not state.released or state.final_sectors is None:
+        raise RuntimeError("the KV cache is not released: nothing to resume")
+    state.commit(state.final_sectors)  # all or nothing: on OutOfMemoryError it stays released
+    _hand_to_pool(cache, state.final_sectors)
+    pause, state.released, state.pause = state.pause, False, None
+    _exit_pause(pause)
+    logger.info(
+        "Resumed KV cache at %d blocks (%.2f GiB)",
+        state.blocks(state.final_sectors),
+        state.tensor.physical_bytes / GIB,
+    )
+
+
+def _enter_pause(manager: Any) -> Any:
+    """transformers' own pause of a running manager's loop (entered), or None when no loop
+    runs: then no step can touch the cache meanwhile anyway."""
+    if not manager.is_running():
+        return None
+    pause = manager.pause()
+    pause.__enter__()
+    return pause
+
+
+def _exit_pause(pause: Any) -> None:
+    if pause is not None:
+        pause.__exit__(None, None, None)

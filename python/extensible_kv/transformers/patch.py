@@ -1,0 +1,300 @@
+"""The seam into transformers' continuous batching, and the public functions.
+
+`enable` binds, after checking the version:
+
+- `ExtensiblePagedAttentionCache` where transformers' modules bound `PagedAttentionCache` by
+  name (`continuous_api`, whose `ContinuousBatchingManager._create_batch_processor` builds the
+  cache, and the other modules of `continuous_batching` that imported it);
+- a `PagedAttentionMemoryHandler` subclass in `continuous_batching.cache`, which behaves as
+  transformers' own except while our cache is built (see `cache`);
+- `ContinuousBatchingManager.warmup` and `._create_batch_processor` wrappers: the cache is
+  extended right after the manager's warm-up (graphs captured), or right after the batch
+  processor is built when no warm-up runs (the generation loop builds it itself).
+
+`disable` puts every original object back where it was; nothing of transformers' code changes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from extensible_kv import _torch
+from extensible_kv._native import UnsupportedError
+from extensible_kv.flow import ExtendReport
+from extensible_kv.transformers import cache as _cache
+
+__all__ = [
+    "SUPPORTED",
+    "current_options",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
+    "last_report",
+    "release",
+    "resume",
+]
+
+# The flat cache tensor with its trash sectors first arrived in 5.18; 5.24 is the newest that
+# installs here (5.25 needs a `kernels` release the registry does not serve). Tested on both ends.
+MIN_VERSION = (5, 18)
+MAX_VERSION = (5, 24)
+SUPPORTED = ">=5.18,<5.25"
+_PACKAGE = "transformers.generation.continuous_batching"
+_CACHE_MODULE = f"{_PACKAGE}.cache"
+_API_MODULE = f"{_PACKAGE}.continuous_api"
+_POOL_MODULE = f"{_PACKAGE}.cache_allocators.cache_pool"
+# The methods the seam calls or wraps, by class: checked before anything is patched.
+_REQUIRED = {
+    "PagedAttentionCache": ("reset", "free_all_requests"),
+    "PagedAttentionMemoryHandler": (
+        "infer_max_batch_tokens_and_num_sectors",
+        "_check_footprint",
+        "num_sectors_from_config",
+        "bytes_per_batch_token",
+        "bytes_per_cache_token",
+    ),
+    "ContinuousBatchingManager": ("warmup", "_create_batch_processor", "pause", "is_running"),
+    "CachePool": ("reset", "allocate_sector"),
+}
+_HOMES = {
+    "PagedAttentionCache": _CACHE_MODULE,
+    "PagedAttentionMemoryHandler": _CACHE_MODULE,
+    "ContinuousBatchingManager": _API_MODULE,
+    "CachePool": _POOL_MODULE,
+}
+
+_state: dict[str, Any] = {"options": None, "report": None}
+# (object, attribute) -> transformers' object, for `disable`.
+_originals: dict[tuple[Any, str], Any] = {}
+# Set while the manager's own warm-up runs: the batch processor it builds is extended after.
+_IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("ekv_in_warmup", default=False)
+
+
+def current_options() -> _cache.Options | None:
+    options: _cache.Options | None = _state["options"]
+    return options
+
+
+def is_enabled() -> bool:
+    return bool(_originals)
+
+
+def last_report() -> ExtendReport | None:
+    """The last extension's `ExtendReport` (blocks in transformers' whole-model blocks), or None."""
+    report: ExtendReport | None = _state["report"]
+    return report
+
+
+def _version_tuple(version: str) -> tuple[int, ...] | None:
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ModuleNotFoundError:  # transformers depends on packaging: only a broken install
+        return None
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return None
+
+
+def _check_version() -> dict[str, Any]:
+    """transformers' modules the seam touches, or `UnsupportedError` naming the range."""
+    try:
+        import transformers
+    except ModuleNotFoundError as error:
+        if error.name != "transformers":
+            raise
+        raise ModuleNotFoundError(
+            f"extensible_kv.transformers needs transformers {SUPPORTED}, which is not installed: "
+            f"pip install 'transformers{SUPPORTED}'",
+            name="transformers",
+        ) from None
+    version = str(getattr(transformers, "__version__", "unknown"))
+    release = _version_tuple(version)
+    if release is None or not MIN_VERSION <= release[:2] <= MAX_VERSION:
+        raise UnsupportedError(
+            f"extensible_kv.transformers supports transformers {SUPPORTED} (5.18.0 to 5.24.x); "
+            f"found {version}: install a supported version, or leave the extensible cache off"
+        )
+    found = {
+        name: getattr(importlib.import_module(home), name, None) for name, home in _HOMES.items()
+    }
+    missing = [
+        f"{name}.{method}" if cls is not None else name
+        for name, cls in found.items()
+        for method in (_REQUIRED[name] if cls is not None else ("",))
+        if cls is None or not hasattr(cls, method)
+    ]
+    api = sys.modules[_API_MODULE]
+    bound = getattr(api, "PagedAttentionCache", None)
+    if bound is not found["PagedAttentionCache"] and not (is_enabled() and bound in _installed()):
+        missing.append("continuous_api.PagedAttentionCache (the name the manager builds)")
+    if missing:
+        raise UnsupportedError(
+            f"transformers {version} lacks what extensible_kv.transformers relies on "
+            f"({', '.join(missing)}); supported: {SUPPORTED}"
+        )
+    return found
+
+
+def enable(
+    *,
+    budget_bytes: int | None = None,
+    host_meminfo: bool = False,
+    margin_bytes: int | None = None,
+    granularity: int | None = None,
+) -> None:
+    """Every continuous-batching manager transformers creates from now on gets an extensible
+    KV cache, sized after its warm-up (see `extensible_kv.transformers`). Calling it again
+    replaces the options. `UnsupportedError` (nothing patched) on an unsupported transformers.
+
+    `budget_bytes`: the bytes the cache may still commit after warm-up (skips the measurement;
+    required on the host backend unless `host_meminfo=True` measures `/proc/meminfo`).
+    `margin_bytes`: instead of the flow's `max(1 GiB, 0.75 * transient peak)`.
+    `granularity`: the reservation's granule (the device's by default).
+    """
+    _torch.require("extensible_kv.transformers")
+    options = _cache.Options(budget_bytes, host_meminfo, margin_bytes, granularity)
+    found = _check_version()
+    if not _originals:
+        _install(found)
+    _state["options"] = options
+
+
+def _install(found: dict[str, Any]) -> None:
+    classes = _cache.build_classes(
+        found["PagedAttentionCache"], found["PagedAttentionMemoryHandler"], found["CachePool"]
+    )
+    original_cache = found["PagedAttentionCache"]
+    manager = found["ContinuousBatchingManager"]
+    _set(sys.modules[_CACHE_MODULE], "PagedAttentionMemoryHandler", classes.handler)
+    # The class's own module keeps it (our subclass's base; later imports bind the original,
+    # and only `continuous_api` builds caches).
+    for name, module in list(sys.modules.items()):
+        if (
+            name.startswith(_PACKAGE)
+            and name != _CACHE_MODULE
+            and vars(module).get("PagedAttentionCache") is original_cache
+        ):
+            _set(module, "PagedAttentionCache", classes.cache)
+    _set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
+    create = vars(manager)["_create_batch_processor"]
+    _set(manager, "_create_batch_processor", _wrap_create(create))
+
+
+def _installed() -> list[Any]:
+    """What `enable` bound, in place now."""
+    return [getattr(target, name) for target, name in _originals]
+
+
+def _set(target: Any, name: str, value: Any) -> None:
+    _originals[(target, name)] = vars(target)[name]
+    setattr(target, name, value)
+
+
+def disable() -> None:
+    """Puts back every object `enable` replaced (each the very object it was); managers
+    created meanwhile keep their extensible caches until they are destroyed."""
+    for (target, name), original in list(_originals.items()):
+        setattr(target, name, original)
+        del _originals[(target, name)]
+    _state["options"] = None
+
+
+@contextmanager
+def enabled(**options: Any) -> Iterator[None]:
+    """`enable(**options)` for the block, then the state before it (disabled, or enabled with
+    the options it had)."""
+    was_enabled, previous = is_enabled(), current_options()
+    enable(**options)
+    try:
+        yield
+    finally:
+        if was_enabled and previous is not None:
+            _state["options"] = previous
+        else:
+            disable()
+
+
+# ---------------------------------------------------------------------------------------------
+# the hooks
+
+
+def _wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def warmup(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = getattr(self.model, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            # The margin's transient peak is what the warm-up allocates beyond what it keeps.
+            torch.cuda.reset_peak_memory_stats(device)
+        token = _IN_WARMUP.set(True)
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            _IN_WARMUP.reset(token)
+        _extend(self, self.batch_processor, after_warmup=True)
+        return result
+
+    return warmup
+
+
+def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_batch_processor(self: Any, *args: Any, **kwargs: Any) -> Any:
+        batch_processor = original(self, *args, **kwargs)
+        if not _IN_WARMUP.get():
+            _extend(self, batch_processor, after_warmup=False)
+        return batch_processor
+
+    return create_batch_processor
+
+
+def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
+    cache: Any = getattr(batch_processor, "cache", None)
+    if not isinstance(getattr(cache, "_ekv", None), _cache._State):
+        return  # built before enable(): transformers' own cache
+    ran_forward = after_warmup and bool(getattr(batch_processor.model_runner, "pad_inputs", True))
+    peak = None if ran_forward else _cache.modelled_transient_peak_bytes(cache)
+    report = _cache.extend(cache, transient_peak_bytes=peak)
+    if report is not None:
+        _state["report"] = report
+        # transformers memoizes the block count for the next cache it builds (after a stop):
+        # the final size, which then caps that cache and sizes its buffers.
+        manager.continuous_batching_config.num_blocks = cache.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# release / resume
+
+
+def _cache_of(manager: Any) -> Any:
+    batch_processor = getattr(manager, "batch_processor", None)
+    if batch_processor is None:
+        raise ValueError(
+            "this manager has no batch processor yet: warm it up (manager.warmup()) or start it"
+        )
+    return batch_processor.cache
+
+
+def release(manager: Any, keep_blocks: int = 0) -> None:
+    """Gives the KV cache's memory back while `manager`, its graphs and its buffers live: the
+    loop is paused (transformers' `manager.pause()`, held until `resume`), every block is freed
+    and the prefix cache cleared (the contents are gone, as after a weight update), and the
+    memory past the trash sectors and the first `keep_blocks` blocks is unmapped. Call it when
+    no request is in flight (`RuntimeError` otherwise), and `resume` from the same thread."""
+    _cache.release(manager, _cache_of(manager), keep_blocks)
+
+
+def resume(manager: Any) -> None:
+    """Recommits the released memory at the same addresses (zeroed; the graphs stay valid),
+    gives every block back to the pool and ends the pause. On `OutOfMemoryError` the cache stays
+    released and the loop paused: free memory and call it again."""
+    _cache.resume(_cache_of(manager))

@@ -1,0 +1,469 @@
+"""transformers' continuous batching on extensible-kv (`extensible_kv.transformers`).
+
+transformers' own model code runs: Llama-, Qwen3- and sliding-window-shaped (Qwen2 with
+`sliding_attention` layers, transformers' `SlidingAttentionCacheAllocator`) models built from
+configs with seeded random weights, `sdpa` and `eager` (continuous batching runs them as its
+paged forms). Greedy `generate_batch` gives the same tokens with the extensible cache as with
+transformers' own; release / resume keeps them; `disable()` leaves transformers as it was; an
+unsupported version is refused. On CPU the warm-up runs no forward pass (no graphs): the
+`padded` runs force transformers' padded warm-up, the CPU stand-in for CUDA graphs, so the
+lowest-first commit during warm-up is exercised too. The `cuda` params run the same bodies
+with `use_cuda_graph=True`.
+
+Skipped, with the reason, where transformers >=5.18,<5.25 is absent; CI sets
+EKV_REQUIRE_TRANSFORMERS=1, which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import extensible_kv
+import pytest
+from extensible_kv import UnsupportedError
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.transformers
+
+PAGE = 16
+MAX_NEW_TOKENS = 10
+NUM_BLOCKS = 48  # the cap in the ContinuousBatchingConfig, for both caches
+PROMPT_LENGTHS = (5, 17, 33, 9, 40)
+CUDA_REASON = extensible_kv.vmm_unavailable_reason("cuda:0")
+
+
+def _transformers_reason() -> str | None:
+    try:
+        import transformers
+    except ImportError as error:
+        return f"transformers is not installed ({error}); scripts/setup installs it"
+    from extensible_kv.transformers import SUPPORTED, patch
+
+    release = patch._version_tuple(transformers.__version__)
+    if release is None or not patch.MIN_VERSION <= release[:2] <= patch.MAX_VERSION:
+        return f"transformers {transformers.__version__} is installed; these tests need {SUPPORTED}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def tf() -> Any:
+    """transformers, supported by extensible_kv.transformers; a skip (a failure where
+    EKV_REQUIRE_TRANSFORMERS is set) otherwise."""
+    reason = _transformers_reason()
+    if reason is not None:
+        if os.environ.get("EKV_REQUIRE_TRANSFORMERS", "") not in ("", "0"):
+            pytest.fail(f"EKV_REQUIRE_TRANSFORMERS is set, but {reason}")
+        pytest.skip(reason)
+    import transformers
+
+    return transformers
+
+
+@pytest.fixture(autouse=True)
+def _disabled_after() -> Iterator[None]:
+    yield
+    from extensible_kv import transformers as ekt
+
+    ekt.disable()
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(CUDA_REASON is not None, reason=CUDA_REASON or ""),
+        ],
+    ),
+]
+KINDS = ["llama", "qwen3", "sliding"]
+ATTENTIONS = ["sdpa", "eager"]
+
+
+def build_model(tf: Any, kind: str, attention: str, device: str) -> Any:
+    """A tiny model of `kind` from its config, random weights seeded the same every time."""
+    common: dict[str, Any] = {
+        "vocab_size": 160,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+    }
+    if kind == "llama":
+        config = tf.LlamaConfig(num_hidden_layers=2, **common)
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(num_hidden_layers=2, head_dim=16, **common)
+    else:
+        config = tf.Qwen2Config(
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            use_sliding_window=True,
+            sliding_window=24,  # shorter than the longest request: the window slides
+            **common,
+        )
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+    return model.to(device).eval()
+
+
+def warmup_reads_whole_cache(tf: Any) -> bool:
+    """Before 5.21 the padded warm-up's prefill request had the whole cache as its past (5.21
+    caps it at one page)."""
+    from extensible_kv.transformers import patch
+
+    release = patch._version_tuple(sys.modules["transformers"].__version__)
+    return release is not None and release[:2] < (5, 21)
+
+
+def cb_config(tf: Any, device: str) -> Any:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    options: dict[str, Any] = {}
+    if "auto_switch_to_flash" in inspect.signature(ContinuousBatchingConfig).parameters:
+        # 5.19+; 5.18 switches to flash only where its kernels are installed (never here)
+        options["auto_switch_to_flash"] = False
+    return ContinuousBatchingConfig(
+        num_blocks=NUM_BLOCKS,
+        max_batch_tokens=64,
+        page_size=PAGE,
+        use_cuda_graph=device == "cuda",
+        **options,
+    )
+
+
+def gen_config(tf: Any) -> Any:
+    return tf.GenerationConfig(
+        max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+
+
+def prompts(vocab_size: int = 160) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(1, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS
+    ]
+
+
+def generate(tf: Any, model: Any, device: str) -> list[list[int]]:
+    outputs = model.generate_batch(
+        prompts(),
+        generation_config=gen_config(tf),
+        continuous_batching_config=cb_config(tf, device),
+    )
+    assert len(outputs) == len(PROMPT_LENGTHS)
+    tokens = [output.generated_tokens for output in outputs.values()]
+    assert all(len(t) == MAX_NEW_TOKENS for t in tokens)
+    return tokens
+
+
+def enable_options(device: str) -> dict[str, Any]:
+    """The host backend has no free-memory figure: a budget (in small granules) stands in."""
+    return {"budget_bytes": 1 << 24, "granularity": 4096} if device == "cpu" else {}
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "padded"])
+def padded(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tf: Any) -> bool:
+    """`padded`: transformers' padded warm-up runs on CPU too (its CUDA-graph path without the
+    graphs), for both caches."""
+    if request.param:
+        module = importlib.import_module("transformers.generation.continuous_batching.model_runner")
+        init = module.ModelRunner.__init__
+
+        def padded_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.pad_inputs = True
+
+        monkeypatch.setattr(module.ModelRunner, "__init__", padded_init)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_tokens_and_more_blocks(
+    tf: Any,
+    kind: str,
+    attention: str,
+    device: str,
+    padded: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from extensible_kv import transformers as ekt
+
+    if padded and device == "cuda":
+        pytest.skip("on cuda the warm-up is padded by use_cuda_graph=True already")
+    model = build_model(tf, kind, attention, device)
+    own = generate(tf, model, device)
+    with (
+        caplog.at_level(logging.INFO, logger="extensible_kv"),
+        ekt.enabled(**enable_options(device)),
+    ):
+        extensible = generate(tf, model, device)
+    assert extensible == own
+    report = ekt.last_report()
+    assert report is not None
+    assert report.blocks_after <= NUM_BLOCKS
+    if not (padded or device == "cuda"):
+        assert report.blocks_before == 0 < report.blocks_after  # no warm-up request ran
+    elif warmup_reads_whole_cache(tf):
+        # 5.18 to 5.20 warm up with one request over transformers' whole size (here the cap)
+        assert report.blocks_before == report.blocks_after == NUM_BLOCKS
+    else:
+        # 5.21+: the warm-up committed what its requests touched, not transformers' own size
+        assert 0 < report.blocks_before < report.blocks_after
+        assert report.bytes_before < report.bytes_after
+    lines = [r.getMessage() for r in caplog.records if r.name == "extensible_kv"]
+    assert (
+        f"Extended KV cache to {report.blocks_after} blocks ({report.gib_after:.2f} GiB)" in lines
+    )
+
+
+def test_budget_limits_the_extension(tf: Any) -> None:
+    """On the host the budget is what the cache may commit after warm-up: the extension takes
+    the most sectors whose granule-rounded footprint fits, below the cap."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    budget = 12 * 8192 + 100  # a sector of this model is one 8 KiB block
+    with ekt.enabled(budget_bytes=budget, granularity=4096):
+        assert generate(tf, model, "cpu") == own
+    report = ekt.last_report()
+    assert report is not None
+    assert report.budget_source == "given" and report.budget_bytes == budget
+    assert report.blocks_after == report.fit_blocks == 12 < report.capacity_blocks == NUM_BLOCKS
+    assert report.committed_bytes <= budget < report.committed_bytes + 8192
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_release_resume_same_tokens(tf: Any, kind: str, attention: str, device: str) -> None:
+    """release / resume on the manager `continuous_batching_context_manager` yields, running:
+    the memory goes and comes back at the same addresses, the tokens stay the same."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, kind, attention, device)
+    own = generate(tf, model, device)
+    with (
+        ekt.enabled(**enable_options(device)),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, device)
+        ) as manager,
+    ):
+        assert run(manager) == own
+        cache = manager.batch_processor.cache
+        state = cache._ekv
+        address, full_bytes, num_blocks = (
+            cache.cache_tensor.data_ptr(),
+            state.tensor.physical_bytes,
+            cache.num_blocks,
+        )
+        ekt.release(manager)
+        assert state.tensor.physical_bytes < full_bytes
+        assert cache.pool.num_free_sectors == 0
+        ekt.resume(manager)
+        assert cache.cache_tensor.data_ptr() == address
+        assert (state.tensor.physical_bytes, cache.num_blocks) == (full_bytes, num_blocks)
+        assert run(manager) == own
+        ekt.release(manager, keep_blocks=3)
+        assert cache.pool.num_free_sectors * cache.bytes_per_sector >= 3 * full_block_bytes(cache)
+        ekt.resume(manager)
+        assert run(manager) == own
+
+
+def full_block_bytes(cache: Any) -> int:
+    return int(cache._ekv.bytes_per_block)
+
+
+def run(manager: Any) -> list[list[int]]:
+    """The prompts through a running manager, in order."""
+    ids = manager.add_requests(prompts(), max_new_tokens=MAX_NEW_TOKENS)
+    results: dict[str, list[int]] = {}
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=30)
+        assert result is not None, "the manager returned nothing in 30 s"
+        if result.is_finished():
+            results[result.request_id] = result.generated_tokens
+    return [results[i] for i in ids]
+
+
+def test_release_refuses_what_it_cannot_do(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own_tokens = generate(tf, model, "cpu")
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+    ) as own:
+        with pytest.raises(ValueError, match="not extensible"):
+            ekt.release(own)
+    with (
+        ekt.enabled(**enable_options("cpu")),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        with pytest.raises(RuntimeError, match="not released"):
+            ekt.resume(manager)
+        with pytest.raises(ValueError, match="keep_blocks"):
+            ekt.release(manager, keep_blocks=-1)
+        with pytest.raises(TypeError, match="keep_blocks"):
+            ekt.release(manager, keep_blocks=1.5)  # type: ignore[arg-type]
+        ekt.release(manager)
+        with pytest.raises(RuntimeError, match="already released"):
+            ekt.release(manager)
+        ekt.resume(manager)
+        assert run(manager) == own_tokens
+
+
+def bindings(tf: Any) -> dict[tuple[str, str], Any]:
+    """Every object `enable` may replace, by (module or class, name)."""
+    import transformers.generation.continuous_batching.continuous_api as api
+
+    found: dict[tuple[str, str], Any] = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers.generation.continuous_batching"):
+            for attr in ("PagedAttentionCache", "PagedAttentionMemoryHandler"):
+                if attr in vars(module):
+                    found[(name, attr)] = vars(module)[attr]
+    for attr in ("warmup", "_create_batch_processor", "pause"):
+        found[("ContinuousBatchingManager", attr)] = vars(api.ContinuousBatchingManager)[attr]
+    return found
+
+
+def test_disable_restores_every_binding(tf: Any) -> None:
+    import transformers.generation.continuous_batching.cache as cache_module
+    import transformers.generation.continuous_batching.continuous_api as api
+    from extensible_kv import transformers as ekt
+
+    before = bindings(tf)
+    original = cache_module.PagedAttentionCache
+    ekt.enable(budget_bytes=1 << 20)
+    assert ekt.is_enabled()
+    assert api.PagedAttentionCache is not original
+    assert issubclass(api.PagedAttentionCache, original)
+    assert cache_module.PagedAttentionCache is original  # the class's home keeps it
+    changed = {key for key, value in bindings(tf).items() if value is not before[key]}
+    assert (
+        "transformers.generation.continuous_batching.continuous_api",
+        "PagedAttentionCache",
+    ) in changed
+    assert ("ContinuousBatchingManager", "warmup") in changed
+    ekt.enable(budget_bytes=2 << 20)  # again: new options, the same patches
+    assert {k for k, v in bindings(tf).items() if v is not before[k]} == changed
+    ekt.disable()
+    assert not ekt.is_enabled()
+    after = bindings(tf)
+    assert after.keys() == before.keys()
+    assert all(after[key] is before[key] for key in before)
+    with ekt.enabled(budget_bytes=1 << 20):
+        assert api.PagedAttentionCache is not original
+    assert all(bindings(tf)[key] is before[key] for key in before)
+
+
+def test_disabled_managers_get_transformers_cache(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        pass
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+    ) as manager:
+        cache = manager.batch_processor.cache
+        import transformers.generation.continuous_batching.cache as cache_module
+
+        assert type(cache) is cache_module.PagedAttentionCache
+        assert not hasattr(cache, "_ekv")
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.25.0", "4.57.6", "6.0.0", "not-a-version"])
+def test_unsupported_version_is_refused(
+    tf: Any, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    from extensible_kv import transformers as ekt
+
+    before = bindings(tf)
+    # Building a model can replace sys.modules["transformers"] (transformers' lazy module):
+    # patch the one `import transformers` finds now.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    with pytest.raises(UnsupportedError, match=r"transformers >=5\.18,<5\.25") as error:
+        ekt.enable(budget_bytes=1 << 20)
+    assert version in str(error.value)
+    assert not ekt.is_enabled()
+    assert all(bindings(tf)[key] is value for key, value in before.items())
+
+
+def test_options_are_checked_before_anything_changes(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    with pytest.raises(ValueError, match="budget_bytes"):
+        ekt.enable(budget_bytes=-1)
+    with pytest.raises(TypeError, match="granularity"):
+        ekt.enable(granularity="4k")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ekt.enable(budget=1)  # type: ignore[call-arg]
+    assert not ekt.is_enabled()
+
+
+def test_host_backend_needs_a_budget(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    with ekt.enabled(), pytest.raises(ValueError, match="budget_bytes"):
+        model.generate_batch(
+            prompts(),
+            generation_config=gen_config(tf),
+            continuous_batching_config=cb_config(tf, "cpu"),
+        )
+
+
+def test_readme_example_runs(tf: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's "Use with transformers" block, on the CPU (where `enable` needs a budget)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Use with transformers", 1)[1]
+    (block,) = re.findall(r"```py\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
+    assert "ekt.enable()" in block
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    namespace = {
+        "model": model,
+        "prompts": prompts(),
+        "gen": gen_config(tf),
+        "cb": cb_config(tf, "cpu"),
+    }
+    exec(block.replace("ekt.enable()", "ekt.enable(budget_bytes=1 << 24)"), namespace)
+    assert len(namespace["outputs"]) == len(PROMPT_LENGTHS)
+    assert "ExtendReport(blocks_before=0, blocks_after=" in capsys.readouterr().out
+
+
+def test_without_warmup_the_generation_loop_extends(tf: Any) -> None:
+    """`warmup=False`: the generation loop builds the batch processor itself, and the cache is
+    extended there, before the first step."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "qwen3", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        outputs = model.generate_batch(
+            prompts(),
+            generation_config=gen_config(tf),
+            continuous_batching_config=cb_config(tf, "cpu"),
+            warmup=False,
+        )
+    assert [o.generated_tokens for o in outputs.values()] == own
+    report = ekt.last_report()
+    assert report is not None and report.blocks_before == 0 < report.blocks_after
