@@ -185,7 +185,8 @@ def test_report_is_frozen(flow: KVCacheFlow) -> None:
 
 
 def test_readme_flow_example_runs() -> None:
-    (example,) = re.findall(r"```py\n(.*?)```", README.read_text(), flags=re.S)
+    section = README.read_text().split("\n## The flow\n", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
     namespace: dict[str, object] = {}
     exec(compile(example, "README.md", "exec"), namespace)
     report = namespace["report"]
