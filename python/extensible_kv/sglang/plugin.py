@@ -257,7 +257,10 @@ def _restore(target: str, hook: Any) -> None:
         return
     setattr(parent, name, original)
     for module in list(sys.modules.values()):
-        if isinstance(module, types.ModuleType) and module is not parent:
-            for attr, value in list(vars(module).items()):
-                if value is current:
-                    setattr(module, attr, original)
+        if not isinstance(module, types.ModuleType) or module is parent:
+            continue
+        if module.__name__.split(".")[0] == "extensible_kv":
+            continue  # our own names for our objects, not copies the registry made
+        for attr, value in list(vars(module).items()):
+            if value is current:
+                setattr(module, attr, original)
