@@ -9,14 +9,17 @@
    - `sglang0523-py.zip`: the 0.5.23 wheel's Python files (no `srt/rust_extensions/*.so`, no
      `multimodal_gen`), extracted once per machine into a temp dir first on `sys.path`;
    - `sglang0523-wheels/*.whl`: the light packages its modules import, for the device's
-     Python, extracted beside it and next on `sys.path`.
+     Python, extracted beside it and put LAST on `sys.path`: they fill gaps, and never shadow
+     what the machine has (its torch's own `cuda-bindings`, say).
+   - where absent, `torchvision` and `PIL` (imported at module level, never called here) become
+     stubs.
 
 On CUDA, SGLang's modules import `sgl_kernel` (its compiled kernels) under a module-level
 `if _is_cuda:`; the pool code under test never calls them (the tests write K/V through plain
-tensor ops, never `set_kv_buffer`), so where `sgl_kernel` is absent it becomes a stub whose
-attributes raise only when called. On import, off CUDA, SGLang's AWQ and GGUF modules warn that
-only CUDA (and others) support them: those warnings are ignored, by their text and module,
-during the import only.
+tensor ops, never `set_kv_buffer`), so where `sgl_kernel` is absent it becomes a stub. A stub's
+attributes chain (`scalar_types.uint4b8`) and raise only when called. On import, off CUDA,
+SGLang's AWQ and GGUF modules warn that only CUDA (and others) support them: those warnings are
+ignored, by their text and module, during the import only.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ MODULES = (
     "sglang.srt.utils.torch_memory_saver_adapter",
 )
 KERNEL_PACKAGES = {"sgl_kernel"}
+# Imported at module level by SGLang's multimodal and config code, never called by the code under
+# test: stubbed where absent (binary wheels that must match the machine's torch, or big).
+STUBBED = ("torchvision", "PIL")
 
 _state: dict[str, Any] = {}
 
@@ -108,11 +114,14 @@ class _KernelModule(types.ModuleType):
         return _Kernel(f"{self.__name__}.{name}")
 
 
-class _KernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: set[str]) -> None:
+        self.packages = packages
+
     def find_spec(
         self, fullname: str, path: Any = None, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] not in KERNEL_PACKAGES:
+        if fullname.split(".")[0] not in self.packages:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
@@ -124,13 +133,15 @@ class _KernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__version__ = "0+stub"
 
 
-def _stub_kernels_on_cuda() -> None:
+def _stub_what_is_absent() -> None:
     import torch
 
-    if not torch.cuda.is_available() or importlib.util.find_spec("sgl_kernel") is not None:
-        return
-    sys.meta_path.append(_KernelFinder())
-    _state["stubbed"] = sorted(KERNEL_PACKAGES)
+    absent = {name for name in STUBBED if importlib.util.find_spec(name) is None}
+    if torch.cuda.is_available():
+        absent |= {name for name in KERNEL_PACKAGES if importlib.util.find_spec(name) is None}
+    if absent:
+        sys.meta_path.append(_StubFinder(absent))
+    _state["stubbed"] = sorted(absent)
 
 
 def load() -> str | None:
@@ -144,14 +155,16 @@ def load() -> str | None:
         elif SGLANG_ZIP.exists():
             _state["source"] = f"vendored ({SGLANG_ZIP})"
             code, site = _extract()
-            sys.path[:0] = [str(code), str(site)]
+            # The machine's own packages win over the vendored wheels, which fill gaps only.
+            sys.path.insert(0, str(code))
+            sys.path.append(str(site))
         else:
             reason = (
                 f"SGLang {SGLANG_VERSION} is not installed (scripts/setup installs it) and "
                 f"{SGLANG_ZIP} is absent (scripts/vendor-sglang makes it)"
             )
         if reason is None:
-            _stub_kernels_on_cuda()
+            _stub_what_is_absent()
             import sglang
 
             if sglang.__version__ != SGLANG_VERSION:
