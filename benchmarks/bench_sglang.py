@@ -1,0 +1,223 @@
+"""SGLang 0.5.23's own post-capture KV arena (`kv_vmm_backing.KvVmmBufferOwner`) against
+extensible-kv's owner (`extensible_kv.sglang.KvVmmBufferOwner`), side by side in one process.
+
+    python3 benchmarks/bench_sglang.py --out DIR [--quick] [--reps 2] [--pause 3] [--gib 120]
+
+Shapes (the buffers `MHATokenToKVPool` describes with post-capture active: K then V per layer,
+rows of one token, bf16): `8b` (32 layers, 8 KV heads of 128) and `70b_tp8` (80 layers, one KV
+head of 128 per rank). The reservation is the device's total memory (SGLang's VA upper bound).
+Per shape, repetition and contender -- SGLang's class, ours like for like (no zeroing, as
+SGLang's arena), ours zeroing -- the steps, each timed with `time.perf_counter()` around the
+call and a `torch.cuda.synchronize()`:
+  construct   the owner: reserve, place the buffers, back one page (slot 0). SGLang's first
+              construct in the process also compiles its bump allocator (`load_inline`): that
+              one is reported apart as `first_construct`, and never counted in `construct`;
+  warmup      `ensure_prefix(4096)`: what capture and warm-up touch;
+  finalize    `finalize(n)` for n tokens of about `--gib` GiB (less when the free memory, less a
+              2 GiB margin, is smaller), after a pause (the driver scrubs memory freed earlier);
+  release, resume   ours only: give every byte back, then recommit at the same addresses
+              (SGLang's arena cannot; torch_memory_saver paused 64 GiB in 24.6 ms and resumed
+              in 2.5 ms on the H200, docs/design.md);
+  close       `close()`.
+Medians over the repetitions; markdown tables on stdout, DIR/bench_sglang.json. SGLang comes
+installed or from `.vendor` (tests/sglang_env.py: `scripts/vendor-sglang`).
+
+`--device cpu` runs ours alone on the host backend with small shapes: a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import sglang_env  # noqa: E402  (after the path: it lives with the tests)
+
+GIB = 1 << 30
+MARGIN = 2 * GIB
+PAGE = 1
+WARMUP_TOKENS = 4096
+# name -> (layers, KV heads per rank, head size)
+SHAPES = {"8b": (32, 8, 128), "70b_tp8": (80, 1, 128)}
+STEPS = ("construct", "warmup", "finalize", "release", "resume", "close")
+LABELS = {
+    "sglang": "SGLang 0.5.23 arena",
+    "ours": "ours (no zeroing, like for like)",
+    "ours_zero": "ours (zeroing)",
+}
+
+torch: Any = None
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def descs(layers: int, heads: int, head_dim: int, tokens: int) -> list[Any]:
+    """`MHATokenToKVPool._build_kv_buffer_descs` for the NHD layout: k0..k{L-1}, v0..v{L-1}."""
+    from sglang.srt.mem_cache.memory_pool import KvBufferDesc
+
+    shape = (tokens + PAGE, heads, head_dim)
+    row_bytes = heads * head_dim * 2
+    return [
+        KvBufferDesc(f"{kind}{i}", shape, row_bytes=row_bytes, tokens_per_row=1)
+        for kind in ("k", "v")
+        for i in range(layers)
+    ]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Any) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -> dict[str, Any]:
+    layers, heads, head_dim = SHAPES[shape]
+    per_token = 2 * layers * heads * head_dim * 2
+    total = torch.cuda.mem_get_info()[1] if args.device != "cpu" else args.gib * GIB * 2
+    reserved = total // per_token
+    kwargs = {"zero_new": zero} if zero is not None else {}
+    times: dict[str, Any] = {}
+    made: list[Any] = []
+
+    def construct() -> None:
+        made.append(
+            cls(
+                device=args.device,
+                device_id=0,
+                store_dtype=torch.bfloat16,
+                page_size=PAGE,
+                reserved_num_tokens=reserved,
+                buffer_descs=descs(layers, heads, head_dim, reserved),
+                **kwargs,
+            )
+        )
+
+    times["construct"] = timed(construct)
+    owner = made.pop()
+    times["warmup"] = timed(lambda: owner.ensure_prefix(WARMUP_TOKENS))
+    time.sleep(args.pause)
+    free = torch.cuda.mem_get_info()[0] if args.device != "cpu" else args.gib * GIB * 2
+    target = min(args.gib * GIB, free - MARGIN)
+    final = min(reserved, max(WARMUP_TOKENS, target // per_token - PAGE))
+    times["finalize"] = timed(lambda: owner.finalize(final))
+    times["backed_gib"] = owner.backed_bytes / GIB
+    times["tokens"] = final
+    if hasattr(owner, "release"):
+        times["release"] = timed(owner.release)
+        time.sleep(args.pause)
+        times["resume"] = timed(owner.resume)
+    times["close"] = timed(owner.close)
+    made.clear()
+    gc.collect()
+    time.sleep(args.pause)
+    return times
+
+
+def first_construct(cls: Any, args: argparse.Namespace) -> float:
+    """SGLang's first owner in the process: its bump allocator is compiled (`load_inline`)."""
+    times = one_run(cls, "8b", argparse.Namespace(**{**vars(args), "gib": 1}), None)
+    return float(times["construct"])
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = []
+    for shape, per in results["shapes"].items():
+        lines.append(f"### {shape} ({SHAPES[shape][0]} layers)")
+        lines.append("| contender | " + " | ".join(f"{s} ms" for s in STEPS) + " | GiB |")
+        lines.append("|---" * (len(STEPS) + 2) + "|")
+        for name, runs in per.items():
+            if "error" in runs:
+                lines.append(f"| {LABELS[name]} | error: {runs['error']} |")
+                continue
+            cells = []
+            for step in STEPS:
+                values = [r[step] for r in runs["runs"] if step in r]
+                cells.append(f"{statistics.median(values):.2f}" if values else "n/a")
+            gib = runs["runs"][0]["backed_gib"]
+            lines.append(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {gib:.1f} |")
+    if "sglang_first_construct_ms" in results:
+        first = results["sglang_first_construct_ms"]
+        lines.append(f"\nSGLang's first construct (compiles its allocator): {first:.0f} ms")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    global torch
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--quick", action="store_true", help="1 rep, 16 GiB, short pauses")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=3.0)
+    parser.add_argument("--gib", type=int, default=120)
+    args = parser.parse_args()
+    if args.quick:
+        args.reps, args.gib, args.pause = 1, 16, 0.5
+    if args.device == "cpu":
+        args.gib, args.pause = min(args.gib, 1), 0.0
+    reason = sglang_env.load()
+    if reason is not None:
+        log(f"cannot run: {reason}")
+        return 1
+    import torch as _torch
+
+    torch = _torch
+    from extensible_kv.sglang import KvVmmBufferOwner as Ours
+    from sglang.srt.mem_cache.kv_vmm_backing import KvVmmBufferOwner as Sglangs
+
+    log(f"SGLang from {sglang_env.source()}")
+    contenders: dict[str, tuple[Any, bool | None]] = {
+        "ours": (Ours, False),
+        "ours_zero": (Ours, True),
+    }
+    results: dict[str, Any] = {"device": args.device, "reps": args.reps, "shapes": {}}
+    if args.device != "cpu":
+        contenders = {"sglang": (Sglangs, None), **contenders}
+        results["device_name"] = torch.cuda.get_device_name(0)
+        try:
+            results["sglang_first_construct_ms"] = first_construct(Sglangs, args)
+        except Exception as exc:
+            results["sglang_first_construct_error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shapes = ["8b"] if args.device == "cpu" and args.quick else list(SHAPES)
+    for shape in shapes:
+        per: dict[str, Any] = {}
+        for rep in range(args.reps):
+            for name, (cls, zero) in contenders.items():  # interleaved: same memory state
+                entry = per.setdefault(name, {"runs": []})
+                if "error" in entry:
+                    continue
+                try:
+                    entry["runs"].append(one_run(cls, shape, args, zero))
+                    log(shape, rep, name, entry["runs"][-1])
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
+        results["shapes"][shape] = per
+        (args.out / "bench_sglang.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"JSON: {args.out / 'bench_sglang.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

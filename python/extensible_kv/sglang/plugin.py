@@ -1,0 +1,266 @@
+"""The SGLang plugin: SGLang's post-capture KV arena on extensible-kv, with SGLang's code unchanged.
+
+Declared in `pyproject.toml` as the entry point `extensible_kv` of the group
+`sglang.srt.plugins`, which `sglang.srt.plugins.load_plugins()` runs early in every SGLang
+process and follows with `HookRegistry.apply_hooks()`. `register()` asks SGLang's
+`HookRegistry` to REPLACE `sglang.srt.mem_cache.kv_vmm_backing.KvVmmBufferOwner` with
+`extensible_kv.sglang.KvVmmBufferOwner`; the registry then rebinds every module's
+`from ... import KvVmmBufferOwner` copy (`memory_pool`, `unified_memory_pool`). It logs one INFO
+line. Post-capture sizing itself stays SGLang's opt-in (`SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`).
+
+With `--enable-memory-saver` (RL sleep/wake), SGLang turns post-capture sizing off, because
+its arena is not under torch_memory_saver's `kv_cache` tag. Where SGLang has the seams (0.5.23:
+the gate `arg_groups.overrides.post_capture_kv_sizing_planned` and the adapter
+`utils.torch_memory_saver_adapter._TorchMemorySaverAdapterReal`), the plugin also:
+- wraps the gate so that the memory saver alone no longer turns post-capture sizing off (every
+  other reason still does);
+- wraps the adapter's `pause`/`resume` so that the `kv_cache` tag also releases every owner's
+  memory (addresses kept: captured graphs stay valid) and recommits it, in process, without
+  LD_PRELOAD. torch_memory_saver still handles the tag's other allocations and the `weights`
+  and `cuda_graph` tags. `EXTENSIBLE_KV_SGLANG_MEMORY_SAVER=0` leaves both seams alone.
+
+It stays out of the way: `EXTENSIBLE_KV_SGLANG=0` switches it off; it imports nothing unless
+SGLang is loaded (SGLang is the caller); and on an SGLang older than 0.5.16, or whose owner API
+it does not recognise (constructor, methods), it changes nothing and logs a warning naming the
+version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import pkgutil
+import sys
+import types
+from typing import Any
+
+from extensible_kv._plugins import env_flag, version_tuple
+
+__all__ = ["ENV_VAR", "MEMORY_SAVER_ENV_VAR", "register", "unregister"]
+
+ENV_VAR = "EXTENSIBLE_KV_SGLANG"
+MEMORY_SAVER_ENV_VAR = "EXTENSIBLE_KV_SGLANG_MEMORY_SAVER"
+MIN_VERSION = (0, 5, 16)
+TESTED_VERSION = "0.5.23"
+KV_CACHE_TAG = "kv_cache"  # sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE
+
+_REGISTRY_MODULE = "sglang.srt.plugins.hook_registry"
+_OWNER_MODULE = "sglang.srt.mem_cache.kv_vmm_backing"
+_OWNER_TARGET = f"{_OWNER_MODULE}.KvVmmBufferOwner"
+_GATE_MODULE = "sglang.srt.arg_groups.overrides"
+_GATE_TARGET = f"{_GATE_MODULE}.post_capture_kv_sizing_planned"
+_ADAPTER_MODULE = "sglang.srt.utils.torch_memory_saver_adapter"
+_ADAPTER_CLASS = f"{_ADAPTER_MODULE}._TorchMemorySaverAdapterReal"
+# SGLang 0.5.16-0.5.23's constructor, keyword-only after `self`.
+_OWNER_PARAMS = (
+    "device",
+    "device_id",
+    "store_dtype",
+    "page_size",
+    "reserved_num_tokens",
+    "buffer_descs",
+)
+_OWNER_METHODS = ("ensure_prefix", "finalize", "close")
+
+# A child of SGLang's "sglang" logger, whose handlers SGLang configures.
+logger = logging.getLogger("sglang.extensible_kv")
+
+# target -> hook, for what `register` asked the registry to do (`unregister` undoes it).
+_registered: dict[str, Any] = {}
+# target -> SGLang's object, for a class REPLACE (the registry keeps no trace of it).
+_originals: dict[str, Any] = {}
+_gate_lifted_logged = False
+
+
+def _unrecognised(version: str) -> str | None:
+    """Why this SGLang is not one the plugin supports, or None when it is."""
+    parsed = version_tuple(version)
+    if parsed is None or parsed < MIN_VERSION:
+        return "the plugin needs SGLang 0.5.16 or later (post-capture KV sizing)"
+    try:
+        module = importlib.import_module(_OWNER_MODULE)
+    except ImportError as err:
+        return f"{_OWNER_MODULE} does not import ({err})"
+    cls = getattr(module, "KvVmmBufferOwner", None)
+    if not inspect.isclass(cls):
+        return f"{_OWNER_MODULE} has no KvVmmBufferOwner class"
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    names = tuple(p.name for p in params)
+    if names != _OWNER_PARAMS or any(p.kind is not p.KEYWORD_ONLY for p in params):
+        return f"KvVmmBufferOwner{inspect.signature(cls.__init__)} is not the keyword API of 0.5.23"
+    missing = [name for name in (*_OWNER_METHODS, "backed_bytes") if not hasattr(cls, name)]
+    if missing:
+        return f"its KvVmmBufferOwner lacks {missing}"
+    from extensible_kv.sglang.owner import KvVmmBufferOwner
+
+    public = (name for name in dir(cls) if not name.startswith("_"))
+    extra = sorted(name for name in public if not hasattr(KvVmmBufferOwner, name))
+    if extra:
+        return f"its KvVmmBufferOwner has {extra}, which extensible-kv's owner lacks"
+    return None
+
+
+def register() -> bool:
+    """Ask SGLang's HookRegistry to put extensible-kv's owner (and, with the memory saver seams,
+    the `kv_cache` tag hooks) in place; True when registered (now or before). SGLang applies the
+    hooks (`HookRegistry.apply_hooks()`, which `load_plugins` calls)."""
+    if "sglang" not in sys.modules:
+        return False  # not called by SGLang: import nothing
+    if not env_flag(ENV_VAR, True):
+        logger.info("extensible-kv: %s=0, SGLang keeps its own KvVmmBufferOwner.", ENV_VAR)
+        return False
+    if _registered:
+        return True
+    version = str(getattr(sys.modules["sglang"], "__version__", "unknown"))
+    reason = _unrecognised(version)
+    if reason is not None:
+        logger.warning(
+            "extensible-kv: not replacing SGLang %s's KvVmmBufferOwner: %s. The plugin supports "
+            "SGLang >= 0.5.16 (tested at %s); set %s=0 to silence this.",
+            version,
+            reason,
+            TESTED_VERSION,
+            ENV_VAR,
+        )
+        return False
+    registry = importlib.import_module(_REGISTRY_MODULE)
+    HookRegistry, HookType = registry.HookRegistry, registry.HookType
+
+    from extensible_kv.sglang.owner import KvVmmBufferOwner
+
+    _originals[_OWNER_TARGET] = pkgutil.resolve_name(_OWNER_TARGET)
+    HookRegistry.register(_OWNER_TARGET, KvVmmBufferOwner, HookType.REPLACE)
+    _registered[_OWNER_TARGET] = KvVmmBufferOwner
+    saver = "off"
+    if not env_flag(MEMORY_SAVER_ENV_VAR, True):
+        saver = f"off ({MEMORY_SAVER_ENV_VAR}=0)"
+    elif _memory_saver_seams():
+        hooks = {
+            _GATE_TARGET: _planned_with_memory_saver,
+            f"{_ADAPTER_CLASS}.pause": _pause,
+            f"{_ADAPTER_CLASS}.resume": _resume,
+        }
+        for target, hook in hooks.items():
+            HookRegistry.register(target, hook, HookType.AROUND)
+            _registered[target] = hook
+        saver = "on"
+    else:
+        saver = "off (this SGLang lacks the seams)"
+    logger.info(
+        "extensible-kv: SGLang %s's post-capture KV arena runs on extensible-kv's Rust core "
+        "(KvVmmBufferOwner replaced; with --enable-memory-saver: %s; %s=0 turns this off).",
+        version,
+        saver,
+        ENV_VAR,
+    )
+    return True
+
+
+def _memory_saver_seams() -> bool:
+    """Whether this SGLang has the gate function and adapter class the memory saver hooks wrap."""
+    try:
+        gate = importlib.import_module(_GATE_MODULE)
+        adapter = importlib.import_module(_ADAPTER_MODULE)
+    except ImportError:
+        return False
+    real = getattr(adapter, "_TorchMemorySaverAdapterReal", None)
+    return (
+        callable(getattr(gate, "post_capture_kv_sizing_planned", None))
+        and callable(getattr(gate, "resolving_view", None))
+        and inspect.isclass(real)
+        and all(callable(getattr(real, name, None)) for name in ("pause", "resume"))
+    )
+
+
+def _planned_with_memory_saver(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's gate, except that `enable_memory_saver` alone no longer says no: the gate is asked
+    again with a last declaration `enable_memory_saver=False` on the record, for this call only."""
+    planned = original(server_args, *args, **kwargs)
+    gate = sys.modules[_GATE_MODULE]
+    if planned or not getattr(gate.resolving_view(server_args), "enable_memory_saver", False):
+        return planned
+    stash = getattr(server_args, "_resolved_overrides", None)
+    try:
+        server_args._resolved_overrides = [
+            *(stash or ()),
+            ("extensible_kv", {"enable_memory_saver": False}),
+        ]
+    except (AttributeError, TypeError):
+        return planned  # not a record we can declare on (a read-only view): SGLang's answer
+    try:
+        planned = original(server_args, *args, **kwargs)
+    finally:
+        server_args._resolved_overrides = stash
+    global _gate_lifted_logged
+    if planned and not _gate_lifted_logged:
+        _gate_lifted_logged = True
+        logger.info(
+            "extensible-kv: post-capture KV sizing stays on with --enable-memory-saver: the "
+            "kv_cache tag releases and resumes extensible-kv's KV memory at the same addresses."
+        )
+    return planned
+
+
+def _tag_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return kwargs["tag"] if "tag" in kwargs else (args[0] if args else None)
+
+
+def _pause(original: Any, adapter: Any, *args: Any, **kwargs: Any) -> Any:
+    """The adapter's `pause`; for the `kv_cache` tag, every owner's memory goes back too."""
+    result = original(adapter, *args, **kwargs)
+    if _tag_of(args, kwargs) == KV_CACHE_TAG:
+        from extensible_kv.sglang.owner import release_all
+
+        release_all()
+    return result
+
+
+def _resume(original: Any, adapter: Any, *args: Any, **kwargs: Any) -> Any:
+    """The adapter's `resume`; for the `kv_cache` tag, every owner's memory is recommitted."""
+    result = original(adapter, *args, **kwargs)
+    if _tag_of(args, kwargs) == KV_CACHE_TAG:
+        from extensible_kv.sglang.owner import resume_all
+
+        resume_all()
+    return result
+
+
+def unregister() -> None:
+    """Withdraw what `register` asked for: drop its hooks from SGLang's HookRegistry and, where
+    the registry applied them, put SGLang's objects back (and every module's copy of them)."""
+    if not _registered:
+        return
+    HookRegistry = importlib.import_module(_REGISTRY_MODULE).HookRegistry
+    for target, hook in list(_registered.items()):
+        entries = HookRegistry._hooks.get(target, [])
+        entries[:] = [entry for entry in entries if entry[1] is not hook]
+        if not entries:
+            HookRegistry._hooks.pop(target, None)
+        if target in HookRegistry._patched:
+            _restore(target, hook)
+            HookRegistry._patched.discard(target)
+        del _registered[target]
+
+
+def _restore(target: str, hook: Any) -> None:
+    """Undo the registry's patch of `target` by `hook`: a class REPLACE (SGLang's class was kept
+    at registration) or an AROUND wrapper (which keeps the original as `__wrapped__`)."""
+    path, name = target.rsplit(".", 1)
+    parent = pkgutil.resolve_name(path)
+    current = getattr(parent, name)
+    if current is hook:
+        original = _originals.get(target)
+    else:
+        original = getattr(current, "__wrapped__", None)
+    if original is None:
+        return
+    setattr(parent, name, original)
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType) or module is parent:
+            continue
+        if module.__name__.split(".")[0] == "extensible_kv":
+            continue  # our own names for our objects, not copies the registry made
+        for attr, value in list(vars(module).items()):
+            if value is current:
+                setattr(module, attr, original)

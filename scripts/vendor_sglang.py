@@ -1,0 +1,176 @@
+"""Builds `.vendor/sglang0523-*` (git-ignored): SGLang 0.5.23's code for the GPU machine, where
+SGLang cannot be installed (no network; its wheel pins torch 2.14). Run by
+`scripts/vendor-sglang`; needs PyPI and the `.venv` of `scripts/setup`.
+
+    scripts/vendor-sglang [--python 3.12] [--check]
+
+Writes:
+  .vendor/sglang0523-py.zip   the 0.5.23 wheel for the machine's Python without any compiled
+                              module (`srt/rust_extensions/*.so`, the radix tree's `.so`: the
+                              KV pools import neither) and without `multimodal_gen`
+                              (tests/sglang_env.py extracts it on the machine)
+  .vendor/sglang0523-wheels/  wheels, for the machine's Python, of the packages SGLang's pool
+                              modules import beyond what the machine has (torch 2.11, numpy,
+                              transformers, pytest), at the versions installed in .venv; and
+                              cuda-bindings, which SGLang's own arena drives the driver with
+                              (benchmarks/bench_sglang.py's baseline)
+
+`--check` then runs the `sglang` tests here as the GPU machine would (vendor_vllm's device-like
+Python: torch, numpy, transformers, pytest, hypothesis and extensible-kv only). The vLLM and
+SGLang copies are separate: a device call carries one of them (64 MiB per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import vendor_vllm  # noqa: E402  (a sibling script: its download and device-like site helpers)
+
+VERSION = "0.5.23"
+# Distributions SGLang 0.5.23's pool modules import (tests/sglang_env.py's MODULES, measured on
+# a CPU machine) that the device lacks. torchvision and Pillow are stubbed there instead.
+WHEELS = [
+    "aiohappyeyeballs",
+    "aiohttp",
+    "aiosignal",
+    "annotated-types",
+    "anyio",
+    "apache-tvm-ffi",
+    "attrs",
+    "certifi",
+    "charset-normalizer",
+    "compressed-tensors",
+    "cuda-bindings",
+    "cuda-pathfinder",
+    "dill",
+    "frozenlist",
+    "gguf",
+    "ipython",
+    "loguru",
+    "msgspec",
+    "multidict",
+    "orjson",
+    "propcache",
+    "psutil",
+    "pybase64",
+    "pydantic",
+    "pydantic_core",
+    "pyzmq",
+    "requests",
+    "sentencepiece",
+    "starlette",
+    "traitlets",
+    "typing-inspection",
+    "urllib3",
+    "yarl",
+]
+PLATFORMS = ["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64"]
+PLATFORMS += ["manylinux2014_x86_64", "manylinux_2_24_x86_64"]
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def download(target: Path, python: str, *pins: str) -> None:
+    tag = python.replace(".", "")
+    vendor_vllm.pip(
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        "--abi",
+        f"cp{tag}",
+        *(arg for platform in PLATFORMS for arg in ("--platform", platform)),
+        "-d",
+        str(target),
+        *pins,
+    )
+
+
+def write_code(vendor: Path, python: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="ekv-sglang-wheel-") as cache:
+        local = os.environ.get("EKV_SGLANG_WHEEL")
+        if local:
+            wheel = Path(local)
+        else:
+            download(Path(cache), python, f"sglang=={VERSION}")
+            (wheel,) = Path(cache).glob(f"sglang-{VERSION}-*.whl")
+        target = vendor / "sglang0523-py.zip"
+        kept = 0
+        with (
+            zipfile.ZipFile(wheel) as source,
+            zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out,
+        ):
+            for name in source.namelist():
+                if not name.startswith("sglang/") or name.startswith("sglang/multimodal_gen/"):
+                    continue
+                if name.endswith(".so"):
+                    continue
+                out.writestr(name, source.read(name))
+                kept += 1
+    log(f"{target}: {kept} files, {target.stat().st_size / 2**20:.1f} MiB")
+
+
+def write_wheels(target: Path, python: str) -> None:
+    for old in target.glob("*.whl"):
+        old.unlink()
+    target.mkdir(parents=True, exist_ok=True)
+    download(target, python, *(f"{name}=={md.version(name)}" for name in WHEELS))
+    size = sum(p.stat().st_size for p in target.glob("*.whl"))
+    log(f"{target}: {len(WHEELS)} wheels for Python {python}, {size / 2**20:.1f} MiB")
+
+
+def check() -> int:
+    with tempfile.TemporaryDirectory(prefix="ekv-vendor-check-") as tmp:
+        root = Path(tmp)
+        vendor = root / "vendor"
+        vendor.mkdir()
+        here = f"{sys.version_info.major}.{sys.version_info.minor}"
+        write_code(vendor, here)
+        write_wheels(vendor / "sglang0523-wheels", here)
+        site = vendor_vllm.device_like_site(root)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(site), str(REPO / "python"), str(REPO / "tests")]),
+            "EKV_VENDOR": str(vendor),
+            "EKV_REQUIRE_SGLANG": "1",
+            "TMPDIR": str(root),
+        }
+        command = [sys.executable, "-S", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        command += ["-m", "sglang", str(REPO / "tests" / "test_sglang.py")]
+        log("check:", " ".join(command))
+        return subprocess.run(command, env=env, cwd=REPO).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default="3.12", help="the GPU machine's Python (3.12)")
+    parser.add_argument("--check", action="store_true", help="then run the sglang tests as there")
+    args = parser.parse_args()
+    vendor = REPO / ".vendor"
+    vendor.mkdir(exist_ok=True)
+    write_code(vendor, args.python)
+    write_wheels(vendor / "sglang0523-wheels", args.python)
+    ours = [vendor / "sglang0523-py.zip", *(vendor / "sglang0523-wheels").glob("*.whl")]
+    total = sum(p.stat().st_size for p in ours)
+    log(f"SGLang's copy: {total / 2**20:.1f} MiB (a device call carries 64 MiB, with dist)")
+    return check() if args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,634 @@
+"""SGLang 0.5.23's own KV pools on extensible-kv's owner, through SGLang's own plugin loader.
+
+The pools are built with post-capture backing active, the way SGLang builds them under
+`SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`, on the host backend (device "cpu") and, where a GPU is
+present, on cuda:0. K/V are written through plain tensor ops: `set_kv_buffer` reaches kernels.
+SGLang comes from `sglang_env` (installed by scripts/setup, or vendored); without it the tests
+skip, or fail where EKV_REQUIRE_SGLANG is set (CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import sglang_env
+from extensible_kv import ExtensibleTensor, OutOfMemoryError, vmm_unavailable_reason
+from extensible_kv.sglang import owner as owner_module
+from extensible_kv.sglang import plugin
+from extensible_kv.sglang.owner import KvReleasedError, KvVmmBufferOwner
+
+pytestmark = pytest.mark.sglang
+
+PAGE = 16
+HEADS = 2
+K_DIM, V_DIM = 128, 64  # K and V rows differ: unequal segments
+LOGGER = "sglang.extensible_kv"
+
+
+@pytest.fixture(scope="session")
+def sglang() -> Any:
+    """SGLang 0.5.23 (installed or vendored); skips with the reason where absent, fails instead
+    where EKV_REQUIRE_SGLANG is set."""
+    reason = sglang_env.load()
+    if reason is not None:
+        if sglang_env.required():
+            pytest.fail(f"EKV_REQUIRE_SGLANG is set, but {reason}")
+        pytest.skip(reason)
+    import sglang
+
+    return sglang
+
+
+def _load_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's own loader, as every SGLang process runs it, limited to our entry point."""
+    import sglang.srt.plugins as plugins
+
+    plugin.unregister()
+    monkeypatch.setenv("SGLANG_PLUGINS", "extensible_kv")
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    plugins.load_plugins()
+
+
+@pytest.fixture(scope="session")
+def plugged(sglang: Any) -> Iterator[Any]:
+    """SGLang's loader has run our `sglang.srt.plugins` entry point: its pools build our owner."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+        _load_plugins(monkeypatch)
+    import sglang.srt.mem_cache.memory_pool as memory_pool
+
+    assert memory_pool.KvVmmBufferOwner is KvVmmBufferOwner, (
+        "the sglang.srt.plugins entry point did not install extensible_kv.sglang "
+        f"(SGLang from {sglang_env.source()}; is extensible-kv installed with its metadata?)"
+    )
+    yield memory_pool
+    plugin.unregister()
+
+
+@pytest.fixture
+def pool_device(backend: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The device string SGLang's pools get. SGLang's `_alloc_post_capture_buffers` asks
+    `torch.cuda.current_device()` for the index of an index-less device: on a machine without
+    CUDA that raises, so the test gives it device 0 (which the host backend ignores)."""
+    if backend == "cpu":
+        return _cpu(monkeypatch)
+    return "cuda:0"
+
+
+def _cpu(monkeypatch: pytest.MonkeyPatch) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return "cpu"
+
+
+@pytest.fixture(params=[False, True], ids=["no-zero", "zero"])
+def zeroing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setenv(owner_module.ZERO_ENV_VAR, "1" if request.param else "0")
+    return bool(request.param)
+
+
+def _mha(memory_pool: Any, device: str, size: int, layers: int = 2) -> Any:
+    import torch
+
+    return memory_pool.MHATokenToKVPool(
+        size=size,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=K_DIM,
+        v_head_dim=V_DIM,
+        layer_num=layers,
+        device=device,
+        enable_memory_saver=False,
+        post_capture_active=True,
+    )
+
+
+def _footprint(owner: KvVmmBufferOwner) -> int:
+    """Bytes of the granules that hold a committed byte of some buffer (a shared one once)."""
+    buffer = owner.buffer
+    assert buffer is not None
+    g = buffer.granularity
+    granules: set[int] = set()
+    for offset, size in zip(buffer.segment_offsets, buffer.segment_bytes, strict=True):
+        if size:
+            granules.update(range(offset // g, (offset + size - 1) // g + 1))
+    return len(granules) * g
+
+
+def _spans(owner: KvVmmBufferOwner, num_tokens: int, *, final: bool) -> list[int]:
+    span = "final_span_bytes" if final else "prefix_span_bytes"
+    return [getattr(d, span)(num_tokens, owner.page_size) for d in owner._descs]
+
+
+def _fill(pool: Any, slots: Any, value: float) -> None:
+    for layer in range(pool.layer_num):
+        k, v = pool.k_buffer[layer], pool.v_buffer[layer]
+        k[slots] = value + layer
+        v[slots] = -(value + layer)
+
+
+def _values(pool: Any, slots: Any) -> list[tuple[float, float]]:
+    return [
+        (
+            float(pool.k_buffer[i][slots].float().mean()),
+            float(pool.v_buffer[i][slots].float().mean()),
+        )
+        for i in range(pool.layer_num)
+    ]
+
+
+def _expected(pool: Any, value: float) -> list[tuple[float, float]]:
+    return [(value + i, -(value + i)) for i in range(pool.layer_num)]
+
+
+# ---- the plugin: entry point, SGLang's loader, switches, version gate
+
+
+def test_entry_point_is_declared() -> None:
+    (ours,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "extensible_kv"]
+    assert ours.value == "extensible_kv.sglang.plugin:register"
+    assert ours.load() is plugin.register
+
+
+def test_sglangs_loader_replaces_every_binding_and_logs_one_line(
+    plugged: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sglang.srt.mem_cache.kv_vmm_backing as backing
+    import sglang.srt.mem_cache.unified_memory_pool as unified
+
+    original = plugin._originals[plugin._OWNER_TARGET]
+    assert original.__module__ == "sglang.srt.mem_cache.kv_vmm_backing"
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _load_plugins(monkeypatch)
+    for module in (backing, plugged, unified):
+        assert module.KvVmmBufferOwner is KvVmmBufferOwner, module.__name__
+    ours = [r for r in caplog.records if r.name == LOGGER]
+    assert len(ours) == 1 and ours[0].levelno == logging.INFO
+    assert "SGLang 0.5.23" in ours[0].getMessage()
+
+
+def test_switched_off_leaves_sglang_untouched(
+    plugged: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sglang.srt.mem_cache.kv_vmm_backing as backing
+    import sglang.srt.utils.torch_memory_saver_adapter as adapter
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    original = plugin._originals[plugin._OWNER_TARGET]
+    monkeypatch.setenv(plugin.ENV_VAR, "0")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _load_plugins(monkeypatch)
+    try:
+        assert backing.KvVmmBufferOwner is original
+        assert plugged.KvVmmBufferOwner is original
+        assert not hasattr(adapter._TorchMemorySaverAdapterReal.pause, "__wrapped__")
+        assert not any(t.startswith(plugin._OWNER_TARGET) for t in HookRegistry._hooks)
+        assert "EXTENSIBLE_KV_SGLANG=0" in caplog.text
+    finally:
+        monkeypatch.delenv(plugin.ENV_VAR)
+        _load_plugins(monkeypatch)
+    assert plugged.KvVmmBufferOwner is KvVmmBufferOwner
+
+
+@pytest.mark.parametrize("case", ["old-version", "other-constructor"])
+def test_unrecognised_sglang_is_left_alone(
+    plugged: Any, case: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sglang
+    import sglang.srt.mem_cache.kv_vmm_backing as backing
+
+    original = plugin._originals[plugin._OWNER_TARGET]
+    plugin.unregister()
+    if case == "old-version":
+        monkeypatch.setattr(sglang, "__version__", "0.5.15")
+    else:
+
+        class Other:
+            def __init__(self, *, device: str, num_tokens: int) -> None: ...
+
+        monkeypatch.setattr(backing, "KvVmmBufferOwner", Other)
+    try:
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            assert plugin.register() is False
+        (record,) = [r for r in caplog.records if r.name == LOGGER]
+        assert record.levelno == logging.WARNING
+        assert sglang.__version__ in record.getMessage()
+        assert not plugin._registered
+    finally:
+        monkeypatch.undo()
+        _load_plugins(monkeypatch)
+    assert backing.KvVmmBufferOwner is KvVmmBufferOwner
+    assert original is plugin._originals[plugin._OWNER_TARGET]
+
+
+def test_without_sglang_loaded_it_imports_nothing() -> None:
+    script = """
+        import sys
+        from extensible_kv.sglang import plugin
+        heavy = ("sglang", "torch")
+        print(plugin.register(), sorted(m for m in sys.modules if m.split(".")[0] in heavy))
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "[]"]
+
+
+def _record(**overrides: Any) -> SimpleNamespace:
+    """What SGLang 0.5.23's `post_capture_kv_sizing_planned` reads of a resolved record, for a
+    dense non-MLA model whose every condition allows post-capture sizing."""
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    enabled = Backend.FULL
+    fields: dict[str, Any] = {
+        "enable_kv_cache_sharding": False,
+        "device": "cuda",
+        "dcp_size": 1,
+        "prefill_only_disable_kv_cache": False,
+        "enable_memory_saver": False,
+        "disaggregation_transfer_backend": "mooncake",
+        "disaggregation_mode": "null",
+        "enable_unified_memory": False,
+        "cuda_graph_config": SimpleNamespace(
+            decode=SimpleNamespace(backend=enabled),
+            prefill=SimpleNamespace(backend=enabled, bs=(8192,)),
+        ),
+        "chunked_prefill_size": 8192,
+        "enable_dynamic_chunking": False,
+        "pp_size": 1,
+        "max_prefill_tokens": 16384,
+        "model_path": "dummy",
+        "_model_config": SimpleNamespace(
+            attention_arch=AttentionArch.MHA,
+            is_hybrid_swa=False,
+            hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+        ),
+    }
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def test_memory_saver_alone_no_longer_turns_post_capture_sizing_off(
+    plugged: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sglang.srt.arg_groups.overrides as overrides
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.model_executor.model_runner_components import kv_pool_runtime
+
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "1")
+    gate = overrides.post_capture_kv_sizing_planned
+    sglangs = gate.__wrapped__
+    assert kv_pool_runtime.post_capture_kv_sizing_planned is gate  # the registry rebound it
+    saver = _record(enable_memory_saver=True)
+    assert sglangs(_record()) and not sglangs(saver)
+    assert gate(saver) is True
+    assert saver._resolved_overrides is None or saver._resolved_overrides == []
+    # Every other reason still says no, with or without the memory saver.
+    mla = SimpleNamespace(attention_arch=AttentionArch.MLA, is_hybrid_swa=False)
+    for record in (_record(enable_memory_saver=True, _model_config=mla), _record(dcp_size=2)):
+        assert gate(record) is False
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "0")
+    assert gate(_record(enable_memory_saver=True)) is False
+
+
+# ---- SGLang's pools on our owner
+
+
+def test_mha_pool_grows_keeps_low_slots_and_backs_the_footprint(
+    plugged: Any, pool_device: str, zeroing: bool
+) -> None:
+    import torch
+
+    reserved, final = 8192, 6000
+    pool = _mha(plugged, pool_device, reserved)
+    owner = pool._post_capture_owner
+    assert isinstance(owner, KvVmmBufferOwner)
+    buffer = owner.buffer
+    assert buffer is not None and buffer.num_segments == 2 * pool.layer_num
+    assert len(set(buffer.segment_capacities)) == 2  # K and V rows differ
+    for tensor, offset in zip(owner.tensors, buffer.segment_offsets, strict=True):
+        assert tensor.data_ptr() == buffer.base_ptr + offset
+    assert list(buffer.segment_bytes) == _spans(owner, PAGE, final=False)
+    assert pool.post_capture_backed_bytes == _footprint(owner)
+    pointers = [t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)]
+
+    low = torch.arange(1, PAGE)
+    _fill(pool, low, 3.0)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=final))
+    assert pool.size == final and owner.final_num_tokens == final
+    assert list(buffer.segment_bytes) == _spans(owner, final, final=True)
+    assert pool.post_capture_backed_bytes == _footprint(owner)
+    assert [t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)] == pointers
+    assert _values(pool, low) == _expected(pool, 3.0)
+    high = torch.tensor([final - 1, final + PAGE - 1])  # the padded page is backed too
+    if zeroing:
+        assert _values(pool, high) == [(0.0, 0.0)] * pool.layer_num
+    _fill(pool, high, 5.0)
+    assert _values(pool, high) == _expected(pool, 5.0)
+    pool._clear_buffers()
+    assert owner.backed_bytes == 0
+
+
+def test_a_smaller_finalize_shrinks_in_place_keeping_the_kept_tokens(
+    plugged: Any, pool_device: str
+) -> None:
+    import torch
+
+    pool = _mha(plugged, pool_device, 16384)
+    owner = pool._post_capture_owner
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=16000))
+    big = owner.backed_bytes
+    kept = torch.tensor([1, 2000, 2999])
+    _fill(pool, kept, 7.0)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=3000))
+    assert owner.backed_bytes == _footprint(owner) < big
+    assert list(owner.buffer.segment_bytes) == _spans(owner, 3000, final=True)
+    assert _values(pool, kept) == _expected(pool, 7.0)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=12000))  # and grows again
+    assert _values(pool, kept) == _expected(pool, 7.0)
+    _fill(pool, torch.tensor([11999]), 1.0)
+    pool._clear_buffers()
+
+
+def test_release_and_resume_keep_the_addresses(plugged: Any, pool_device: str) -> None:
+    import torch
+
+    pool = _mha(plugged, pool_device, 8192)
+    owner = pool._post_capture_owner
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=5000))
+    backed, sizes = owner.backed_bytes, owner.buffer.segment_bytes
+    pointers = [t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)]
+    owner.release()
+    assert owner.released and owner.backed_bytes == 0
+    with pytest.raises(KvReleasedError):
+        owner.ensure_prefix(100)
+    owner.resume()
+    assert not owner.released and owner.backed_bytes == backed
+    assert owner.buffer.segment_bytes == sizes
+    assert [t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)] == pointers
+    slots = torch.tensor([0, 4999])
+    _fill(pool, slots, 2.0)
+    assert _values(pool, slots) == _expected(pool, 2.0)
+    pool._clear_buffers()
+
+
+class _FakeSaver:
+    """torch_memory_saver's singleton as SGLang's adapter calls it (it is not installed here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def pause(self, tag: str) -> None:
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag: str) -> None:
+        self.calls.append(("resume", tag))
+
+
+def test_the_memory_savers_kv_cache_tag_releases_and_resumes_our_memory(
+    plugged: Any, pool_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sglang.srt.utils.torch_memory_saver_adapter as adapter_module
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS
+
+    saver = _FakeSaver()
+    monkeypatch.setattr(adapter_module, "_memory_saver", saver, raising=False)
+    adapter = adapter_module._TorchMemorySaverAdapterReal()
+    pool = _mha(plugged, pool_device, 8192)
+    owner = pool._post_capture_owner
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=4000))
+    backed = owner.backed_bytes
+    adapter.pause(GPU_MEMORY_TYPE_WEIGHTS)
+    assert owner.backed_bytes == backed  # other tags are torch_memory_saver's alone
+    adapter.pause(GPU_MEMORY_TYPE_KV_CACHE)
+    assert owner.released and owner.backed_bytes == 0
+    adapter.resume(tag=GPU_MEMORY_TYPE_KV_CACHE)
+    assert not owner.released and owner.backed_bytes == backed
+    assert saver.calls == [
+        ("pause", GPU_MEMORY_TYPE_WEIGHTS),
+        ("pause", GPU_MEMORY_TYPE_KV_CACHE),
+        ("resume", GPU_MEMORY_TYPE_KV_CACHE),
+    ]
+    pool._clear_buffers()
+
+
+def test_swa_pool_finalizes_each_sub_pool_to_its_own_count(plugged: Any, pool_device: str) -> None:
+    import sglang.srt.mem_cache.swa_memory_pool as swa
+    import torch
+
+    pool = swa.SWAKVPool(
+        size=8192,
+        size_swa=4096,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=K_DIM,
+        swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        device=pool_device,
+        post_capture_active=True,
+    )
+    full, window = pool.full_kv_pool._post_capture_owner, pool.swa_kv_pool._post_capture_owner
+    assert isinstance(full, KvVmmBufferOwner) and isinstance(window, KvVmmBufferOwner)
+    _fill(pool.full_kv_pool, torch.tensor([3]), 1.0)
+    _fill(pool.swa_kv_pool, torch.tensor([3]), 2.0)
+    config = SimpleNamespace(full_max_total_num_tokens=7000, swa_max_total_num_tokens=3000)
+    pool.finalize_backing(config)
+    assert (pool.size, pool.size_swa) == (7000, 3000)
+    assert list(full.buffer.segment_bytes) == _spans(full, 7000, final=True)
+    assert list(window.buffer.segment_bytes) == _spans(window, 3000, final=True)
+    assert pool.post_capture_backed_bytes == _footprint(full) + _footprint(window)
+    assert _values(pool.full_kv_pool, torch.tensor([3])) == _expected(pool.full_kv_pool, 1.0)
+    assert _values(pool.swa_kv_pool, torch.tensor([3])) == _expected(pool.swa_kv_pool, 2.0)
+    pool.full_kv_pool._clear_buffers()
+    pool.swa_kv_pool._clear_buffers()
+
+
+def test_hybrid_linear_pool_grows_its_attention_pool(plugged: Any, pool_device: str) -> None:
+    import torch
+
+    # The Mamba state lives in its own pool, sized before capture: not the owner's business.
+    pool = plugged.HybridLinearKVPool(
+        size=8192,
+        dtype=torch.bfloat16,
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=K_DIM,
+        full_attention_layer_ids=[3, 7],
+        device=pool_device,
+        mamba_pool=None,
+        post_capture_active=True,
+    )
+    attention = pool.full_kv_pool
+    owner = attention._post_capture_owner
+    assert isinstance(owner, KvVmmBufferOwner) and pool.post_capture_active
+    _fill(attention, torch.tensor([5]), 4.0)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=6000))
+    assert list(owner.buffer.segment_bytes) == _spans(owner, 6000, final=True)
+    assert pool.post_capture_backed_bytes == _footprint(owner)
+    assert _values(attention, torch.tensor([5])) == _expected(attention, 4.0)
+    attention._clear_buffers()
+
+
+def test_unified_pool_backs_byte_prefixes(
+    plugged: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sglang.srt.mem_cache.unified_memory_pool as unified
+    import torch
+
+    if backend == "cpu":
+        # SGLang's unified pool refuses a non-CUDA device before it builds the owner: it is
+        # told cuda:0, and the owner's memory goes to the host backend.
+        monkeypatch.setattr(owner_module, "_backing_device", lambda device, index: "cpu")
+    specs = [
+        unified.MHASubPoolSpec(
+            name=name,
+            layer_num=2,
+            grow_direction=direction,
+            head_num=HEADS,
+            head_dim=K_DIM,
+            store_dtype=torch.bfloat16,
+        )
+        for name, direction in (("full", "up"), ("swa", "down"))
+    ]
+    total, final = 32 << 20, 12 << 20
+    pool = unified.UnifiedKVPool(
+        total_bytes=total,
+        sub_pool_specs=specs,
+        device="cuda:0",
+        enable_memory_saver=False,
+        page_size=PAGE,
+        post_capture_active=True,
+    )
+    owner = pool._post_capture_owner
+    assert isinstance(owner, KvVmmBufferOwner) and owner.tensors[0] is pool._raw
+    floor = pool.active_allocation_bytes
+    assert owner.buffer.segment_bytes == (floor,)
+    pool._raw[:floor] = 9
+    pool.finalize_backing(SimpleNamespace(unified_memory_pool_bytes=final))
+    assert owner.buffer.segment_bytes == (final,)
+    assert pool.post_capture_backed_bytes == _footprint(owner)
+    assert int(pool._raw[final - 1]) == 0  # SGLang zeroes the new bytes itself
+    pool._raw[final - 1] = 1
+    owner.close()
+
+
+# ---- the owner's contract: typed errors, all or nothing, close
+
+
+def test_bad_counts_are_value_errors_and_change_nothing(plugged: Any, pool_device: str) -> None:
+    pool = _mha(plugged, pool_device, 4096)
+    owner = pool._post_capture_owner
+    owner.finalize(2000)
+    sizes, backed = owner.buffer.segment_bytes, owner.backed_bytes
+    for bad in (0, PAGE - 1, 4096 + 1):
+        with pytest.raises(ValueError, match="final_num_tokens"):
+            owner.finalize(bad)
+    with pytest.raises(ValueError, match="outside"):
+        owner.ensure_prefix(10**9)
+    assert owner.buffer.segment_bytes == sizes and owner.backed_bytes == backed
+    assert owner.final_num_tokens == 2000
+    pool._clear_buffers()
+
+
+def test_a_failed_grow_changes_nothing(plugged: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = _cpu(monkeypatch)
+    pool = _mha(plugged, cpu, 16384, layers=4)  # 8 buffers: a finalize makes several handles
+    made = pool._post_capture_owner.buffer.num_handles
+    pool._clear_buffers()
+    faulty = functools.partial(ExtensibleTensor, _fault=("create", made + 3, "oom"))
+    monkeypatch.setattr(owner_module, "ExtensibleTensor", faulty)
+    pool = _mha(plugged, cpu, 16384, layers=4)
+    owner = pool._post_capture_owner
+    sizes, backed = owner.buffer.segment_bytes, owner.backed_bytes
+    with pytest.raises(OutOfMemoryError):
+        pool.finalize_backing(SimpleNamespace(max_total_num_tokens=16000))
+    assert owner.buffer.segment_bytes == sizes and owner.backed_bytes == backed
+    assert owner.final_num_tokens is None
+    owner.buffer._check_invariants()
+    pool._clear_buffers()
+
+
+def test_close_gives_the_memory_back_even_with_views_alive(plugged: Any, pool_device: str) -> None:
+    pool = _mha(plugged, pool_device, 4096)
+    owner = pool._post_capture_owner
+    buffer = owner.buffer
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=4000))
+    kept = pool.k_buffer[0]  # a view someone still holds
+    pool._clear_buffers()
+    assert owner.backed_bytes == 0 and buffer.physical_bytes == 0 and not buffer.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        owner.ensure_prefix(PAGE)
+    owner.close()  # idempotent
+    del kept
+
+
+def test_a_pool_without_layers_needs_no_reservation(plugged: Any) -> None:
+    import torch
+
+    owner = KvVmmBufferOwner(
+        device="cpu",
+        device_id=0,
+        store_dtype=torch.bfloat16,
+        page_size=PAGE,
+        reserved_num_tokens=1024,
+        buffer_descs=[],
+    )
+    owner.finalize(512)
+    assert owner.tensors == [] and owner.backed_bytes == 0
+    owner.close()
+
+
+# ---- GPU: a graph captured before finalize_backing writes where only the grow made memory
+
+
+_CUDA_REASON = vmm_unavailable_reason("cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
+def test_a_graph_captured_before_finalize_writes_where_the_grow_committed(plugged: Any) -> None:
+    import torch
+
+    reserved, final = 1 << 20, 600_000
+    pool = _mha(plugged, "cuda:0", reserved)
+    owner = pool._post_capture_owner
+    loc = torch.zeros(1, dtype=torch.int64, device="cuda:0")
+    row_k = torch.ones(HEADS, K_DIM, dtype=torch.bfloat16, device="cuda:0")
+    row_v = torch.ones(HEADS, V_DIM, dtype=torch.bfloat16, device="cuda:0")
+    k, v = pool.k_buffer[0], pool.v_buffer[0]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # slot 0 only is backed: capture writes there
+        scale = (loc + 1).to(torch.bfloat16).view(1, 1, 1)
+        k.index_copy_(0, loc, row_k.unsqueeze(0) * scale)
+        v.index_copy_(0, loc, row_v.unsqueeze(0) * scale)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=final))
+    assert owner.backed_bytes == _footprint(owner)
+    slot = final - 1000
+    loc.fill_(slot)
+    graph.replay()
+    torch.cuda.synchronize()
+    # (loc + 1) in bf16 rounds: compare with the same arithmetic.
+    expected = float(torch.tensor(slot + 1, dtype=torch.bfloat16))
+    assert float(k[slot].float().mean()) == expected
+    assert float(v[slot].float().mean()) == expected
+    del graph
+    pool._clear_buffers()
