@@ -73,7 +73,8 @@ logger = logging.getLogger("extensible_kv")
 class Options:
     """What `enable(**options)` takes: `budget_bytes` (the physical bytes the cache may hold in
     all after warm-up, as `KVCacheFlow.extend_to_fit` takes it; required on the host backend
-    unless `host_meminfo`), `host_meminfo` (measure `host_free_bytes()` on the host), `margin_bytes` (instead of the flow's `max(1 GiB, 0.75 *
+    unless `host_meminfo`), `host_meminfo` (measure `host_free_bytes()` on the host),
+    `margin_bytes` (instead of the flow's `max(1 GiB, 0.75 *
     transient peak)`), `granularity` (the reservation's granule; the device's by default)."""
 
     budget_bytes: int | None = None
