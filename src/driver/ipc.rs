@@ -272,11 +272,6 @@ pub fn stale(why: String) -> Error {
     ))
 }
 
-/// A duplicate, in this process, of file descriptor `fd` of process `pid`.
-pub fn fd_of_process(pid: i32, fd: i32) -> Result<OwnedFd> {
-    Process::open(pid)?.take(fd)
-}
-
 /// Another process, held by a pidfd, whose fds this process may duplicate.
 pub struct Process {
     pid: i32,
@@ -335,6 +330,10 @@ fn syscall_error(call: &str, pid: i32, fd: Option<i32>) -> Error {
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+
+    fn fd_of_process(pid: i32, fd: i32) -> Result<OwnedFd> {
+        Process::open(pid)?.take(fd)
+    }
 
     #[test]
     fn takes_a_descriptor_of_this_very_process() {
