@@ -19,7 +19,8 @@ On CUDA, SGLang's modules import `sgl_kernel` (its compiled kernels) under a mod
 tensor ops, never `set_kv_buffer`), so where `sgl_kernel` is absent it becomes a stub. A stub's
 attributes chain (`scalar_types.uint4b8`) and raise only when called. On import, off CUDA,
 SGLang's AWQ and GGUF modules warn that only CUDA (and others) support them: those warnings are
-ignored, by their text and module, during the import only.
+ignored, by their text and module, during the import only, as torch 2.11's deprecation of the
+`torch.jit` decorators SGLang applies at import.
 """
 
 from __future__ import annotations
@@ -176,6 +177,13 @@ def load() -> str | None:
                         message="Only CUDA, .* support .* currently",
                         category=UserWarning,
                         module=r"sglang\.srt\.layers\.quantization\.",
+                    )
+                    # torch 2.11 (the GPU machine's) deprecates the `torch.jit` decorators
+                    # SGLang's modules apply at import (`torch.jit.script_method`).
+                    warnings.filterwarnings(
+                        "ignore",
+                        message=r"`torch\.jit\.\w+` is deprecated",
+                        category=DeprecationWarning,
                     )
                     for name in MODULES:
                         importlib.import_module(name)

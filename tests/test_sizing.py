@@ -8,8 +8,10 @@ import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import extensible_kv
 import pytest
 import torch
+from conftest import settled_free
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     ExtensibleKVCache,
@@ -249,3 +251,43 @@ def test_capacity_of_a_7b_like_cache() -> None:
 def test_device_granularity_probes_the_backend() -> None:
     assert device_granularity("cpu", CPU_GRANULARITY) == CPU_GRANULARITY
     assert device_granularity("cpu") == 2 << 20  # the host backend mirrors CUDA's default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    extensible_kv.vmm_unavailable_reason("cuda:0") is not None,
+    reason=extensible_kv.vmm_unavailable_reason("cuda:0") or "",
+)
+def test_cuda_transient_peak_counts_what_was_given_back_not_graph_pools() -> None:
+    """The margin's transient peak: a warm-up's eager temporary (given back by empty_cache)
+    counts; a captured graph's intermediates (kept reserved in its private pool, so already out
+    of free memory) do not, though torch's allocated peak counts them."""
+    from extensible_kv.sizing import cuda_transient_peak_bytes
+
+    mib = 1 << 20
+    settled_free(reset_peaks=True)
+    x = torch.ones(mib, device="cuda:0")  # 4 MiB, kept
+    # an eager temporary of 256 MiB, freed
+    temp = torch.empty(64 * mib, device="cuda:0")
+    del temp
+    torch.cuda.empty_cache()
+    eager = cuda_transient_peak_bytes("cuda:0")
+    assert 256 * mib <= eager < 256 * mib + 64 * mib
+
+    settled_free(reset_peaks=True)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # 256 MiB of intermediates inside the graph: its private pool keeps them reserved
+        with torch.cuda.graph(graph, stream=stream):
+            y = (x.repeat(64) * 2).sum()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    allocated_peak = torch.cuda.max_memory_allocated("cuda:0") - torch.cuda.memory_allocated(
+        "cuda:0"
+    )
+    assert allocated_peak >= 256 * mib  # what the allocated difference took as transient
+    assert cuda_transient_peak_bytes("cuda:0") < 16 * mib
+    graph.replay()
+    assert float(y) == 2.0 * 64 * mib
+    del graph, y, x

@@ -34,7 +34,10 @@ pytestmark = pytest.mark.transformers
 
 PAGE = 16
 MAX_NEW_TOKENS = 10
-NUM_BLOCKS = 48  # the cap in the ContinuousBatchingConfig, for both caches
+NUM_BLOCKS = 48  # the cap in the ContinuousBatchingConfig, for both caches, on the host
+# On CUDA a granule is 2 MiB, 512 blocks of these models: a cap of 4096 blocks spans 8 granules,
+# so the extension and the release change the committed bytes (48 would fit in one granule).
+CUDA_NUM_BLOCKS = 4096
 PROMPT_LENGTHS = (5, 17, 33, 9, 40)
 CUDA_REASON = extensible_kv.vmm_unavailable_reason("cuda:0")
 
@@ -133,12 +136,16 @@ def cb_config(tf: Any, device: str) -> Any:
         # 5.19+; 5.18 switches to flash only where its kernels are installed (never here)
         options["auto_switch_to_flash"] = False
     return ContinuousBatchingConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks(device),
         max_batch_tokens=64,
         page_size=PAGE,
         use_cuda_graph=device == "cuda",
         **options,
     )
+
+
+def num_blocks(device: str) -> int:
+    return CUDA_NUM_BLOCKS if device == "cuda" else NUM_BLOCKS
 
 
 def gen_config(tf: Any) -> Any:
@@ -212,12 +219,12 @@ def test_same_tokens_and_more_blocks(
     assert extensible == own
     report = ekt.last_report()
     assert report is not None
-    assert report.blocks_after <= NUM_BLOCKS
+    assert report.blocks_after <= num_blocks(device)
     if not (padded or device == "cuda"):
         assert report.blocks_before == 0 < report.blocks_after  # no warm-up request ran
     elif warmup_reads_whole_cache(tf):
         # 5.18 to 5.20 warm up with one request over transformers' whole size (here the cap)
-        assert report.blocks_before == report.blocks_after == NUM_BLOCKS
+        assert report.blocks_before == report.blocks_after == num_blocks(device)
     else:
         # 5.21+: the warm-up committed what its requests touched, not transformers' own size
         assert 0 < report.blocks_before < report.blocks_after
@@ -301,6 +308,50 @@ def run(manager: Any) -> list[list[int]]:
     return [results[i] for i in ids]
 
 
+def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
+    """Leaving `continuous_batching_context_manager` while the cache is released stops the
+    manager (transformers refuses to stop inside a pause: release's pause ends first); the
+    cache stays released, and a kept manager resumes and serves again. `resume` from another
+    thread than `release`'s is refused (transformers counts pauses per thread)."""
+    import threading
+
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        with model.continuous_batching_context_manager(
+            generation_config=gen_config(tf),
+            continuous_batching_config=cb_config(tf, "cpu"),
+            persistent_manager=True,
+        ) as manager:
+            assert run(manager) == own
+            ekt.release(manager)
+            errors: list[BaseException] = []
+
+            def resume_elsewhere() -> None:
+                try:
+                    ekt.resume(manager)
+                except BaseException as error:  # noqa: BLE001 - recorded for the assertion
+                    errors.append(error)
+
+            thread = threading.Thread(target=resume_elsewhere)
+            thread.start()
+            thread.join(timeout=30)
+            assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+            assert "from that thread" in str(errors[0])
+        assert not manager.is_running()
+        state = manager.batch_processor.cache._ekv
+        assert state.released and state.pause is None
+        ekt.resume(manager)
+        manager.start()
+        try:
+            assert run(manager) == own
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+
+
 def test_release_refuses_what_it_cannot_do(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 
@@ -340,7 +391,7 @@ def bindings(tf: Any) -> dict[tuple[str, str], Any]:
             for attr in ("PagedAttentionCache", "PagedAttentionMemoryHandler"):
                 if attr in vars(module):
                     found[(name, attr)] = vars(module)[attr]
-    for attr in ("warmup", "_create_batch_processor", "pause"):
+    for attr in ("warmup", "_create_batch_processor", "pause", "stop"):
         found[("ContinuousBatchingManager", attr)] = vars(api.ContinuousBatchingManager)[attr]
     return found
 

@@ -210,8 +210,15 @@ def host_free_bytes() -> int:
 
 
 def cuda_transient_peak_bytes(device: str | torch.device) -> int:
-    """What the warm-up allocated at its peak beyond what it still holds (torch's allocator
-    statistics; reset them before the warm-up to measure only it)."""
+    """What the warm-up had reserved at its peak beyond what torch still reserves: the memory
+    it needed and has given back, which the same work needs free again. Reset torch's peak
+    statistics before the warm-up, and call this after `torch.cuda.empty_cache()`.
+
+    Reserved, not allocated: a CUDA graph's private pool keeps its intermediates' memory
+    reserved for the graph's lifetime, so it is already out of free memory. Counted from
+    `max_memory_allocated - memory_allocated` it was counted twice: on the H200, an 8B Llama's
+    transformers warm-up showed 14.2 GiB "transient" that was all graph pool (reserved peak =
+    reserved after), and its 64-prompt serving then grew torch's reservation by 4 MiB."""
     import torch
 
-    return max(0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
+    return max(0, torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device))

@@ -49,6 +49,7 @@ import contextvars
 import inspect
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -126,6 +127,7 @@ class _State:
     final_sectors: int | None = None  # set by `extend`
     released: bool = False
     pause: Any = None  # the manager's entered `pause()` context while released
+    pause_thread: int | None = None  # the thread that entered it (transformers counts per thread)
     report: ExtendReport | None = field(default=None, repr=False)
 
     def blocks(self, sectors: int) -> int:
@@ -492,6 +494,7 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
         _exit_pause(pause)
         raise
     state.released, state.pause = True, pause
+    state.pause_thread = threading.get_ident() if pause is not None else None
     logger.info(
         "Released KV cache: %d blocks kept (%.2f GiB)",
         state.blocks(keep),
@@ -504,10 +507,11 @@ def resume(cache: Any) -> None:
     state = _state(cache)
     if not state.released or state.final_sectors is None:
         raise RuntimeError("the KV cache is not released: nothing to resume")
+    _check_pause_thread(state, "resume(manager)")
     state.commit(state.final_sectors)  # all or nothing: on OutOfMemoryError it stays released
     _hand_to_pool(cache, state.final_sectors)
-    pause, state.released, state.pause = state.pause, False, None
-    _exit_pause(pause)
+    state.released = False
+    leave_pause(state)
     logger.info(
         "Resumed KV cache at %d blocks (%.2f GiB)",
         state.blocks(state.final_sectors),
@@ -528,3 +532,31 @@ def _enter_pause(manager: Any) -> Any:
 def _exit_pause(pause: Any) -> None:
     if pause is not None:
         pause.__exit__(None, None, None)
+
+
+def _check_pause_thread(state: _State, what: str) -> None:
+    """transformers counts a pause per thread: only the thread that entered it may leave it
+    (another's exit would break its counters, and its `stop` would wait forever)."""
+    if state.pause is not None and state.pause_thread != threading.get_ident():
+        raise RuntimeError(
+            f"the KV cache was released from another thread, which holds the manager's pause: "
+            f"call {what} from that thread"
+        )
+
+
+def leave_pause(state: _State) -> None:
+    """Ends the pause `release` entered, if it still holds one (the cache's state unchanged)."""
+    _check_pause_thread(state, "resume(manager)")
+    pause, state.pause, state.pause_thread = state.pause, None, None
+    _exit_pause(pause)
+
+
+def before_stop(manager: Any) -> None:
+    """Called before transformers' `ContinuousBatchingManager.stop`: a released cache holds the
+    loop's pause, and transformers refuses to stop from inside one (the loop could never
+    exit). The pause ends; the cache stays released (the pool empty) until `resume`."""
+    batch_processor = getattr(manager, "batch_processor", None)
+    state = getattr(getattr(batch_processor, "cache", None), "_ekv", None)
+    if isinstance(state, _State) and state.pause is not None:
+        leave_pause(state)
+        logger.info("Manager stopped while its KV cache is released: resume(manager) to use it")

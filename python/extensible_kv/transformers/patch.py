@@ -9,7 +9,9 @@
   transformers' own except while our cache is built (see `cache`);
 - `ContinuousBatchingManager.warmup` and `._create_batch_processor` wrappers: the cache is
   extended right after the manager's warm-up (graphs captured), or right after the batch
-  processor is built when no warm-up runs (the generation loop builds it itself).
+  processor is built when no warm-up runs (the generation loop builds it itself);
+- a `ContinuousBatchingManager.stop` wrapper: a released cache holds the loop's pause, which
+  transformers' `stop` refuses to run inside; it is left first (the cache stays released).
 
 `disable` puts every original object back where it was; nothing of transformers' code changes.
 """
@@ -60,7 +62,13 @@ _REQUIRED = {
         "bytes_per_batch_token",
         "bytes_per_cache_token",
     ),
-    "ContinuousBatchingManager": ("warmup", "_create_batch_processor", "pause", "is_running"),
+    "ContinuousBatchingManager": (
+        "warmup",
+        "_create_batch_processor",
+        "pause",
+        "is_running",
+        "stop",
+    ),
     "CachePool": ("reset", "allocate_sector"),
 }
 _HOMES = {
@@ -186,6 +194,7 @@ def _install(found: dict[str, Any]) -> None:
     _set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
     create = vars(manager)["_create_batch_processor"]
     _set(manager, "_create_batch_processor", _wrap_create(create))
+    _set(manager, "stop", _wrap_stop(vars(manager)["stop"]))
 
 
 def _installed() -> list[Any]:
@@ -257,6 +266,15 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
     return create_batch_processor
 
 
+def _wrap_stop(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _cache.before_stop(self)
+        return original(self, *args, **kwargs)
+
+    return stop
+
+
 def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
     cache: Any = getattr(batch_processor, "cache", None)
     if not isinstance(getattr(cache, "_ekv", None), _cache._State):
@@ -289,7 +307,9 @@ def release(manager: Any, keep_blocks: int = 0) -> None:
     loop is paused (transformers' `manager.pause()`, held until `resume`), every block is freed
     and the prefix cache cleared (the contents are gone, as after a weight update), and the
     memory past the trash sectors and the first `keep_blocks` blocks is unmapped. Call it when
-    no request is in flight (`RuntimeError` otherwise), and `resume` from the same thread."""
+    no request is in flight (`RuntimeError` otherwise), and `resume` from the same thread.
+    Stopping the manager meanwhile (leaving `continuous_batching_context_manager`) ends the
+    pause and leaves the cache released: `resume` before it serves again."""
     _cache.release(manager, _cache_of(manager), keep_blocks)
 
 
