@@ -332,7 +332,7 @@ def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
             def resume_elsewhere() -> None:
                 try:
                     ekt.resume(manager)
-                except BaseException as error:  # noqa: BLE001 - recorded for the assertion
+                except BaseException as error:  # recorded for the assertion
                     errors.append(error)
 
             thread = threading.Thread(target=resume_elsewhere)
