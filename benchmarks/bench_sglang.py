@@ -120,6 +120,9 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
     times["finalize"] = timed(lambda: owner.finalize(final))
     times["backed_gib"] = owner.backed_bytes / GIB
     times["tokens"] = final
+    buffer = getattr(owner, "buffer", None)
+    if buffer is not None:
+        times["handles"] = buffer.num_handles
     if hasattr(owner, "release"):
         times["release"] = timed(owner.release)
         time.sleep(args.pause)
@@ -129,6 +132,31 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
     gc.collect()
     time.sleep(args.pause)
     return times
+
+
+def capped(cls: Any, cap: str) -> Any:
+    """Our owner whose tensor's handles are capped at `cap` GiB, or cut only between runs
+    (`whole`): its module's `ExtensibleTensor` takes the option while one is built."""
+    from extensible_kv.sglang import owner as owner_module
+
+    option: dict[str, Any] = (
+        {"_cut": "whole_runs"} if cap == "whole" else {"max_handle_bytes": int(cap) * GIB}
+    )
+
+    class Capped(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            tensor = owner_module.ExtensibleTensor
+
+            def with_option(*args: Any, **options: Any) -> Any:
+                return tensor(*args, **{**options, **option})
+
+            owner_module.ExtensibleTensor = with_option  # type: ignore[misc, assignment]
+            try:
+                super().__init__(**kwargs)
+            finally:
+                owner_module.ExtensibleTensor = tensor  # type: ignore[misc]
+
+    return Capped
 
 
 def first_construct(cls: Any, args: argparse.Namespace) -> float:
@@ -141,8 +169,8 @@ def table(results: dict[str, Any]) -> str:
     lines = []
     for shape, per in results["shapes"].items():
         lines.append(f"### {shape} ({SHAPES[shape][0]} layers)")
-        lines.append("| contender | " + " | ".join(f"{s} ms" for s in STEPS) + " | GiB |")
-        lines.append("|---" * (len(STEPS) + 2) + "|")
+        lines.append("| contender | " + " | ".join(f"{s} ms" for s in STEPS) + " | GiB | handles |")
+        lines.append("|---" * (len(STEPS) + 3) + "|")
         for name, runs in per.items():
             if "error" in runs:
                 lines.append(f"| {LABELS[name]} | error: {runs['error']} |")
@@ -151,8 +179,8 @@ def table(results: dict[str, Any]) -> str:
             for step in STEPS:
                 values = [r[step] for r in runs["runs"] if step in r]
                 cells.append(f"{statistics.median(values):.2f}" if values else "n/a")
-            gib = runs["runs"][0]["backed_gib"]
-            lines.append(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {gib:.1f} |")
+            gib, handles = runs["runs"][0]["backed_gib"], runs["runs"][0].get("handles", "")
+            lines.append(f"| {LABELS[name]} | " + " | ".join(cells) + f" | {gib:.1f} | {handles} |")
     if "sglang_first_construct_ms" in results:
         first = results["sglang_first_construct_ms"]
         lines.append(f"\nSGLang's first construct (compiles its allocator): {first:.0f} ms")
@@ -168,6 +196,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--gib", type=int, default=120)
+    parser.add_argument(
+        "--caps",
+        default="",
+        help="comma-separated handle caps in GiB, or `whole` (one handle per run): one more "
+        "'ours' contender (no zeroing) each",
+    )
     args = parser.parse_args()
     if args.quick:
         args.reps, args.gib, args.pause = 1, 16, 0.5
@@ -188,6 +222,11 @@ def main() -> int:
         "ours": (Ours, False),
         "ours_zero": (Ours, True),
     }
+    for cap in filter(None, args.caps.split(",")):
+        name = f"ours_cap{cap}"
+        what = "a handle per run" if cap == "whole" else f"{cap} GiB handles"
+        LABELS[name] = f"ours, {what} (no zeroing)"
+        contenders[name] = (capped(Ours, cap), False)
     results: dict[str, Any] = {"device": args.device, "reps": args.reps, "shapes": {}}
     if args.device != "cpu":
         contenders = {"sglang": (Sglangs, None), **contenders}

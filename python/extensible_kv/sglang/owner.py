@@ -66,6 +66,14 @@ ZERO_ENV_VAR = "EXTENSIBLE_KV_SGLANG_ZERO"
 # Where each buffer starts inside the reservation: torch's caching allocator hands out 512-byte
 # aligned blocks, and kernels may assume as much of a KV buffer.
 SEGMENT_ALIGN_BYTES = 512
+# A grow maps one handle per buffer run, up to this size (then pieces of it), as SGLang's arena
+# maps one handle per buffer per extension. A pool's buffers grow a few times (slot 0, the
+# warm-up, the finalize), each run one buffer's prefix. On the H200 (docs/benchmarks.md,
+# medians of 3, one run), finalize to 120 GiB took: 8B pool, SGLang's arena 9.4 ms, ours in
+# 1 GiB handles cut at multiples of the cap (the core's default) 13.4 ms, at multiples of 8 GiB
+# 10.1 ms, a handle per run 7.5 ms; 70B TP8 pool, 15.8 / 20.4 / 17.0 / 15.3 ms. The cap keeps a
+# unified pool (one buffer) from one giant handle (a 64 GiB cuMemCreate once took 343 ms).
+HANDLE_BYTES = 8 << 30
 
 logger = logging.getLogger("sglang.extensible_kv")
 
@@ -165,7 +173,10 @@ class KvVmmBufferOwner:
             for span in self._reserved_spans
         ]
         buffer = ExtensibleTensor(
-            sum(capacities), device=backing_device, segment_capacities=capacities
+            sum(capacities),
+            device=backing_device,
+            segment_capacities=capacities,
+            fixed_handle_bytes=HANDLE_BYTES,
         )
         try:
             self.tensors = [
