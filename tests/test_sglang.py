@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from types import SimpleNamespace
 from typing import Any
 
+import extensible_kv
 import pytest
 import sglang_env
 from extensible_kv import ExtensibleTensor, OutOfMemoryError, vmm_unavailable_reason
@@ -348,6 +349,39 @@ def test_mha_pool_grows_keeps_low_slots_and_backs_the_footprint(
     assert _values(pool, high) == _expected(pool, 5.0)
     pool._clear_buffers()
     assert owner.backed_bytes == 0
+
+
+@pytest.mark.parametrize("cap_granules", [2, None], ids=["capped", "whole-runs"])
+def test_a_grow_maps_one_handle_per_buffer_run_up_to_the_cap(
+    plugged: Any, pool_device: str, monkeypatch: pytest.MonkeyPatch, cap_granules: int | None
+) -> None:
+    """As SGLang's arena (one handle per buffer per extension): the granules a finalize adds
+    form one run per buffer, each mapped from its start in handles of the cap, the last one
+    shorter; runs shorter than the cap (every run of a real pool) are one handle each."""
+    granularity = extensible_kv.ExtensibleTensor(1, device=pool_device.split(":")[0]).granularity
+    cap = (cap_granules or 1 << 20) * granularity
+    monkeypatch.setattr(owner_module, "HANDLE_BYTES", cap)
+    reserved = 2 * 4 * granularity // (HEADS * V_DIM * 2)  # V: 8 granules, K: 16
+    pool = _mha(plugged, pool_device, reserved, layers=2)
+    buffer = pool._post_capture_owner.buffer
+    before = set(buffer.handle_runs())
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=reserved // 2))
+    added = sorted(set(buffer.handle_runs()) - before)
+    new = sorted(g for first, n in added for g in range(first, first + n))
+    runs: list[list[int]] = []
+    for granule in new:
+        if runs and granule == runs[-1][-1] + 1:
+            runs[-1].append(granule)
+        else:
+            runs.append([granule])
+    assert len(runs) == 2 * pool.layer_num  # the buffers' prefixes do not touch here
+    step = cap // granularity
+    expected = [
+        (run[0] + i, min(step, len(run) - i)) for run in runs for i in range(0, len(run), step)
+    ]
+    assert added == expected
+    assert (len(added) > len(runs)) == (cap_granules is not None)  # capped: runs were cut
+    pool._clear_buffers()
 
 
 def test_a_smaller_finalize_shrinks_in_place_keeping_the_kept_tokens(
