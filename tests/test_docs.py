@@ -737,3 +737,43 @@ def test_env_reads_sees_each_way_of_reading() -> None:
     assert "src/driver/stray.rs" in reads["EXTENSIBLE_KV_FAULT_REPORT"]
     assert "scripts/setup" in reads["EKV_SETUP_VLLM"]
     assert "benches/mapping.rs" in reads["EKV_BENCH_DEVICE"]
+
+
+# ---------------------------------------------------------------------------------------------
+# links inside the docs
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: the rendered text lowercased, all
+    but letters, digits, `_`, `-` and spaces dropped, spaces made `-`; repeats get `-1`, `-2`."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#+ (.*)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.replace("`", "").strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_links_to_headings_resolve() -> None:
+    """`[text](#anchor)` and `[text](file.md#anchor)` in the docs name a heading that exists."""
+    problems = []
+    for doc in (*DOCS, "docs/benchmarks.md"):
+        text = (ROOT / doc).read_text()
+        for match in re.finditer(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+            target, anchor = match.groups()
+            path = (ROOT / doc).parent / target if target else ROOT / doc
+            line = text.count("\n", 0, match.start()) + 1
+            if not path.is_file():
+                problems.append(f"{doc}:{line}: link to {target}: no such file")
+            elif anchor not in heading_anchors(path.read_text()):
+                problems.append(f"{doc}:{line}: #{anchor}: no such heading in {target or doc}")
+    assert not problems, "\n" + "\n".join(problems)
+
+
+def test_anchors_follow_github() -> None:
+    anchors = heading_anchors("# A `b.py` (c, d)\n## A `b.py` (c, d)\n### µs — x\n")
+    assert anchors == {"a-bpy-c-d", "a-bpy-c-d-1", "µs--x"}
