@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -29,9 +28,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-KIB = 1 << 10
-MIB = 1 << 20
-GIB = 1 << 30
+from common import GIB, KIB, MIB, log, median, settle, sync, timed
+from common import environment as common_environment
+
 DEVICE = "cuda:0"
 BLOCK = 32 * KIB  # the flow's first commit, per segment
 REPO = Path(__file__).resolve().parent.parent
@@ -62,35 +61,8 @@ def gib_bytes(gib: float) -> int:
     return max(1, round(gib * GIB / (2 * MIB))) * 2 * MIB
 
 
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
-def cleanup() -> None:
-    gc.collect()
-    sync()
-    torch.cuda.empty_cache()
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def tbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e12
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds for `fn()` and a device synchronize, from a synchronized start."""
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +158,7 @@ def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {exc}"
-            cleanup()
+            settle()
             continue
         total = 2 * per_segment
         extend = median([r["extend_s"] for r in reps])
@@ -203,7 +175,7 @@ def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
             just_freed_teardown_ms=freed["teardown_s"] * 1e3,
         )
         log(f"  extend {extend * 1e3:.1f} ms ({entry['tb_per_s']:.2f} TB/s)")
-        cleanup()
+        settle()
     ours = results["ours"]
     for kind in ("ours", "ours_4gib"):
         entry = results[kind]
@@ -276,16 +248,16 @@ def bench_profile(args: argparse.Namespace) -> dict[str, Any]:
 
 def memset_floor(args: argparse.Namespace) -> dict[str, Any]:
     """torch.empty(...).zero_(): the zeroing every commit pays, with no mapping at all."""
-    cleanup()
+    settle()
     for total in (2 * gib_bytes(args.bulk_gib), gib_bytes(args.bulk_gib)):
         try:
             buf = torch.empty(total, dtype=torch.uint8, device=DEVICE)
         except torch.cuda.OutOfMemoryError:
-            cleanup()
+            settle()
             continue
         times = [timed(buf.zero_) for _ in range(args.reps)]
         del buf
-        cleanup()
+        settle()
         t = median(times)
         log(f"memset floor: {total / GIB:g} GiB in {t * 1e3:.1f} ms")
         return {
@@ -331,7 +303,7 @@ def bench_incremental(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:
             traceback.print_exc()
             entry["error"] = f"{type(exc).__name__}: {exc}"
-            cleanup()
+            settle()
             continue
         eighth = max(1, len(times) // 8)
         first, last = median(times[:eighth]) * 1e6, median(times[-eighth:]) * 1e6
@@ -344,7 +316,7 @@ def bench_incremental(args: argparse.Namespace) -> dict[str, Any]:
             total_s=sum(times),
         )
         log(f"  first eighth {first:.0f} us, last eighth {last:.0f} us")
-        cleanup()
+        settle()
     if "last_eighth_us" in results["ours"] and "last_eighth_us" in results["vllm"]:
         results["ours"]["speedup_vs_vllm_last_eighth"] = (
             results["vllm"]["last_eighth_us"] / results["ours"]["last_eighth_us"]
@@ -396,7 +368,7 @@ def bench_first_pass(args: argparse.Namespace) -> dict[str, Any]:
             if owner is not None:
                 owner.close()
             del owner
-            cleanup()
+            settle()
         results[name] = {
             "first_pass_ms": median(first) * 1e3,
             "first_pass_gb_per_s": n / median(first) / 1e9,
@@ -489,7 +461,7 @@ def bench_overhead(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()  # the views made above are gone: close() refuses while any lives
             t.teardown()
             del t, raw
-            cleanup()
+            settle()
         log("  " + ", ".join(f"{k} {v:.2f}" for k, v in entry.items()))
     return results
 
@@ -648,18 +620,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def environment() -> dict[str, Any]:
-    import extensible_kv
-
-    props = torch.cuda.get_device_properties(0)
-    env = {
-        "device": props.name,
-        "total_memory_gib": props.total_memory / GIB,
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-        "extensible_kv": extensible_kv.__file__,
-        "vllm_baseline": VLLM_NOTE or str(VENDOR),
-    }
+    env = common_environment(torch_cuda=torch.version.cuda, vllm_baseline=VLLM_NOTE or str(VENDOR))
     try:
         from cuda.bindings import driver as cu
 
@@ -736,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         t.grow(GIB)
         t.teardown()
         del t
-    cleanup()
+    settle()
 
     sections = {
         "profile": bench_profile,
@@ -755,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             failed.append(name)
-            cleanup()
+            settle()
         results.setdefault("section_seconds", {})[name] = time.perf_counter() - start
         path.write_text(json.dumps(results, indent=2))
         log(f"== {name} done in {results['section_seconds'][name]:.1f} s")

@@ -18,7 +18,6 @@ Runs only where CUDA's VMM API works.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -27,7 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+from common import GIB, log, settle
+
 DEVICE = "cuda:0"
 
 
@@ -53,10 +53,6 @@ SHAPES = {
 }
 
 
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
 def spec_of(shape: Shape) -> list[Any]:
     import torch
     from extensible_kv import AttentionLayerSpec, KVCacheTensorSpec
@@ -68,15 +64,6 @@ def spec_of(shape: Shape) -> list[Any]:
         KVCacheTensorSpec(shape.block_bytes, {f"layers.{i}": layer})
         for i in range(shape.num_layers)
     ]
-
-
-def settle(pause_s: float) -> None:
-    import torch
-
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    time.sleep(pause_s)
 
 
 def extend_once(shape: Shape, pause_s: float, margin_bytes: int | None) -> dict[str, Any]:

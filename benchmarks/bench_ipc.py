@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+from common import GIB
+
 DEVICE = "cuda:0"
 
 

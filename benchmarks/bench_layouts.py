@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import sys
 import time
 import traceback
@@ -39,8 +38,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
-MIB = 1 << 20
+from common import GIB, log, settle
+from common import median as med
+
 DEVICE = "cuda:0"
 REPO = Path(__file__).resolve().parent.parent
 VENDOR = REPO / ".vendor" / "vllm034"
@@ -178,18 +178,6 @@ class Vllm:
 
     def teardown(self) -> None:
         self.t.free()
-
-
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def settle(pause_s: float) -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    if pause_s:
-        time.sleep(pause_s)
 
 
 def read_tbps(tensors: list[Any], num_bytes: int) -> float:
@@ -335,10 +323,6 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
 
 # --------------------------------------------------------------------------------------------
 # report
-
-
-def med(values: Any) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def fmt(x: Any, digits: int = 1) -> str:

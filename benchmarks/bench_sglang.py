@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 import sglang_env  # noqa: E402  (after the path: it lives with the tests)
+from common import GIB, log, timed_ms  # noqa: E402
 
-GIB = 1 << 30
 MARGIN = 2 * GIB
 PAGE = 1
 WARMUP_TOKENS = 4096
@@ -58,10 +58,6 @@ LABELS = {
 torch: Any = None
 
 
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
 def descs(layers: int, heads: int, head_dim: int, tokens: int) -> list[Any]:
     """`MHATokenToKVPool._build_kv_buffer_descs` for the NHD layout: k0..k{L-1}, v0..v{L-1}."""
     from sglang.srt.mem_cache.memory_pool import KvBufferDesc
@@ -75,19 +71,6 @@ def descs(layers: int, heads: int, head_dim: int, tokens: int) -> list[Any]:
     ]
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Any) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3
-
-
 def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -> dict[str, Any]:
     layers, heads, head_dim = SHAPES[shape]
     per_token = 2 * layers * heads * head_dim * 2
@@ -96,6 +79,7 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
     kwargs = {"zero_new": zero} if zero is not None else {}
     times: dict[str, Any] = {}
     made: list[Any] = []
+    device = torch.device(args.device)
 
     def construct() -> None:
         made.append(
@@ -110,24 +94,24 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
             )
         )
 
-    times["construct"] = timed(construct)
+    times["construct"] = timed_ms(construct, device)[0]
     owner = made.pop()
-    times["warmup"] = timed(lambda: owner.ensure_prefix(WARMUP_TOKENS))
+    times["warmup"] = timed_ms(lambda: owner.ensure_prefix(WARMUP_TOKENS), device)[0]
     time.sleep(args.pause)
     free = torch.cuda.mem_get_info()[0] if args.device != "cpu" else args.gib * GIB * 2
     target = min(args.gib * GIB, free - MARGIN)
     final = min(reserved, max(WARMUP_TOKENS, target // per_token - PAGE))
-    times["finalize"] = timed(lambda: owner.finalize(final))
+    times["finalize"] = timed_ms(lambda: owner.finalize(final), device)[0]
     times["backed_gib"] = owner.backed_bytes / GIB
     times["tokens"] = final
     buffer = getattr(owner, "buffer", None)
     if buffer is not None:
         times["handles"] = buffer.num_handles
     if hasattr(owner, "release"):
-        times["release"] = timed(owner.release)
+        times["release"] = timed_ms(owner.release, device)[0]
         time.sleep(args.pause)
-        times["resume"] = timed(owner.resume)
-    times["close"] = timed(owner.close)
+        times["resume"] = timed_ms(owner.resume, device)[0]
+    times["close"] = timed_ms(owner.close, device)[0]
     made.clear()
     gc.collect()
     time.sleep(args.pause)

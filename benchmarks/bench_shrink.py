@@ -21,36 +21,16 @@ memory in the background). Prints a markdown table, writes DIR/bench_shrink.json
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+from common import GIB, log, settle, timed_ms
+
 DEVICE = "cuda:0"
 torch: Any = None
-
-
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def settle(pause_s: float) -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    time.sleep(pause_s)
-
-
-def timed(fn: Any) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def stamp(t: Any) -> None:
@@ -80,7 +60,7 @@ def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str,
     handles_before = t.num_handles
     settle(pause_s)
     free_before = torch.cuda.mem_get_info()[0]
-    ms = timed(lambda: t.shrink_(keep, exact=exact))
+    ms = timed_ms(lambda: t.shrink_(keep, exact=exact))[0]
     freed = torch.cuda.mem_get_info()[0] - free_before
     out = {
         "ms": ms,
@@ -103,7 +83,7 @@ def consolidate_once(per_segment: int, pause_s: float) -> dict[str, Any]:
     stamp(t)
     handles_before = t.num_handles
     settle(pause_s)
-    ms = timed(t.consolidate)
+    ms = timed_ms(t.consolidate)[0]
     out = {
         "ms": ms,
         "bytes": t.physical_bytes,
@@ -120,9 +100,9 @@ def recommit_once(total: int, pause_s: float) -> dict[str, Any]:
     t = ExtensibleTensor(total, 1, DEVICE)
     t.resize_(total)
     settle(pause_s)
-    release_ms = timed(t.release_physical)
+    release_ms = timed_ms(t.release_physical)[0]
     settle(pause_s)
-    grow_ms = timed(lambda: t.resize_(total))
+    grow_ms = timed_ms(lambda: t.resize_(total))[0]
     t.close()
     return {"release_ms": release_ms, "grow_ms": grow_ms}
 
@@ -131,7 +111,7 @@ def copy_floor(num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    ms = min(timed(lambda: dst.copy_(src)) for _ in range(3))
+    ms = min(timed_ms(lambda: dst.copy_(src))[0] for _ in range(3))
     return ms
 
 

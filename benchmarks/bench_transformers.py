@@ -35,34 +35,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+import common
+from common import GIB, log, sync, timed_ms
 
 torch: Any = None
 
 
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def sync(device: Any) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free_bytes(device: Any) -> int | None:
-    if device.type != "cuda":
-        return None
-    gc.collect()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info(device)[0])
-
-
-def timed(device: Any, fn: Any) -> tuple[float, Any]:
-    sync(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3, result
+    """The device's free bytes once torch's cache is given back; None on the host."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return common.free_bytes(device)
 
 
 def build_model(args: argparse.Namespace, device: Any) -> Any:
@@ -147,11 +131,11 @@ def start_up(manager: Any, device: Any, extensible: bool) -> dict[str, Any]:
     # so that ours is extended after the warm-up, not when the processor is built.
     token = patch._IN_WARMUP.set(True)
     try:
-        cache_ms, processor = timed(device, manager._create_batch_processor)
+        cache_ms, processor = timed_ms(manager._create_batch_processor, device)
     finally:
         patch._IN_WARMUP.reset(token)
     manager.batch_processor = processor
-    warmup_ms, _ = timed(device, manager.warmup)
+    warmup_ms, _ = timed_ms(manager.warmup, device)
     extend_ms = 0.0
     if extensible:
         report = last_report()
@@ -205,7 +189,7 @@ def run_own(model: Any, args: argparse.Namespace, device: Any, prompts: list[lis
         fresh.start()
         return fresh
 
-    row["restart_ms"], fresh = timed(device, restart)
+    row["restart_ms"], fresh = timed_ms(restart, device)
     fresh.stop(block=True)
     fresh.destroy()
     return row, tokens
@@ -229,10 +213,10 @@ def run_extensible(model: Any, args: argparse.Namespace, device: Any, prompts: l
         manager.start()
         tokens, gen = generate(manager, prompts, args, device)
         row.update(gen)
-        row["release_ms"], _ = timed(device, lambda: ekt.release(manager))
+        row["release_ms"], _ = timed_ms(lambda: ekt.release(manager), device)
         row["released_gib"] = manager.batch_processor.cache._ekv.tensor.physical_bytes / GIB
         row["free_released_gib"] = (free_bytes(device) or 0) / GIB
-        row["resume_ms"], _ = timed(device, lambda: ekt.resume(manager))
+        row["resume_ms"], _ = timed_ms(lambda: ekt.resume(manager), device)
         row["restart_ms"] = row["release_ms"] + row["resume_ms"]
         again, _ = generate(manager, prompts, args, device)
         manager.stop(block=True)

@@ -30,12 +30,10 @@ Medians over the repetitions. Prints markdown tables and writes DIR/bench_vllm.j
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
-import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -43,10 +41,13 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+# common is found next to this file when it runs as a script, not when a test loads it by path.
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+import common  # noqa: E402
 import vllm_env  # noqa: E402  (after the path: it lives with the tests)
+from common import GIB, log, settle, timed_ms  # noqa: E402
 
-GIB = 1 << 30
 MARGIN = 2 * GIB
 STEPS = ("allocate", "extend", "defragment", "sleep", "wake", "free")
 # Ours, by EXTENSIBLE_KV_VLLM_HANDLES.
@@ -54,37 +55,6 @@ OURS = {"ours": "at_cap_multiples", "ours_runs": "whole_runs"}
 LABELS = {"vllm": "vLLM 0.34", "ours": "ours (default cut)", "ours_runs": "ours (whole runs)"}
 
 torch: Any = None
-
-
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def sync(device: Any) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(device: Any, fn: Any) -> tuple[float, Any]:
-    sync(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3, result
-
-
-def settle(device: Any, pause_s: float) -> None:
-    gc.collect()
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    time.sleep(pause_s)
-
-
-def free_bytes(device: Any) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return 0
 
 
 def cases(quick: bool) -> list[Any]:
@@ -158,26 +128,28 @@ def one_run(
         views = allocate_kv_cache(config, device, lay, allocate=kv.allocate)
         return kv, views
 
-    out["allocate"], made = timed(device, allocate)
+    out["allocate"], made = timed_ms(allocate, device)
     kv, views = made
     if target is None:
-        available = free_bytes(device) + kv.physical_bytes - MARGIN if budget == 0 else budget
+        available = (
+            (common.free_bytes(device) or 0) + kv.physical_bytes - MARGIN if budget == 0 else budget
+        )
         target = kv.blocks_within(available)
     out["blocks"] = target
-    settle(device, pause_s)
-    out["extend"], _ = timed(device, lambda: kv.commit(target))
+    settle(pause_s, device)
+    out["extend"], _ = timed_ms(lambda: kv.commit(target), device)
     out["committed_bytes"] = kv.physical_bytes
     out["chunks_after_extend"] = kv.buffer.num_physical_chunks
     out["segments"] = kv.buffer.num_segments
-    out["defragment"], _ = timed(device, lambda: kv.commit(target, defragment=True))
+    out["defragment"], _ = timed_ms(lambda: kv.commit(target, defragment=True), device)
     sizes = [target * stride for stride in kv.segment_strides]
     out["one_chunk_per_segment"] = all(kv.buffer.segments_backed_by_one_chunk(sizes))
     out["chunks_after_defragment"] = kv.buffer.num_physical_chunks
-    out["sleep"], _ = timed(device, kv.release_physical)
-    settle(device, pause_s)
-    out["wake"], _ = timed(device, kv.recommit)
+    out["sleep"], _ = timed_ms(kv.release_physical, device)
+    settle(pause_s, device)
+    out["wake"], _ = timed_ms(kv.recommit, device)
     views.clear()
-    out["free"], _ = timed(device, kv.free)
+    out["free"], _ = timed_ms(kv.free, device)
     return out
 
 
@@ -199,7 +171,7 @@ def bench_case(case: Any, device: Any, contender: Contender, args: argparse.Name
         kinds = contender.kinds if rep % 2 == 0 else contender.kinds[::-1]
         for kind in kinds:
             contender.use(kind)
-            settle(device, 0.0)
+            settle(0.0, device)
             log(f"  rep {rep + 1}/{args.reps}: {kind}")
             run = one_run(case, device, capacity, target, budget, args.pause)
             target = run["blocks"]  # every run commits the same blocks
@@ -255,19 +227,9 @@ def report(results: dict[str, Any]) -> str:
 
 
 def environment(device: Any) -> dict[str, Any]:
-    import extensible_kv
     import vllm
 
-    env = {
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "extensible_kv": extensible_kv.__file__,
-        "vllm": f"{vllm.__version__} ({vllm_env.source()})",
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(device=props.name, total_memory_gib=props.total_memory / GIB)
-    return env
+    return common.environment(device, vllm=f"{vllm.__version__} ({vllm_env.source()})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             results["cases"][case.name] = {"error": f"{type(exc).__name__}: {exc}"}
             failed = True
             contender.use("ours")
-            settle(device, 0.0)
+            settle(0.0, device)
         path.write_text(json.dumps(results, indent=2, default=str))
     print(report(results))
     print(f"\nJSON: {path}")

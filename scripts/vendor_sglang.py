@@ -15,7 +15,7 @@ Writes:
                               cuda-bindings, which SGLang's own arena drives the driver with
                               (benchmarks/bench_sglang.py's baseline)
 
-`--check` then runs the `sglang` tests here as the GPU machine would (vendor_vllm's device-like
+`--check` then runs the `sglang` tests here as the GPU machine would (vendor_common's device-like
 Python: torch, numpy, transformers, pytest, hypothesis and extensible-kv only). The vLLM and
 SGLang copies are separate: a device call carries one of them (64 MiB per call).
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -34,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-import vendor_vllm  # noqa: E402  (a sibling script: its download and device-like site helpers)
+from vendor_common import download, log, run_as_device  # noqa: E402  (a sibling script)
 
 VERSION = "0.5.23"
 # Distributions SGLang 0.5.23's pool modules import (tests/sglang_env.py's MODULES, measured on
@@ -78,37 +77,13 @@ PLATFORMS = ["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x
 PLATFORMS += ["manylinux2014_x86_64", "manylinux_2_24_x86_64"]
 
 
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def download(target: Path, python: str, *pins: str) -> None:
-    tag = python.replace(".", "")
-    vendor_vllm.pip(
-        "download",
-        "-q",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--python-version",
-        python,
-        "--implementation",
-        "cp",
-        "--abi",
-        f"cp{tag}",
-        *(arg for platform in PLATFORMS for arg in ("--platform", platform)),
-        "-d",
-        str(target),
-        *pins,
-    )
-
-
 def write_code(vendor: Path, python: str) -> None:
     with tempfile.TemporaryDirectory(prefix="ekv-sglang-wheel-") as cache:
         local = os.environ.get("EKV_SGLANG_WHEEL")
         if local:
             wheel = Path(local)
         else:
-            download(Path(cache), python, f"sglang=={VERSION}")
+            download(Path(cache), python, PLATFORMS, f"sglang=={VERSION}")
             (wheel,) = Path(cache).glob(f"sglang-{VERSION}-*.whl")
         target = vendor / "sglang0523-py.zip"
         kept = 0
@@ -130,7 +105,7 @@ def write_wheels(target: Path, python: str) -> None:
     for old in target.glob("*.whl"):
         old.unlink()
     target.mkdir(parents=True, exist_ok=True)
-    download(target, python, *(f"{name}=={md.version(name)}" for name in WHEELS))
+    download(target, python, PLATFORMS, *(f"{name}=={md.version(name)}" for name in WHEELS))
     size = sum(p.stat().st_size for p in target.glob("*.whl"))
     log(f"{target}: {len(WHEELS)} wheels for Python {python}, {size / 2**20:.1f} MiB")
 
@@ -143,18 +118,8 @@ def check() -> int:
         here = f"{sys.version_info.major}.{sys.version_info.minor}"
         write_code(vendor, here)
         write_wheels(vendor / "sglang0523-wheels", here)
-        site = vendor_vllm.device_like_site(root)
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(site), str(REPO / "python"), str(REPO / "tests")]),
-            "EKV_VENDOR": str(vendor),
-            "EKV_REQUIRE_SGLANG": "1",
-            "TMPDIR": str(root),
-        }
-        command = [sys.executable, "-S", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        command += ["-m", "sglang", str(REPO / "tests" / "test_sglang.py")]
-        log("check:", " ".join(command))
-        return subprocess.run(command, env=env, cwd=REPO).returncode
+        tests = ["-m", "sglang", str(REPO / "tests" / "test_sglang.py")]
+        return run_as_device(root, vendor, "EKV_REQUIRE_SGLANG", tests)
 
 
 def main() -> int:

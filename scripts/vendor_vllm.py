@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from vendor_common import REPO, download, log, pip, run_as_device
+
 VERSION = "0.34.0"
 # Distributions vLLM's modules import (tests/vllm_env.py's imports, measured on a CPU machine)
 # that a bare torch + transformers machine lacks. The three stubbed there instead (Pillow,
@@ -68,8 +67,7 @@ WHEELS = [
     "xgrammar",
     "yarl",
 ]
-# What the GPU machine has (docs: torch, transformers, numpy, pytest, hypothesis), for --check.
-DEVICE_HAS = ["torch", "numpy", "transformers", "pytest", "hypothesis"]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 # vLLM's modules that benchmarks/bench_cuda.py imports, and the stubs it needs around them.
 BASELINE_FILES = ["vllm/utils/extensible_tensor.py", "vllm/utils/vmm_driver.py"]
 BASELINE_STUBS = {
@@ -83,14 +81,6 @@ BASELINE_STUBS = {
         "from vllm.utils.extensible_tensor import ExtensibleTensor, granule_size  # noqa\n"
     ),
 }
-
-
-def log(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
 
 def vllm_wheel(cache: Path) -> Path:
@@ -128,72 +118,9 @@ def write_wheels(target: Path, python: str) -> None:
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     pins = [f"{name}=={md.version(name)}" for name in WHEELS]
-    tag = python.replace(".", "")
-    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-    pip(
-        "download",
-        "-q",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--python-version",
-        python,
-        "--implementation",
-        "cp",
-        "--abi",
-        f"cp{tag}",
-        *(arg for platform in platforms for arg in ("--platform", platform)),
-        "-d",
-        str(target),
-        *pins,
-    )
+    download(target, python, PLATFORMS, *pins)
     size = sum(p.stat().st_size for p in target.glob("*.whl"))
     log(f"{target}: {len(pins)} wheels for Python {python}, {size / 2**20:.1f} MiB")
-
-
-# ---- --check: the GPU machine's view, here
-
-
-def _requirement_names(dist: str) -> list[str]:
-    names = []
-    for req in md.requires(dist) or []:
-        if "extra ==" in req:
-            continue
-        names.append(re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0])
-    return names
-
-
-def _closure(roots: list[str]) -> set[str]:
-    seen: set[str] = set()
-    todo = list(roots)
-    while todo:
-        name = todo.pop()
-        try:
-            dist = md.distribution(name)
-        except md.PackageNotFoundError:
-            continue  # a platform-specific requirement this machine does not have
-        key = dist.metadata["Name"].lower().replace("_", "-")
-        if key in seen:
-            continue
-        seen.add(key)
-        todo.extend(_requirement_names(name))
-    return seen
-
-
-def device_like_site(root: Path) -> Path:
-    """A site dir of symlinks to what the GPU machine has, plus extensible-kv's metadata."""
-    site = root / "site"
-    site.mkdir(parents=True)
-    keep = _closure(DEVICE_HAS) | {"extensible-kv"}
-    for dist in md.distributions():
-        key = dist.metadata["Name"].lower().replace("_", "-")
-        if key not in keep or dist.files is None:
-            continue
-        tops = {f.parts[0] for f in dist.files if f.parts and f.parts[0] != ".."}
-        for top in tops:
-            source = Path(str(dist.locate_file(top)))
-            if source.exists() and not (site / top).exists() and not top.endswith(".pth"):
-                (site / top).symlink_to(source)
-    return site
 
 
 def check() -> int:
@@ -204,18 +131,7 @@ def check() -> int:
         shutil.copy2(REPO / ".vendor" / "vllm034-py.zip", vendor)
         here = f"{sys.version_info.major}.{sys.version_info.minor}"
         write_wheels(vendor / "vllm034-wheels", here)
-        site = device_like_site(root)
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(site), str(REPO / "python"), str(REPO / "tests")]),
-            "EKV_VENDOR": str(vendor),
-            "EKV_REQUIRE_VLLM": "1",
-            "TMPDIR": str(root),
-        }
-        command = [sys.executable, "-S", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        command += ["-m", "vllm", str(REPO / "tests")]
-        log("check:", " ".join(command))
-        return subprocess.run(command, env=env, cwd=REPO).returncode
+        return run_as_device(root, vendor, "EKV_REQUIRE_VLLM", ["-m", "vllm", str(REPO / "tests")])
 
 
 def main() -> int:

@@ -25,19 +25,16 @@ ignored, by their text and module, during the import only, as torch 2.11's depre
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
-import tempfile
 import types
 import warnings
-import zipfile
 from pathlib import Path
 from typing import Any
+
+import stack_env
 
 REPO = Path(__file__).resolve().parent.parent
 VENDOR = Path(os.environ.get("EKV_VENDOR") or REPO / ".vendor")
@@ -63,36 +60,6 @@ STUBBED = ("torchvision", "PIL")
 _state: dict[str, Any] = {}
 
 
-def _installed() -> bool:
-    try:
-        return importlib.util.find_spec("sglang") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _extract() -> tuple[Path, Path]:
-    """`(code, site)`: the vendored SGLang and wheels, unpacked once per machine."""
-    digest = hashlib.sha256()
-    for path in [SGLANG_ZIP, *sorted(WHEELS.glob("*.whl"))]:
-        stat = path.stat()
-        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    root = Path(tempfile.gettempdir()) / f"extensible-kv-sglang0523-{digest.hexdigest()[:16]}"
-    if not (root / "done").exists():
-        tmp = Path(tempfile.mkdtemp(prefix="extensible-kv-sglang0523-"))
-        with zipfile.ZipFile(SGLANG_ZIP) as archive:
-            archive.extractall(tmp / "code")
-        for wheel in sorted(WHEELS.glob("*.whl")):
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(tmp / "site")
-        (tmp / "site").mkdir(exist_ok=True)
-        (tmp / "done").touch()
-        try:
-            tmp.rename(root)
-        except OSError:  # another process won the race: use its copy
-            pass
-    return root / "code", root / "site"
-
-
 class _Kernel:
     """A stand-in for anything `sgl_kernel` exports: attributes chain, calls raise."""
 
@@ -115,25 +82,6 @@ class _KernelModule(types.ModuleType):
         return _Kernel(f"{self.__name__}.{name}")
 
 
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, packages: set[str]) -> None:
-        self.packages = packages
-
-    def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] not in self.packages:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _KernelModule(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__path__ = []
-        module.__version__ = "0+stub"
-
-
 def _stub_what_is_absent() -> None:
     import torch
 
@@ -141,7 +89,7 @@ def _stub_what_is_absent() -> None:
     if torch.cuda.is_available():
         absent |= {name for name in KERNEL_PACKAGES if importlib.util.find_spec(name) is None}
     if absent:
-        sys.meta_path.append(_StubFinder(absent))
+        sys.meta_path.append(stack_env.StubFinder(absent, _KernelModule))
     _state["stubbed"] = sorted(absent)
 
 
@@ -151,11 +99,11 @@ def load() -> str | None:
         return _state["reason"]  # type: ignore[no-any-return]
     reason: str | None = None
     try:
-        if _installed():
+        if stack_env.installed("sglang"):
             _state["source"] = "installed"
         elif SGLANG_ZIP.exists():
             _state["source"] = f"vendored ({SGLANG_ZIP})"
-            code, site = _extract()
+            code, site = stack_env.extract(SGLANG_ZIP, WHEELS, "sglang0523")
             # The machine's own packages win over the vendored wheels, which fill gaps only.
             sys.path.insert(0, str(code))
             sys.path.append(str(site))
@@ -195,11 +143,9 @@ def load() -> str | None:
 
 def source() -> str:
     """Where SGLang came from (after `load()`), for logs."""
-    stubbed = _state.get("stubbed")
-    suffix = f"; stubbed: {', '.join(stubbed)}" if stubbed else ""
-    return f"{_state.get('source', 'not loaded')}{suffix}"
+    return stack_env.source(_state)
 
 
 def required() -> bool:
     """CI sets EKV_REQUIRE_SGLANG=1: there, SGLang missing is a failure, not a skip."""
-    return os.environ.get("EKV_REQUIRE_SGLANG", "") not in ("", "0")
+    return stack_env.required("EKV_REQUIRE_SGLANG")

@@ -49,8 +49,7 @@ def _transformers_reason() -> str | None:
         return f"transformers is not installed ({error}); scripts/setup installs it"
     from extensible_kv.transformers import SUPPORTED, patch
 
-    release = patch._version_tuple(transformers.__version__)
-    if release is None or not patch.MIN_VERSION <= release[:2] <= patch.MAX_VERSION:
+    if not patch._supports(transformers.__version__):
         return f"transformers {transformers.__version__} is installed; these tests need {SUPPORTED}"
     return None
 
@@ -122,9 +121,9 @@ def build_model(tf: Any, kind: str, attention: str, device: str) -> Any:
 def warmup_reads_whole_cache(tf: Any) -> bool:
     """Before 5.21 the padded warm-up's prefill request had the whole cache as its past (5.21
     caps it at one page)."""
-    from extensible_kv.transformers import patch
+    from extensible_kv._plugins import version_tuple
 
-    release = patch._version_tuple(sys.modules["transformers"].__version__)
+    release = version_tuple(sys.modules["transformers"].__version__)
     return release is not None and release[:2] < (5, 21)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from extensible_kv._plugins import Patches
 from extensible_kv.vllm import ENV_VAR, ExtensibleTensor, granule_size, plugin, register
 
 TESTS = Path(__file__).resolve().parent
@@ -109,12 +110,9 @@ def records() -> Iterator[Records]:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeVllm]:
     monkeypatch.delenv(ENV_VAR, raising=False)
-    # The real plugin state (another test may have installed it into the real vLLM).
-    saved = dict(plugin._originals)
-    plugin._originals.clear()
+    # The real plugin state (another test may have installed it into the real vLLM) stays aside.
+    monkeypatch.setattr(plugin, "_patches", Patches())
     yield FakeVllm(monkeypatch)
-    plugin._originals.clear()
-    plugin._originals.update(saved)
 
 
 def test_entry_point_is_declared() -> None:
@@ -314,7 +312,7 @@ def test_vllm_034_is_recognised(vllm: Any) -> None:
     module = extensible_tensor
     if module.ExtensibleTensor is ExtensibleTensor:  # the plugin already ran here
         originals = {
-            name: obj for (mod, name), obj in plugin._originals.items() if mod == module.__name__
+            name: obj for (target, name), obj in plugin._patches.items() if target is module
         }
         module = types.SimpleNamespace(**originals)
     assert plugin._unrecognised(module) is None

@@ -22,18 +22,15 @@ vLLM's own modules run unchanged either way.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
 from typing import Any
+
+import stack_env
 
 REPO = Path(__file__).resolve().parent.parent
 VENDOR = Path(os.environ.get("EKV_VENDOR") or REPO / ".vendor")  # `scripts/vendor-vllm --check`
@@ -45,40 +42,6 @@ VLLM_VERSION = "0.34.0"
 STUBBED = ("PIL", "uvloop", "llguidance")
 
 _state: dict[str, Any] = {}
-
-
-def _installed() -> bool:
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _stamp() -> str:
-    digest = hashlib.sha256()
-    for path in [VLLM_ZIP, *sorted(WHEELS.glob("*.whl"))]:
-        stat = path.stat()
-        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:16]
-
-
-def _extract() -> tuple[Path, Path]:
-    """`(code, site)`: the vendored vLLM and wheels, unpacked once per machine."""
-    root = Path(tempfile.gettempdir()) / f"extensible-kv-vllm034-{_stamp()}"
-    if not (root / "done").exists():
-        tmp = Path(tempfile.mkdtemp(prefix="extensible-kv-vllm034-"))
-        with zipfile.ZipFile(VLLM_ZIP) as archive:
-            archive.extractall(tmp / "code")
-        for wheel in sorted(WHEELS.glob("*.whl")):
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(tmp / "site")
-        (tmp / "site").mkdir(exist_ok=True)
-        (tmp / "done").touch()
-        try:
-            tmp.rename(root)
-        except OSError:  # another process won the race: use its copy
-            pass
-    return root / "code", root / "site"
 
 
 class _StubModule(types.ModuleType):
@@ -93,31 +56,12 @@ class _StubModule(types.ModuleType):
         return value
 
 
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, packages: set[str]) -> None:
-        self.packages = packages
-
-    def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] not in self.packages:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _StubModule(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__path__ = []
-        module.__version__ = "0+stub"
-
-
 def _use_vendored() -> None:
-    code, site = _extract()
+    code, site = stack_env.extract(VLLM_ZIP, WHEELS, "vllm034")
     sys.path[:0] = [str(code), str(site)]
     absent = {name for name in STUBBED if importlib.util.find_spec(name) is None}
     if absent:
-        sys.meta_path.append(_StubFinder(absent))
+        sys.meta_path.append(stack_env.StubFinder(absent, _StubModule))
     _state["stubbed"] = sorted(absent)
     import vllm.platforms
     from vllm.platforms.interface import UnspecifiedPlatform
@@ -131,7 +75,7 @@ def load() -> str | None:
         return _state["reason"]  # type: ignore[no-any-return]
     reason: str | None = None
     try:
-        if _installed():
+        if stack_env.installed("vllm"):
             _state["source"] = "installed"
         elif VLLM_ZIP.exists():
             _state["source"] = f"vendored ({VLLM_ZIP})"
@@ -156,11 +100,9 @@ def load() -> str | None:
 
 def source() -> str:
     """Where vLLM came from (after `load()`), for logs."""
-    stubbed = _state.get("stubbed")
-    suffix = f"; stubbed: {', '.join(stubbed)}" if stubbed else ""
-    return f"{_state.get('source', 'not loaded')}{suffix}"
+    return stack_env.source(_state)
 
 
 def required() -> bool:
     """CI sets EKV_REQUIRE_VLLM=1: there, vLLM missing is a failure, not a skip."""
-    return os.environ.get("EKV_REQUIRE_VLLM", "") not in ("", "0")
+    return stack_env.required("EKV_REQUIRE_VLLM")

@@ -170,28 +170,18 @@ class KVCacheFlow:
         target = fit if max_blocks is None else min(fit, max_blocks)
         if group is not None:
             target = min_over_group(target, group, self.device)
-        (blocks_before, bytes_before, handles_before), commit_ms = self._commit_timed(target)
-        blocks_after, bytes_after, handles_after = self._state()
-        report = ExtendReport(
-            blocks_before=blocks_before,
-            blocks_after=blocks_after,
+        before, commit_ms = self._commit_timed(target)
+        return report_extension(
+            budget,
+            source,
+            start,
+            before=before,
+            after=self._state(),
             capacity_blocks=self.cache.capacity_blocks,
             fit_blocks=fit,
-            bytes_before=bytes_before,
-            bytes_after=bytes_after,
-            handles_before=handles_before,
-            handles_after=handles_after,
             commit_ms=commit_ms,
-            total_ms=(time.perf_counter() - start) * 1e3,
-            budget_bytes=budget.budget_bytes,
-            margin_bytes=budget.margin_bytes,
-            free_bytes=None if source == "given" else budget.free_now_bytes,
-            non_kv_used_bytes=budget.non_kv_used_bytes,
-            budget_source=source,
             legacy=self.cache.legacy,
         )
-        _log(report)
-        return report
 
     def _commit_timed(self, num_blocks: int) -> tuple[tuple[int, int, int], float]:
         """Commits `num_blocks` (never fewer than are committed); returns the state before and
@@ -335,6 +325,43 @@ def _free_bytes_or_none(device: torch.device) -> int | None:
         return sizing.host_free_bytes()
     except (OSError, RuntimeError):
         return None
+
+
+def report_extension(
+    budget: sizing.MemoryBudget,
+    source: str,
+    start: float,
+    *,
+    before: tuple[int, int, int],
+    after: tuple[int, int, int],
+    capacity_blocks: int,
+    fit_blocks: int,
+    commit_ms: float,
+    legacy: bool,
+) -> ExtendReport:
+    """The `ExtendReport` of one extension, logged: `before` and `after` are (blocks, physical
+    bytes, handles), `budget` and `source` what `measure_budget_now` returned, `start` the
+    `time.perf_counter()` the call began at (`total_ms` runs from it to now)."""
+    report = ExtendReport(
+        blocks_before=before[0],
+        blocks_after=after[0],
+        capacity_blocks=capacity_blocks,
+        fit_blocks=fit_blocks,
+        bytes_before=before[1],
+        bytes_after=after[1],
+        handles_before=before[2],
+        handles_after=after[2],
+        commit_ms=commit_ms,
+        total_ms=(time.perf_counter() - start) * 1e3,
+        budget_bytes=budget.budget_bytes,
+        margin_bytes=budget.margin_bytes,
+        free_bytes=None if source == "given" else budget.free_now_bytes,
+        non_kv_used_bytes=budget.non_kv_used_bytes,
+        budget_source=source,
+        legacy=legacy,
+    )
+    _log(report)
+    return report
 
 
 def _log(report: ExtendReport) -> None:

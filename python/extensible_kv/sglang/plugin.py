@@ -35,7 +35,13 @@ import sys
 import types
 from typing import Any
 
-from extensible_kv._plugins import env_flag, version_tuple
+from extensible_kv._plugins import (
+    Integration,
+    env_flag,
+    init_params,
+    missing_public,
+    version_in,
+)
 
 __all__ = ["ENV_VAR", "MEMORY_SAVER_ENV_VAR", "register", "unregister"]
 
@@ -65,6 +71,7 @@ _OWNER_METHODS = ("ensure_prefix", "finalize", "close")
 
 # A child of SGLang's "sglang" logger, whose handlers SGLang configures.
 logger = logging.getLogger("sglang.extensible_kv")
+_SGLANG = Integration("SGLang", "KvVmmBufferOwner", ENV_VAR, logger)
 
 # target -> hook, for what `register` asked the registry to do (`unregister` undoes it).
 _registered: dict[str, Any] = {}
@@ -75,8 +82,7 @@ _gate_lifted_logged = False
 
 def _unrecognised(version: str) -> str | None:
     """Why this SGLang is not one the plugin supports, or None when it is."""
-    parsed = version_tuple(version)
-    if parsed is None or parsed < MIN_VERSION:
+    if not version_in(version, MIN_VERSION):
         return "the plugin needs SGLang 0.5.16 or later (post-capture KV sizing)"
     try:
         module = importlib.import_module(_OWNER_MODULE)
@@ -85,7 +91,7 @@ def _unrecognised(version: str) -> str | None:
     cls = getattr(module, "KvVmmBufferOwner", None)
     if not inspect.isclass(cls):
         return f"{_OWNER_MODULE} has no KvVmmBufferOwner class"
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    params = init_params(cls)
     names = tuple(p.name for p in params)
     if names != _OWNER_PARAMS or any(p.kind is not p.KEYWORD_ONLY for p in params):
         return f"KvVmmBufferOwner{inspect.signature(cls.__init__)} is not the keyword API of 0.5.23"
@@ -94,8 +100,7 @@ def _unrecognised(version: str) -> str | None:
         return f"its KvVmmBufferOwner lacks {missing}"
     from extensible_kv.sglang.owner import KvVmmBufferOwner
 
-    public = (name for name in dir(cls) if not name.startswith("_"))
-    extra = sorted(name for name in public if not hasattr(KvVmmBufferOwner, name))
+    extra = missing_public(cls, KvVmmBufferOwner)
     if extra:
         return f"its KvVmmBufferOwner has {extra}, which extensible-kv's owner lacks"
     return None
@@ -107,21 +112,15 @@ def register() -> bool:
     hooks (`HookRegistry.apply_hooks()`, which `load_plugins` calls)."""
     if "sglang" not in sys.modules:
         return False  # not called by SGLang: import nothing
-    if not env_flag(ENV_VAR, True):
-        logger.info("extensible-kv: %s=0, SGLang keeps its own KvVmmBufferOwner.", ENV_VAR)
+    if _SGLANG.switched_off():
         return False
     if _registered:
         return True
     version = str(getattr(sys.modules["sglang"], "__version__", "unknown"))
     reason = _unrecognised(version)
     if reason is not None:
-        logger.warning(
-            "extensible-kv: not replacing SGLang %s's KvVmmBufferOwner: %s. The plugin supports "
-            "SGLang >= 0.5.16 (tested at %s); set %s=0 to silence this.",
-            version,
-            reason,
-            TESTED_VERSION,
-            ENV_VAR,
+        _SGLANG.warn_not_replacing(
+            version, reason, f"SGLang >= 0.5.16 (tested at {TESTED_VERSION})"
         )
         return False
     registry = importlib.import_module(_REGISTRY_MODULE)
@@ -147,12 +146,10 @@ def register() -> bool:
         saver = "on"
     else:
         saver = "off (this SGLang lacks the seams)"
-    logger.info(
-        "extensible-kv: SGLang %s's post-capture KV arena runs on extensible-kv's Rust core "
-        "(KvVmmBufferOwner replaced; with --enable-memory-saver: %s; %s=0 turns this off).",
+    _SGLANG.log_enabled(
         version,
-        saver,
-        ENV_VAR,
+        "post-capture KV arena",
+        f"KvVmmBufferOwner replaced; with --enable-memory-saver: {saver}",
     )
     return True
 

@@ -411,27 +411,18 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
     commit_ms = (time.perf_counter() - commit_start) * 1e3
     state.final_sectors = state.committed_sectors
     _hand_to_pool(cache, state.final_sectors)
-    report = ExtendReport(
-        blocks_before=state.blocks(before[0]),
-        blocks_after=state.blocks(state.final_sectors),
+    state.report = flow.report_extension(
+        budget,
+        source,
+        start,
+        before=(state.blocks(before[0]), before[1], before[2]),
+        after=(state.blocks(state.final_sectors), tensor.physical_bytes, tensor.num_handles),
         capacity_blocks=state.blocks(state.capacity_sectors),
         fit_blocks=state.blocks(max(fit, 0)),
-        bytes_before=before[1],
-        bytes_after=tensor.physical_bytes,
-        handles_before=before[2],
-        handles_after=tensor.num_handles,
         commit_ms=commit_ms,
-        total_ms=(time.perf_counter() - start) * 1e3,
-        budget_bytes=budget.budget_bytes,
-        margin_bytes=budget.margin_bytes,
-        free_bytes=None if source == "given" else budget.free_now_bytes,
-        non_kv_used_bytes=budget.non_kv_used_bytes,
-        budget_source=source,
         legacy=False,
     )
-    state.report = report
-    flow._log(report)
-    return report
+    return state.report
 
 
 def _footprint(state: _State) -> sizing.CacheFootprint:

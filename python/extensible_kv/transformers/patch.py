@@ -28,6 +28,7 @@ from typing import Any
 
 from extensible_kv import _torch
 from extensible_kv._native import UnsupportedError
+from extensible_kv._plugins import Patches, version_in
 from extensible_kv.flow import ExtendReport
 from extensible_kv.transformers import cache as _cache
 
@@ -79,8 +80,8 @@ _HOMES = {
 }
 
 _state: dict[str, Any] = {"options": None, "report": None}
-# (object, attribute) -> transformers' object, for `disable`.
-_originals: dict[tuple[Any, str], Any] = {}
+# What `enable` replaced, with transformers' objects, for `disable`.
+_patches = Patches()
 # Set while the manager's own warm-up runs: the batch processor it builds is extended after.
 _IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("ekv_in_warmup", default=False)
 
@@ -91,7 +92,7 @@ def current_options() -> _cache.Options | None:
 
 
 def is_enabled() -> bool:
-    return bool(_originals)
+    return bool(_patches)
 
 
 def last_report() -> ExtendReport | None:
@@ -100,15 +101,9 @@ def last_report() -> ExtendReport | None:
     return report
 
 
-def _version_tuple(version: str) -> tuple[int, ...] | None:
-    try:
-        from packaging.version import InvalidVersion, Version
-    except ModuleNotFoundError:  # transformers depends on packaging: only a broken install
-        return None
-    try:
-        return Version(version).release
-    except InvalidVersion:
-        return None
+def _supports(version: str) -> bool:
+    """Whether transformers `version` is in the range the seam supports (`SUPPORTED`)."""
+    return version_in(version, MIN_VERSION, MAX_VERSION)
 
 
 def _check_version() -> dict[str, Any]:
@@ -124,8 +119,7 @@ def _check_version() -> dict[str, Any]:
             name="transformers",
         ) from None
     version = str(getattr(transformers, "__version__", "unknown"))
-    release = _version_tuple(version)
-    if release is None or not MIN_VERSION <= release[:2] <= MAX_VERSION:
+    if not _supports(version):
         raise UnsupportedError(
             f"extensible_kv.transformers supports transformers {SUPPORTED} (5.18.0 to 5.24.x); "
             f"found {version}: install a supported version, or leave the extensible cache off"
@@ -141,7 +135,7 @@ def _check_version() -> dict[str, Any]:
     ]
     api = sys.modules[_API_MODULE]
     bound = getattr(api, "PagedAttentionCache", None)
-    if bound is not found["PagedAttentionCache"] and not (is_enabled() and bound in _installed()):
+    if bound is not found["PagedAttentionCache"] and bound not in _patches.replacements():
         missing.append("continuous_api.PagedAttentionCache (the name the manager builds)")
     if missing:
         raise UnsupportedError(
@@ -170,7 +164,7 @@ def enable(
     _torch.require("extensible_kv.transformers")
     options = _cache.Options(budget_bytes, host_meminfo, margin_bytes, granularity)
     found = _check_version()
-    if not _originals:
+    if not _patches:
         _install(found)
     _state["options"] = options
 
@@ -181,7 +175,7 @@ def _install(found: dict[str, Any]) -> None:
     )
     original_cache = found["PagedAttentionCache"]
     manager = found["ContinuousBatchingManager"]
-    _set(sys.modules[_CACHE_MODULE], "PagedAttentionMemoryHandler", classes.handler)
+    _patches.set(sys.modules[_CACHE_MODULE], "PagedAttentionMemoryHandler", classes.handler)
     # The class's own module keeps it (our subclass's base; later imports bind the original,
     # and only `continuous_api` builds caches).
     for name, module in list(sys.modules.items()):
@@ -190,29 +184,17 @@ def _install(found: dict[str, Any]) -> None:
             and name != _CACHE_MODULE
             and vars(module).get("PagedAttentionCache") is original_cache
         ):
-            _set(module, "PagedAttentionCache", classes.cache)
-    _set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
+            _patches.set(module, "PagedAttentionCache", classes.cache)
+    _patches.set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
     create = vars(manager)["_create_batch_processor"]
-    _set(manager, "_create_batch_processor", _wrap_create(create))
-    _set(manager, "stop", _wrap_stop(vars(manager)["stop"]))
-
-
-def _installed() -> list[Any]:
-    """What `enable` bound, in place now."""
-    return [getattr(target, name) for target, name in _originals]
-
-
-def _set(target: Any, name: str, value: Any) -> None:
-    _originals[(target, name)] = vars(target)[name]
-    setattr(target, name, value)
+    _patches.set(manager, "_create_batch_processor", _wrap_create(create))
+    _patches.set(manager, "stop", _wrap_stop(vars(manager)["stop"]))
 
 
 def disable() -> None:
-    """Puts back every object `enable` replaced (each the very object it was); managers
-    created meanwhile keep their extensible caches until they are destroyed."""
-    for (target, name), original in list(_originals.items()):
-        setattr(target, name, original)
-        del _originals[(target, name)]
+    """Puts back every object `enable` replaced (each the very object it was, where ours is still
+    in place); managers created meanwhile keep their extensible caches until they are destroyed."""
+    _patches.restore()
     _state["options"] = None
 
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import os
 import sys
 from typing import Any
 
+from extensible_kv._plugins import Integration, Patches, env_flag, init_params, missing_public
 from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
 
 __all__ = ["ENV_VAR", "KEEP_DATA_ENV_VAR", "register", "unregister"]
@@ -51,19 +51,12 @@ _REPLACEMENTS: dict[str, Any] = {
     "granule_size": granule_size,
 }
 _NAMES = tuple(_REPLACEMENTS)
-# (module, name) -> vLLM's object, for `unregister`.
-_originals: dict[tuple[str, str], Any] = {}
+# What `register` replaced, with vLLM's objects, for `unregister`.
+_patches = Patches()
 
 # A child of vLLM's "vllm" logger, whose handler vLLM configures: the line shows in its log.
 logger = logging.getLogger("vllm.extensible_kv")
-
-
-def _switched_off() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def _keep_data() -> bool:
-    return os.environ.get(KEEP_DATA_ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+_VLLM = Integration("vLLM", "ExtensibleTensor", ENV_VAR, logger)
 
 
 def _commit_keeping_data(
@@ -109,8 +102,7 @@ def _install_keep_data() -> None:
     cls = importlib.import_module(_KV_CACHE_MODULE).ExtensibleKVCache
     if cls.commit is _commit_keeping_data:
         return
-    _originals[(_KV_CACHE_MODULE, "ExtensibleKVCache.commit")] = cls.commit
-    cls.commit = _commit_keeping_data
+    _patches.set(cls, "commit", _commit_keeping_data)
     logger.info(
         "extensible-kv: %s=1: shrinking and defragmenting KV cache commits keep the blocks "
         "below the count.",
@@ -124,12 +116,10 @@ def _unrecognised(module: Any) -> str | None:
     granule = getattr(module, "granule_size", None)
     if not inspect.isclass(cls) or not callable(granule):
         return "it has no ExtensibleTensor class or granule_size function"
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    found = tuple((p.name, p.default) for p in params)
+    found = tuple((p.name, p.default) for p in init_params(cls))
     if found != _SIGNATURE:
         return f"ExtensibleTensor{inspect.signature(cls.__init__)} is not 0.34's signature"
-    public = (name for name in dir(cls) if not name.startswith("_"))
-    missing = sorted(name for name in public if not hasattr(ExtensibleTensor, name))
+    missing = missing_public(cls, ExtensibleTensor)
     if missing:
         return f"its ExtensibleTensor has {missing}, which extensible-kv's drop-in lacks"
     if list(inspect.signature(granule).parameters) != ["device_index"]:
@@ -141,24 +131,18 @@ def register() -> bool:
     """Install the drop-in into vLLM; True when it is installed (now or before)."""
     if "vllm" not in sys.modules:
         return False  # not called by vLLM: import nothing
-    if _switched_off():
-        logger.info("extensible-kv: %s=0, vLLM keeps its own ExtensibleTensor.", ENV_VAR)
+    if _VLLM.switched_off():
         return False
     vllm = sys.modules["vllm"]
     version = getattr(vllm, "__version__", "unknown")
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch.version, "hip", None):
-        logger.warning(
-            "extensible-kv: not replacing vLLM %s's ExtensibleTensor: ROCm is not supported "
-            "(extensible-kv drives CUDA); set %s=0 to silence this.",
-            version,
-            ENV_VAR,
-        )
+        _VLLM.warn_not_replacing(version, "ROCm is not supported (extensible-kv drives CUDA)")
         return False
     module = importlib.import_module(_TARGET)
     if module.ExtensibleTensor is not ExtensibleTensor and not _install_dropin(module, version):
         return False
-    if _keep_data():
+    if env_flag(KEEP_DATA_ENV_VAR, False):
         _install_keep_data()
     return True
 
@@ -168,13 +152,7 @@ def _install_dropin(module: Any, version: str) -> bool:
     its names; False (with a warning) when `module` is not 0.34's."""
     reason = _unrecognised(module)
     if reason is not None:
-        logger.warning(
-            "extensible-kv: not replacing vLLM %s's ExtensibleTensor: %s. The plugin "
-            "supports vLLM 0.34; set %s=0 to silence this.",
-            version,
-            reason,
-            ENV_VAR,
-        )
+        _VLLM.warn_not_replacing(version, reason, "vLLM 0.34")
         return False
     originals = {name: getattr(module, name) for name in _NAMES}
     for module_name in (_TARGET, *_BINDERS):
@@ -183,24 +161,12 @@ def _install_dropin(module: Any, version: str) -> bool:
             continue
         for name in _NAMES:
             if getattr(target, name, None) is originals[name]:
-                _originals[(module_name, name)] = originals[name]
-                setattr(target, name, _REPLACEMENTS[name])
-    logger.info(
-        "extensible-kv: vLLM %s's extensible KV cache runs on extensible-kv's Rust core "
-        "(ExtensibleTensor, granule_size replaced; %s=0 turns this off).",
-        version,
-        ENV_VAR,
-    )
+                _patches.set(target, name, _REPLACEMENTS[name])
+    _VLLM.log_enabled(version, "extensible KV cache", "ExtensibleTensor, granule_size replaced")
     return True
 
 
 def unregister() -> None:
-    """Put vLLM's own objects back where `register` replaced them."""
-    for (module_name, name), original in list(_originals.items()):
-        module = sys.modules.get(module_name)
-        if name == "ExtensibleKVCache.commit":
-            if module is not None and module.ExtensibleKVCache.commit is _commit_keeping_data:
-                module.ExtensibleKVCache.commit = original
-        elif module is not None and getattr(module, name, None) is _REPLACEMENTS[name]:
-            setattr(module, name, original)
-        del _originals[(module_name, name)]
+    """Put vLLM's own objects back where `register` replaced them (where ours are still in
+    place)."""
+    _patches.restore()

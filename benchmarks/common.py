@@ -1,0 +1,110 @@
+"""What the benchmark scripts share: units, the stderr log, timing around a device synchronize,
+settling the allocator between runs, free memory, medians and the environment record.
+
+The scripts run as `python3 benchmarks/X.py`, which puts this folder first on `sys.path`: they
+import this module as `common`. torch is imported on first use, not here: `--help` needs none.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def log(*args: object) -> None:
+    """Progress on stderr, so that stdout holds only the report."""
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _waiter(device: Any) -> Callable[[], object]:
+    """What waits for the device's queued work: all of CUDA's when `device` is None, the CUDA
+    device's, or nothing for a host device."""
+    import torch
+
+    if device is None:
+        return torch.cuda.synchronize
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def sync(device: Any = None) -> None:
+    """Waits for queued work (see `_waiter`)."""
+    _waiter(device)()
+
+
+def timed(fn: Callable[[], object], device: Any = None) -> float:
+    """Seconds for `fn()` and a device synchronize, from a synchronized start."""
+    wait = _waiter(device)  # resolved before the clock starts
+    wait()
+    start = time.perf_counter()
+    fn()
+    wait()
+    return time.perf_counter() - start
+
+
+def timed_ms(fn: Callable[[], Any], device: Any = None) -> tuple[float, Any]:
+    """Milliseconds for `fn()` and a device synchronize, from a synchronized start, and what
+    `fn` returned."""
+    wait = _waiter(device)
+    wait()
+    start = time.perf_counter()
+    result = fn()
+    wait()
+    return (time.perf_counter() - start) * 1e3, result
+
+
+def settle(pause_s: float = 0.0, device: Any = None) -> None:
+    """Frees what the last run left (garbage, torch's cached blocks) and waits `pause_s`
+    seconds: the driver scrubs freed memory in the background, which a timed step that follows
+    at once would pay for."""
+    import torch
+
+    gc.collect()
+    sync(device)
+    if device is None or device.type == "cuda":
+        torch.cuda.empty_cache()
+    if pause_s:
+        time.sleep(pause_s)
+
+
+def free_bytes(device: Any) -> int | None:
+    """The CUDA device's free bytes (`cudaMemGetInfo`), None for a host device."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def median(values: Iterable[float]) -> float:
+    """The median, NaN for no values (a contender that failed every repetition)."""
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def environment(device: Any = None, **extra: Any) -> dict[str, Any]:
+    """What a result depends on: torch, Python, which extensible_kv ran, `extra`, and the CUDA
+    device's name and memory (`device`, or device 0 when None)."""
+    import extensible_kv
+    import torch
+
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "extensible_kv": extensible_kv.__file__,
+        **extra,
+    }
+    if device is None or device.type == "cuda":
+        props = torch.cuda.get_device_properties(0 if device is None else device)
+        env.update(device=props.name, total_memory_gib=props.total_memory / GIB)
+    return env
