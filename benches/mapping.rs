@@ -13,7 +13,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use extensible_kv::driver::Stream;
 use extensible_kv::plan::{self, Geometry, HandlePolicy};
-use extensible_kv::{driver, Driver, ExtensibleTensor, GrowOptions, Options};
+use extensible_kv::{driver, Driver, ExtensibleTensor, GrowOptions, HandleSizing, Options};
 
 const MIB: u64 = 1 << 20;
 /// One 16-token bf16 block of 8 KV heads of 128 per segment: the flow's first commit.
@@ -61,7 +61,7 @@ fn bulk_commit(c: &mut Criterion) {
         (
             "fixed_granule",
             Options {
-                fixed_handle_bytes: Some(g),
+                handle_sizing: HandleSizing::PerRun { max_bytes: g },
                 ..Options::default()
             },
         ),
@@ -132,7 +132,7 @@ fn incremental_grow(c: &mut Criterion) {
 fn planning(c: &mut Criterion) {
     let g = 2 * MIB;
     let geometry = Geometry::equal(64 << 40, 2, g).unwrap();
-    let adaptive = HandlePolicy::Adaptive {
+    let adaptive = HandlePolicy::AlignedPowersOfTwo {
         max_handle_granules: (1 << 30) / g,
     };
     let mut group = c.benchmark_group("planning_64TiB");

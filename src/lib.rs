@@ -51,4 +51,4 @@ mod python;
 pub use driver::{DeviceKind, Driver, Stream};
 pub use error::{Error, Op, Result};
 pub use plan::{Geometry, HandlePolicy, Run};
-pub use tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};
+pub use tensor::{ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions};

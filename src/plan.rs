@@ -333,22 +333,10 @@ pub fn intersect(ranges: &[ByteRange], runs: &[Run], granularity: u64) -> Vec<By
     out
 }
 
-/// How a run of missing granules is cut into physical handles.
+/// How a run of missing granules is cut into physical handles: `tensor::HandleSizing` in
+/// granules (each variant there names the one here it maps onto).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HandlePolicy {
-    /// Greedy from the left: the largest power-of-two block of granules that is aligned (in
-    /// the reservation's granule index) at the current granule, fits in the run, and is at
-    /// most `max_handle_granules`. A bulk grow costs O(log n) handles; a one-granule grow one.
-    Adaptive {
-        /// The cap, in granules (a power of two).
-        max_handle_granules: u64,
-    },
-    /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
-    /// per-granule peers do, kept as a baseline.
-    Fixed {
-        /// Every handle's size, in granules.
-        handle_granules: u64,
-    },
     /// Cut at the multiples of `max_handle_granules` in the reservation's granule index, and
     /// nowhere else: a run costs at most `len / max + 2` handles, whatever granule it starts
     /// at, while interior handles stay aligned to the cap.
@@ -356,27 +344,39 @@ pub enum HandlePolicy {
         /// The cap, in granules.
         max_handle_granules: u64,
     },
+    /// Greedy from the left: the largest power-of-two block of granules that is aligned (in
+    /// the reservation's granule index) at the current granule, fits in the run, and is at
+    /// most `max_handle_granules`. A bulk grow costs O(log n) handles; a one-granule grow one.
+    AlignedPowersOfTwo {
+        /// The cap, in granules (rounded down to a power of two).
+        max_handle_granules: u64,
+    },
+    /// From each run's start, pieces of `max_handle_granules` (the last one of a run may be
+    /// shorter): one handle per run up to the cap, wherever the run starts. With a cap of one
+    /// granule, what per-granule peers do.
+    PerRun {
+        /// Every handle's size but a run's last, in granules.
+        max_handle_granules: u64,
+    },
     /// One handle per run, however long: what a segment registered for RDMA needs.
     WholeRuns,
 }
 
-impl HandlePolicy {
-    /// `Adaptive` capped at `max_handle_bytes`, a power-of-two multiple of `granularity`.
-    pub fn adaptive(max_handle_bytes: u64, granularity: u64) -> Result<HandlePolicy> {
-        if granularity == 0 {
-            return Err(Error::invalid("granularity must be positive"));
-        }
-        if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
-            return Err(Error::invalid(format!(
-                "max_handle_bytes ({max_handle_bytes}) must be a positive multiple of the \
-                 granularity ({granularity})"
-            )));
-        }
-        Ok(HandlePolicy::Adaptive {
-            max_handle_granules: max_handle_bytes / granularity,
-        })
+/// `max_handle_bytes` in granules of `granularity`: it must be a positive multiple of it.
+pub fn handle_granules(max_handle_bytes: u64, granularity: u64) -> Result<u64> {
+    if granularity == 0 {
+        return Err(Error::invalid("granularity must be positive"));
     }
+    if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
+        return Err(Error::invalid(format!(
+            "handle_sizing max_bytes ({max_handle_bytes}) must be a positive multiple of the \
+             granularity ({granularity})"
+        )));
+    }
+    Ok(max_handle_bytes / granularity)
+}
 
+impl HandlePolicy {
     /// Appends the handles for `run` to `out`. Nothing here overflows given `end_granule`
     /// does: every size is at most `end - cursor`, and a shift is by at most 63.
     pub fn cut(self, run: Run, out: &mut Vec<Run>) {
@@ -384,7 +384,7 @@ impl HandlePolicy {
         let end = run.end_granule();
         while cursor < end {
             let size = match self {
-                HandlePolicy::Adaptive {
+                HandlePolicy::AlignedPowersOfTwo {
                     max_handle_granules,
                 } => {
                     let cap = prev_power_of_two(max_handle_granules.max(1));
@@ -396,7 +396,9 @@ impl HandlePolicy {
                     };
                     cap.min(fits).min(aligned)
                 }
-                HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
+                HandlePolicy::PerRun {
+                    max_handle_granules,
+                } => max_handle_granules.max(1).min(end - cursor),
                 HandlePolicy::CapAligned {
                     max_handle_granules,
                 } => {
@@ -619,7 +621,7 @@ mod tests {
         let plan = plan_grow(
             &geometry,
             &[Run::new(0, 2)],
-            HandlePolicy::Adaptive {
+            HandlePolicy::AlignedPowersOfTwo {
                 max_handle_granules: 8,
             },
             &[G / 2, G / 2],
@@ -654,13 +656,13 @@ mod tests {
     #[test]
     fn adaptive_cuts_aligned_powers_of_two() {
         let mut out = Vec::new();
-        HandlePolicy::Adaptive {
+        HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 1 << 20,
         }
         .cut(Run::new(3, 13), &mut out);
         assert_eq!(out, vec![Run::new(3, 1), Run::new(4, 4), Run::new(8, 8)]);
         out.clear();
-        HandlePolicy::Adaptive {
+        HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 4,
         }
         .cut(Run::new(0, 11), &mut out);
@@ -711,7 +713,7 @@ mod tests {
                 per_segment.div_ceil(1 << 30) + 2 * u64::from(cap_granules.ilog2()) + 2,
             ),
         ] {
-            let policy = HandlePolicy::Adaptive {
+            let policy = HandlePolicy::AlignedPowersOfTwo {
                 max_handle_granules: cap,
             };
             let plan = plan_grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
@@ -733,7 +735,7 @@ mod tests {
     #[test]
     fn planning_64_tib_allocates_per_handle_not_per_granule() {
         let geometry = Geometry::equal(64 << 40, 2, 2 << 20).unwrap();
-        let policy = HandlePolicy::Adaptive {
+        let policy = HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 1 << 20,
         };
         let full = [32u64 << 40; 2];
@@ -770,7 +772,7 @@ mod tests {
         assert!(err.contains("past granule 4"), "{err}");
         assert!(check_runs(&[Run::new(0, 1), Run::new(u64::MAX, 2)], 4).is_err());
         assert!(check_runs(&[Run::new(0, u64::MAX)], u64::MAX).is_ok());
-        assert!(HandlePolicy::adaptive(4096, 0).is_err());
+        assert!(handle_granules(4096, 0).is_err());
     }
 
     /// Values at the edges of `u64`: near 0, near `u64::MAX`, near every power of two.
@@ -861,7 +863,7 @@ mod tests {
             prop_assert_eq!(granule_set(&missing), expect.clone());
             let mut handles = Vec::new();
             for run in &missing {
-                HandlePolicy::Adaptive { max_handle_granules: cap }.cut(*run, &mut handles);
+                HandlePolicy::AlignedPowersOfTwo { max_handle_granules: cap }.cut(*run, &mut handles);
             }
             check_runs(&handles, 1 << 20).unwrap();
             prop_assert_eq!(granule_set(&handles), expect);
@@ -973,8 +975,8 @@ mod tests {
             // At least longest / 1024 granules per handle, so cutting stays fast.
             let cap = cap.max(longest / 1024 + 1);
             for policy in [
-                HandlePolicy::Adaptive { max_handle_granules: cap },
-                HandlePolicy::Fixed { handle_granules: cap },
+                HandlePolicy::AlignedPowersOfTwo { max_handle_granules: cap },
+                HandlePolicy::PerRun { max_handle_granules: cap },
                 HandlePolicy::CapAligned { max_handle_granules: cap },
                 HandlePolicy::WholeRuns,
             ] {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options};
 
 const G: u64 = 4096;
 /// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
@@ -18,7 +18,7 @@ const FIRST: u64 = G / 2;
 fn options() -> Options {
     // One-granule handles: the second grow needs several of every call.
     Options {
-        max_handle_bytes: Some(G),
+        handle_sizing: HandleSizing::CapAligned { max_bytes: G },
         ..Options::default()
     }
 }

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::tensor::ExportedRegion;
-use extensible_kv::{Driver, Error, ExtensibleTensor, GrowOptions, Options, ShrinkOptions, Stream};
+use extensible_kv::{
+    Driver, Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions, Stream,
+};
 
 const OWNERS: usize = 8;
 const VIEWERS: usize = 4;
@@ -131,7 +133,7 @@ fn threads(driver: Arc<dyn Driver>, live: &dyn Fn() -> (usize, usize, usize), to
     // Segments that are not granule multiples share a granule: the dedup is under stress too.
     let segment = GRANULES * g - g / 2;
     let options = Options {
-        max_handle_bytes: Some(4 * g),
+        handle_sizing: HandleSizing::CapAligned { max_bytes: 4 * g },
         ..Options::default()
     };
     let make =

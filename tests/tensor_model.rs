@@ -14,7 +14,7 @@ use std::sync::Arc;
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
 use extensible_kv::tensor::ExportedRegion;
-use extensible_kv::{Cut, Error, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions};
 use proptest::prelude::*;
 use proptest::test_runner::{TestError, TestRunner};
 
@@ -351,27 +351,27 @@ fn matches_the_model() {
         source_file: Some(file!()),
         ..ProptestConfig::default()
     };
-    let cut = prop::sample::select(vec![
-        Cut::AlignedPowersOfTwo,
-        Cut::AtCapMultiples,
-        Cut::WholeRuns,
-    ]);
+    // 0: cap-aligned, 1: aligned powers of two, 2: per run, 3: whole runs.
+    let sizing = 0u8..4;
     let strategy = (
         prop::collection::vec(1u64..4 * G, 1..5),
         (any::<bool>(), any::<bool>(), any::<bool>()),
-        (1u64..8, prop::option::of(1u64..3), cut),
+        (1u64..8, sizing),
         prop::collection::vec(step(), 1..16),
     );
     let ran = AtomicU32::new(0);
     let result = TestRunner::new(config).run(
         &strategy,
-        |(caps, (equal, dirty, drop_with_views), (adaptive_cap, fixed, cut), steps)| {
+        |(caps, (equal, dirty, drop_with_views), (cap, sizing), steps)| {
             ran.fetch_add(1, Ordering::Relaxed);
             let options = Options {
                 granularity: None,
-                max_handle_bytes: Some(adaptive_cap * G),
-                fixed_handle_bytes: fixed.map(|f| f * G),
-                cut,
+                handle_sizing: match sizing {
+                    0 => HandleSizing::CapAligned { max_bytes: cap * G },
+                    1 => HandleSizing::AlignedPowersOfTwo { max_bytes: cap * G },
+                    2 => HandleSizing::PerRun { max_bytes: cap * G },
+                    _ => HandleSizing::WholeRuns,
+                },
                 export_types: ExportTypes::POSIX_FD,
             };
             run(caps, equal, dirty, options, steps, drop_with_views)

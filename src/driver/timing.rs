@@ -145,13 +145,13 @@ impl Driver for TimingDriver {
 mod tests {
     use super::*;
     use crate::driver::host::HostDriver;
-    use crate::tensor::{ExtensibleTensor, GrowOptions, Options};
+    use crate::tensor::{ExtensibleTensor, GrowOptions, HandleSizing, Options};
 
     #[test]
     fn counts_every_call_of_a_grow() {
         let timing = Arc::new(TimingDriver::new(Arc::new(HostDriver::new(4096).unwrap())));
         let options = Options {
-            max_handle_bytes: Some(4096),
+            handle_sizing: HandleSizing::CapAligned { max_bytes: 4096 },
             ..Options::default()
         };
         let t =

@@ -39,41 +39,87 @@ use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, Stream}
 use crate::error::{Error, Result};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
-/// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
+/// The default cap on a handle's size: large enough that a bulk commit runs near memset speed,
 /// small enough to avoid the outliers of giant handles (docs/design.md §2).
 pub const DEFAULT_MAX_HANDLE_BYTES: u64 = 1 << 30;
 
-/// Construction options; `Default` gives the driver's granularity and the adaptive policy.
+/// Construction options; `Default` gives the driver's granularity and cap-aligned handles of at
+/// most `DEFAULT_MAX_HANDLE_BYTES`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Options {
     /// The mapping granularity: a power-of-two multiple of the driver's. Default: the driver's.
     pub granularity: Option<u64>,
-    /// The largest handle the adaptive policy creates. Default: `DEFAULT_MAX_HANDLE_BYTES`.
-    pub max_handle_bytes: Option<u64>,
-    /// Fixed-size handles instead of the adaptive policy: the per-granule peers' baseline.
-    pub fixed_handle_bytes: Option<u64>,
-    /// How runs are cut below the cap (ignored with `fixed_handle_bytes`).
-    pub cut: Cut,
+    /// How grows cut runs of missing granules into physical handles.
+    pub handle_sizing: HandleSizing,
     /// How every physical allocation may be exported to other processes (`share`). POSIX fd
     /// must be supported by the device; fabric is dropped where it is not.
     pub export_types: ExportTypes,
 }
 
-/// The ways of cutting a run of granules into handles of at most the cap; see `HandlePolicy`.
+/// How grows cut each run of missing granules into physical handles: the one handle-sizing
+/// knob. Each `max_bytes` must be a positive multiple of the granularity, except that the
+/// default cap (`DEFAULT_MAX_HANDLE_BYTES`) rises to a larger granularity. Maps onto
+/// `plan::HandlePolicy` of the same variant name, in granules.
 ///
-/// The default cuts only at cap multiples: on vLLM 0.34's layouts (a segment per layer, each
-/// grown from its first block, so every run starts one granule past a boundary) aligned
-/// powers of two cost 3x the handles, and each handle's create and set-access calls cost
-/// 40-60 us of host time whatever its size (docs/benchmarks.md).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Cut {
-    /// Aligned powers of two (`HandlePolicy::Adaptive`).
-    AlignedPowersOfTwo,
-    /// At the multiples of the cap only (`HandlePolicy::CapAligned`).
-    #[default]
-    AtCapMultiples,
-    /// Not at all: one handle per run (`HandlePolicy::WholeRuns`).
+/// Each handle's create and set-access calls cost 40-60 us of host time whatever its size
+/// (docs/benchmarks.md), so fewer handles make grows cheaper; a cap keeps giant handles'
+/// outliers away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandleSizing {
+    /// Cut at the multiples of `max_bytes` in the reservation, nowhere else (the default). On
+    /// vLLM 0.34's layouts (a segment per layer, each grown from its first block, so every run
+    /// starts one granule past a boundary) aligned powers of two cost 3x the handles.
+    CapAligned {
+        /// The largest handle, in bytes.
+        max_bytes: u64,
+    },
+    /// Aligned powers of two of at most `max_bytes`: O(log n) handles for a bulk grow.
+    AlignedPowersOfTwo {
+        /// The largest handle, in bytes.
+        max_bytes: u64,
+    },
+    /// One handle per run from its start, in pieces of `max_bytes`: SGLang's arena does this
+    /// (its owner uses 8 GiB); a granule-sized cap is what per-granule peers do.
+    PerRun {
+        /// The largest handle, in bytes.
+        max_bytes: u64,
+    },
+    /// One handle per run, however long.
     WholeRuns,
+}
+
+impl Default for HandleSizing {
+    fn default() -> HandleSizing {
+        HandleSizing::CapAligned {
+            max_bytes: DEFAULT_MAX_HANDLE_BYTES,
+        }
+    }
+}
+
+impl HandleSizing {
+    /// The plan's policy for granules of `granularity`; an error names `max_handle_bytes`
+    /// when the cap is not a positive multiple of it.
+    pub fn policy(self, granularity: u64) -> Result<HandlePolicy> {
+        let cap = |max_bytes: u64| {
+            let max_bytes = match max_bytes {
+                DEFAULT_MAX_HANDLE_BYTES => max_bytes.max(granularity),
+                other => other,
+            };
+            plan::handle_granules(max_bytes, granularity)
+        };
+        Ok(match self {
+            HandleSizing::CapAligned { max_bytes } => HandlePolicy::CapAligned {
+                max_handle_granules: cap(max_bytes)?,
+            },
+            HandleSizing::AlignedPowersOfTwo { max_bytes } => HandlePolicy::AlignedPowersOfTwo {
+                max_handle_granules: cap(max_bytes)?,
+            },
+            HandleSizing::PerRun { max_bytes } => HandlePolicy::PerRun {
+                max_handle_granules: cap(max_bytes)?,
+            },
+            HandleSizing::WholeRuns => HandlePolicy::WholeRuns,
+        })
+    }
 }
 
 /// How a tensor's capacity is cut into segments.
@@ -597,25 +643,7 @@ impl ExtensibleTensor {
                 driver.granularity()
             )));
         }
-        let policy = match (options.fixed_handle_bytes, options.max_handle_bytes) {
-            (Some(fixed), _) => {
-                HandlePolicy::adaptive(fixed, granularity)?; // the same validity rule
-                HandlePolicy::Fixed {
-                    handle_granules: fixed / granularity,
-                }
-            }
-            (None, max) => {
-                let max = max.unwrap_or(DEFAULT_MAX_HANDLE_BYTES.max(granularity));
-                let adaptive = HandlePolicy::adaptive(max, granularity)?;
-                match options.cut {
-                    Cut::AlignedPowersOfTwo => adaptive,
-                    Cut::AtCapMultiples => HandlePolicy::CapAligned {
-                        max_handle_granules: max / granularity,
-                    },
-                    Cut::WholeRuns => HandlePolicy::WholeRuns,
-                }
-            }
-        };
+        let policy = options.handle_sizing.policy(granularity)?;
         let export_types = export_types_for(driver.as_ref(), options.export_types)?;
         ExtensibleTensor::reserve(driver, geometry, policy, export_types, None)
     }
