@@ -30,10 +30,10 @@
 //! // Give memory back, keeping the first 4 KiB of each segment and every address. Each
 //! // segment's 3 granules are one handle: a plain shrink keeps it whole, an exact one
 //! // replaces it by a copy of the granule still needed.
-//! kv.shrink_segments(&[4096, 4096], ShrinkOptions::default())?;
+//! kv.shrink_per_segment(&[4096, 4096], ShrinkOptions::default())?;
 //! assert_eq!(kv.physical_bytes(), 2 * 3 * 4096);
 //! let exact = ShrinkOptions { exact: true, ..ShrinkOptions::default() };
-//! kv.shrink_segments(&[4096, 4096], exact)?;
+//! kv.shrink_per_segment(&[4096, 4096], exact)?;
 //! assert_eq!(kv.physical_bytes(), 2 * 4096);
 //! kv.close()?;
 //! # Ok::<(), extensible_kv::Error>(())
@@ -49,6 +49,6 @@ pub mod tensor;
 mod python;
 
 pub use driver::{DeviceKind, Driver, Stream};
-pub use error::{Error, Op, Result};
+pub use error::{Error, Op, Result, SizeOp};
 pub use plan::{Geometry, HandlePolicy, Run};
 pub use tensor::{ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions};

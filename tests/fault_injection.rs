@@ -204,11 +204,11 @@ fn shrink_exact(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
         exact: true,
         ..Default::default()
     };
-    tensor.shrink_segments(&[2 * G + G / 2, 3 * G], options)
+    tensor.shrink_per_segment([2 * G + G / 2, 3 * G], options)
 }
 
 fn shrink_plain(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
-    tensor.shrink_segments(&[G, G / 2], Default::default())
+    tensor.shrink_per_segment([G, G / 2], Default::default())
 }
 
 fn consolidate(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {

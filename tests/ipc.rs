@@ -58,7 +58,7 @@ fn an_importer_sees_writes_and_follows_grows_and_shrinks() {
         exact: true,
         stream: Stream::DEFAULT,
     };
-    owner.shrink_segments(&[G + 1, G + 1], exact).unwrap();
+    owner.shrink_per_segment([G + 1, G + 1], exact).unwrap();
     imported.refresh(&owner.share().unwrap(), None).unwrap();
     assert_eq!(imported.handle_runs(), owner.handle_runs());
     assert_eq!(common::read(&imported, 0, 16), vec![7; 16]);

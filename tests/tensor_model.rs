@@ -133,11 +133,11 @@ fn run(
         if closed {
             match step {
                 Step::Grow { .. } => {
-                    refused_closed(tensor.resize_segments(&vec![0; n], GrowOptions::default()))?
+                    refused_closed(tensor.resize_per_segment(&vec![0; n], GrowOptions::default()))?
                 }
-                Step::Shrink { .. } => {
-                    refused_closed(tensor.shrink_segments(&vec![0; n], ShrinkOptions::default()))?
-                }
+                Step::Shrink { .. } => refused_closed(
+                    tensor.shrink_per_segment(&vec![0; n], ShrinkOptions::default()),
+                )?,
                 Step::Consolidate => {
                     refused_closed(tensor.consolidate(extensible_kv::Stream::DEFAULT))?
                 }
@@ -209,7 +209,7 @@ fn run(
                     targets
                 };
                 tensor
-                    .resize_segments(
+                    .resize_per_segment(
                         &targets,
                         GrowOptions {
                             zero_new,
@@ -260,7 +260,7 @@ fn run(
                     exact,
                     ..Default::default()
                 };
-                tensor.shrink_segments(&targets, options).unwrap();
+                tensor.shrink_per_segment(&targets, options).unwrap();
                 for (m, &t) in model.iter_mut().zip(&targets) {
                     m.truncate(t as usize);
                 }

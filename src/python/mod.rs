@@ -274,7 +274,7 @@ impl PyExtensibleTensor {
             stream: to_stream(stream)?,
             one_handle_per_run,
         };
-        this.run(slf.py(), |core| core.resize_segments(&targets, options))?;
+        this.run(slf.py(), |core| core.resize_per_segment(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -319,7 +319,7 @@ impl PyExtensibleTensor {
             exact,
             stream: to_stream(stream)?,
         };
-        this.run(slf.py(), |core| core.shrink_segments(&targets, options))?;
+        this.run(slf.py(), |core| core.shrink_per_segment(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 

@@ -30,13 +30,14 @@ mod share;
 
 pub use share::{SharedDescription, SharedExport, SharedHandle};
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::driver::ipc::ExportRegistry;
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, Stream};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SizeOp};
 use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
 
 /// The default cap on a handle's size: large enough that a bulk commit runs near memset speed,
@@ -119,6 +120,44 @@ impl HandleSizing {
             },
             HandleSizing::WholeRuns => HandlePolicy::WholeRuns,
         })
+    }
+}
+
+/// Sizes for a per-segment call, as Python's `*_per_segment_` take them: one size for every
+/// segment (a `u64`), or one per segment (a slice, an array or a `Vec`).
+pub trait PerSegment {
+    /// One size per segment of a tensor of `num_segments`. (A count other than
+    /// `num_segments` is the callee's to refuse.)
+    fn per_segment(&self, num_segments: usize) -> Cow<'_, [u64]>;
+}
+
+impl PerSegment for u64 {
+    fn per_segment(&self, num_segments: usize) -> Cow<'_, [u64]> {
+        Cow::Owned(vec![*self; num_segments])
+    }
+}
+
+impl PerSegment for &[u64] {
+    fn per_segment(&self, _: usize) -> Cow<'_, [u64]> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl PerSegment for &Vec<u64> {
+    fn per_segment(&self, _: usize) -> Cow<'_, [u64]> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl<const N: usize> PerSegment for [u64; N] {
+    fn per_segment(&self, _: usize) -> Cow<'_, [u64]> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl<const N: usize> PerSegment for &[u64; N] {
+    fn per_segment(&self, _: usize) -> Cow<'_, [u64]> {
+        Cow::Borrowed(*self)
     }
 }
 
@@ -744,43 +783,38 @@ impl ExtensibleTensor {
 
     /// Grows a one-segment tensor to `num_bytes`.
     pub fn resize(&self, num_bytes: u64, options: GrowOptions) -> Result<()> {
-        self.check_one_segment("resize_")?;
-        self.resize_segments(&[num_bytes], options)
+        self.check_one_segment(SizeOp::Resize)?;
+        self.resize_per_segment([num_bytes], options)
     }
 
-    /// `InvalidArgument` unless the tensor has one segment (for `method`, a one-size call).
-    fn check_one_segment(&self, method: &str) -> Result<()> {
+    /// `Error::NotOneSegment` unless the tensor has one segment (for `op`, a one-size call).
+    fn check_one_segment(&self, op: SizeOp) -> Result<()> {
         match self.num_segments() {
             1 => Ok(()),
-            n => Err(Error::invalid(format!(
-                "{method} is for one segment; this tensor has {n}: use {method}per_segment_"
-            ))),
+            num_segments => Err(Error::NotOneSegment { op, num_segments }),
         }
     }
 
-    /// Grows every segment to `bytes_per_segment`.
-    pub fn resize_per_segment(&self, bytes_per_segment: u64, options: GrowOptions) -> Result<()> {
-        let targets = vec![bytes_per_segment; self.inner.geometry.num_segments()];
-        self.resize_segments(&targets, options)
-    }
-
-    /// Grows segment `i` to `segment_bytes[i]`; zeroes the new bytes `[old_i, new_i)` of each
-    /// segment on `options.stream` when `options.zero_new`. All or nothing: on error the
-    /// tensor is unchanged.
-    pub fn resize_segments(&self, segment_bytes: &[u64], options: GrowOptions) -> Result<()> {
+    /// Grows segment `i` to `bytes[i]` (or every segment to one size); zeroes the new bytes
+    /// `[old_i, new_i)` of each segment on `options.stream` when `options.zero_new`. All or
+    /// nothing: on error the tensor is unchanged.
+    pub fn resize_per_segment(&self, bytes: impl PerSegment, options: GrowOptions) -> Result<()> {
+        let segment_bytes = &*bytes.per_segment(self.num_segments());
         let mut state = self.lock_owned("grow")?;
         let geometry = &self.inner.geometry;
         geometry.check_request(segment_bytes)?;
-        if let Some(i) = state
+        if let Some(segment) = state
             .segment_bytes
             .iter()
             .zip(segment_bytes)
             .position(|(o, n)| n < o)
         {
-            return Err(Error::invalid(format!(
-                "cannot shrink segment {i} from {} to {} bytes: only growth is supported",
-                state.segment_bytes[i], segment_bytes[i]
-            )));
+            return Err(Error::WrongDirection {
+                op: SizeOp::Resize,
+                segment,
+                from_bytes: state.segment_bytes[segment],
+                to_bytes: segment_bytes[segment],
+            });
         }
         if state.segment_bytes == segment_bytes {
             return Ok(());
@@ -1210,13 +1244,16 @@ mod tests {
         )
         .unwrap();
         tensor
-            .resize_segments(&[10, 20], GrowOptions::zeroed())
+            .resize_per_segment([10, 20], GrowOptions::zeroed())
             .unwrap();
         assert!(tensor.is_noop_resize(&[10, 20]));
         assert!(!tensor.is_noop_resize(&[10, 21]) && !tensor.is_noop_resize(&[10]));
         assert!(matches!(
             tensor.resize(10, GrowOptions::default()),
-            Err(Error::InvalidArgument(_))
+            Err(Error::NotOneSegment {
+                op: SizeOp::Resize,
+                num_segments: 2
+            })
         ));
         assert!(matches!(
             tensor.segment_capacity_bytes(),
@@ -1224,7 +1261,7 @@ mod tests {
         ));
         assert!(tensor.bytes_per_segment().is_err());
         tensor
-            .resize_segments(&[20, 20], GrowOptions::zeroed())
+            .resize_per_segment([20, 20], GrowOptions::zeroed())
             .unwrap();
         assert_eq!(tensor.bytes_per_segment().unwrap(), 20);
         tensor.close().unwrap();
@@ -1253,7 +1290,7 @@ mod tests {
         let tensor = ExtensibleTensor::with_equal_segments(driver.clone(), 4 << 12, 2, options);
         let tensor = tensor.unwrap();
         tensor
-            .resize_segments(&[5000, 10], GrowOptions::zeroed())
+            .resize_per_segment([5000, 10], GrowOptions::zeroed())
             .unwrap();
         poison(&tensor.inner.ctx.deferred);
         let failed = Error::invalid("a failure a destructor met");
