@@ -22,7 +22,7 @@
 //! assert_eq!(kv.physical_bytes(), 2 * 3 * 4096);
 //!
 //! // A view (what DLPack hands to torch) keeps the memory alive: close refuses meanwhile.
-//! let view = kv.export(0, 10_000)?;
+//! let view = kv.view(0, 10_000)?;
 //! assert_eq!(view.ptr(), base);
 //! assert!(kv.close().is_err());
 //! drop(view);

@@ -172,7 +172,9 @@ impl Geometry {
         &self.segment_offsets
     }
 
-    /// The sum of the segment capacities.
+    /// The bytes the segments can hold: where the last one ends, which is the sum of their
+    /// capacities (they lie back to back from 0; `Geometry::new` checked it fits in 64 bits).
+    /// Not granule-aligned: `reserved_bytes` is this rounded up to whole granules.
     pub fn capacity_bytes(&self) -> u64 {
         self.segment_offsets.last().copied().unwrap_or(0)
             + self.segment_capacities.last().copied().unwrap_or(0)
@@ -427,26 +429,13 @@ pub struct GrowPlan {
     pub new_ranges: Vec<ByteRange>,
 }
 
-/// Plans growing every segment from `old` to `new` bytes (`new[i] >= old[i]`) given the
-/// `mapped` runs (sorted, disjoint, covering every granule `old` needs).
+/// Plans a grow that adds the bytes `new_ranges` (`Geometry::new_ranges` of the old and new
+/// sizes), whose granules are `new_granules` (`granules_of(&new_ranges)`), given the `mapped`
+/// runs that overlap them (sorted, disjoint): the missing granules, cut by `policy`.
 ///
 /// Only the granules of the new bytes can be missing, so the work is O(segments × log
 /// handles) however much is already mapped.
 pub fn plan_grow(
-    geometry: &Geometry,
-    mapped: &[Run],
-    policy: HandlePolicy,
-    old: &[u64],
-    new: &[u64],
-) -> GrowPlan {
-    let new_ranges = geometry.new_ranges(old, new);
-    let new_granules = granules_of(&new_ranges, geometry.granularity());
-    plan_new_ranges(new_ranges, &new_granules, mapped, policy)
-}
-
-/// `plan_grow` for a caller that already has the new bytes and their granules
-/// (`granules_of(&new_ranges)`), and looked up only the `mapped` runs that overlap them.
-pub fn plan_new_ranges(
     new_ranges: Vec<ByteRange>,
     new_granules: &[Run],
     mapped: &[Run],
@@ -602,6 +591,20 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Plans growing every segment from `old` to `new` bytes given all the `mapped` runs, as
+    /// `ExtensibleTensor::resize_per_segment` does (which passes only the overlapping ones).
+    fn grow(
+        geometry: &Geometry,
+        mapped: &[Run],
+        policy: HandlePolicy,
+        old: &[u64],
+        new: &[u64],
+    ) -> GrowPlan {
+        let new_ranges = geometry.new_ranges(old, new);
+        let new_granules = granules_of(&new_ranges, geometry.granularity());
+        plan_grow(new_ranges, &new_granules, mapped, policy)
+    }
+
     const G: u64 = 4096;
 
     fn granule_set(runs: &[Run]) -> std::collections::BTreeSet<u64> {
@@ -618,7 +621,7 @@ mod tests {
         assert_eq!(geometry.needed_runs(&[G / 2, G / 2]), vec![Run::new(0, 2)]);
         let full = geometry.needed_runs(&[3 * G / 2, 3 * G / 2]);
         assert_eq!(full, vec![Run::new(0, 3)]);
-        let plan = plan_grow(
+        let plan = grow(
             &geometry,
             &[Run::new(0, 2)],
             HandlePolicy::AlignedPowersOfTwo {
@@ -716,7 +719,7 @@ mod tests {
             let policy = HandlePolicy::AlignedPowersOfTwo {
                 max_handle_granules: cap,
             };
-            let plan = plan_grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
+            let plan = grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
             for segment in 0..2u64 {
                 let (lo, hi) = (segment * granules, (segment + 1) * granules);
                 let count = plan
@@ -739,7 +742,7 @@ mod tests {
             max_handle_granules: 1 << 20,
         };
         let full = [32u64 << 40; 2];
-        let plan = plan_grow(&geometry, &[], policy, &[0, 0], &full);
+        let plan = grow(&geometry, &[], policy, &[0, 0], &full);
         // One merged run of 32 Mi granules, cut at the 2 TiB cap.
         assert_eq!(plan.new_handles.len(), 32);
         assert!(plan.new_handles.iter().all(|r| r.num_granules == 1 << 20));

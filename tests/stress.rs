@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::tensor::ExportedRegion;
+use extensible_kv::tensor::ViewRegion;
 use extensible_kv::{
     Driver, Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions, Stream,
 };
@@ -99,14 +99,14 @@ fn owner(tensor: &ExtensibleTensor, seed: u64, iterations: usize, touch: bool) {
 
 fn viewer(tensors: &[ExtensibleTensor], seed: u64, done: &AtomicBool) {
     let mut rng = Rng::new(seed);
-    let mut held: Vec<ExportedRegion> = Vec::new();
+    let mut held: Vec<ViewRegion> = Vec::new();
     let mut views = 0usize;
     while !done.load(Ordering::Acquire) || views < 1000 {
         let tensor = &tensors[rng.below(tensors.len() as u64) as usize];
         let capacity = tensor.capacity_bytes();
         let offset = rng.below(capacity);
         let num_bytes = 1 + rng.below(capacity - offset);
-        let region = tensor.export(offset, num_bytes).unwrap();
+        let region = tensor.view(offset, num_bytes).unwrap();
         assert_eq!(region.ptr(), tensor.base_ptr().unwrap() + offset);
         held.push(region);
         views += 1;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
-use extensible_kv::tensor::ExportedRegion;
+use extensible_kv::tensor::ViewRegion;
 use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions};
 use proptest::prelude::*;
 use proptest::test_runner::{TestError, TestRunner};
@@ -126,7 +126,7 @@ fn run(
     // Whether exactly the needed granules are mapped (no slack left by a plain shrink).
     let mut exact_footprint = true;
     let mut importer: Option<ExtensibleTensor> = None;
-    let mut views: Vec<ExportedRegion> = Vec::new();
+    let mut views: Vec<ViewRegion> = Vec::new();
     let mut closed = false;
     let capacity = geometry.capacity_bytes();
     for step in steps {
@@ -142,7 +142,7 @@ fn run(
                     refused_closed(tensor.consolidate(extensible_kv::Stream::DEFAULT))?
                 }
                 Step::Release => refused_closed(tensor.release_physical())?,
-                Step::View { .. } => refused_closed(tensor.export(0, 1))?,
+                Step::View { .. } => refused_closed(tensor.view(0, 1))?,
                 Step::Refresh => refused_closed(tensor.share())?,
                 Step::Close => tensor
                     .close()
@@ -158,7 +158,7 @@ fn run(
             Step::View { offset, len } => {
                 let offset = ((capacity as f64 * offset) as u64).min(capacity - 1);
                 let len = (((capacity - offset) as f64 * len) as u64).max(1);
-                views.push(tensor.export(offset, len).unwrap());
+                views.push(tensor.view(offset, len).unwrap());
                 prop_assert_eq!(
                     views.last().unwrap().ptr(),
                     tensor.base_ptr().unwrap() + offset
@@ -426,7 +426,7 @@ fn views_keep_memory_alive() {
             .unwrap();
     tensor.resize_per_segment(G, GrowOptions::zeroed()).unwrap();
     common::write(&tensor, 0, b"alive");
-    let region = tensor.export(0, G).unwrap();
+    let region = tensor.view(0, G).unwrap();
     assert!(matches!(
         tensor.close(),
         Err(extensible_kv::Error::ViewsAlive { live_views: 1 })

@@ -448,13 +448,13 @@ impl PyExtensibleTensor {
         let _ = stream;
         if copy == Some(true) {
             return Err(PyBufferError::new_err(
-                "ExtensibleTensor exports without copying only",
+                "ExtensibleTensor hands out DLPack views without copying only",
             ));
         }
         if let Some(dev) = dl_device {
             if dev != self.core.device().dlpack() {
                 return Err(PyBufferError::new_err(format!(
-                    "cannot export to DLPack device {dev:?}: the memory lives on {:?}",
+                    "cannot hand a DLPack view to device {dev:?}: the memory lives on {:?}",
                     self.core.device().dlpack()
                 )));
             }

@@ -18,7 +18,7 @@
 //! 2. `mappings` are sorted, disjoint, granule-aligned, each exactly one live handle, so a
 //!    granule is mapped at most once (the dedup of shared granules);
 //! 3. every granule holding a committed byte is mapped and accessible;
-//! 4. every exported view holds an `Arc` of the inner state: memory outlives the last view;
+//! 4. every view handed out holds an `Arc` of the inner state: memory outlives the last view;
 //! 5. nothing is unmapped before the driver is synchronised (the fence), except mappings this
 //!    very call made and nothing has touched yet.
 //!
@@ -489,7 +489,7 @@ struct Snapshot {
     physical_bytes: u64,
     num_handles: usize,
     /// Set by `close` before it lets go of anything, with the live views checked under the
-    /// same lock that `export` counts a new view under: no view can slip in meanwhile.
+    /// same lock that `view` counts a new view under: no view can slip in meanwhile.
     closed: bool,
 }
 
@@ -584,7 +584,7 @@ pub struct ExtensibleTensor {
     inner: Arc<Inner>,
 }
 
-/// Keeps a tensor's memory alive for one exported view; counts towards `live_views`.
+/// Keeps a tensor's memory alive for one view; counts towards `live_views`.
 struct ViewGuard {
     inner: Arc<Inner>,
 }
@@ -596,21 +596,21 @@ impl Drop for ViewGuard {
 }
 
 /// A byte range of a tensor handed to a consumer (DLPack), with the guard that keeps it valid.
-/// Only `ExtensibleTensor::export` makes one, after checking the range against the capacity,
+/// Only `ExtensibleTensor::view` makes one, after checking the range against the capacity,
 /// so its pointer can be trusted: the fields are private, and nothing can forge one.
 ///
 /// ```compile_fail,E0451
-/// use extensible_kv::{tensor::ExportedRegion, DeviceKind};
-/// let forged = ExportedRegion { ptr: 0xdead, num_bytes: 1, device: DeviceKind::Cpu, _guard: todo!() };
+/// use extensible_kv::{tensor::ViewRegion, DeviceKind};
+/// let forged = ViewRegion { ptr: 0xdead, num_bytes: 1, device: DeviceKind::Cpu, _guard: todo!() };
 /// ```
-pub struct ExportedRegion {
+pub struct ViewRegion {
     ptr: u64,
     num_bytes: u64,
     device: DeviceKind,
     _guard: ViewGuard,
 }
 
-impl ExportedRegion {
+impl ViewRegion {
     /// The first byte's address; `num_bytes` from it lie in the tensor's reservation.
     pub fn ptr(&self) -> u64 {
         self.ptr
@@ -826,7 +826,7 @@ impl ExtensibleTensor {
             true => HandlePolicy::WholeRuns,
             false => self.inner.policy,
         };
-        let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
+        let plan = plan::plan_grow(new_ranges, &new_granules, &mapped, policy);
         if plan.new_handles.len() > 1 {
             // All the new handles at once: a grow that cannot fit fails before its first create
             // rather than after taking what it could (one handle's create checks itself).
@@ -967,7 +967,7 @@ impl ExtensibleTensor {
             if live_views > 0 {
                 return Err(Error::ViewsAlive { live_views });
             }
-            snapshot.closed = true; // from here on `export` refuses
+            snapshot.closed = true; // from here on `view` refuses
         }
         let ctx = &self.inner.ctx;
         let mark = ctx.num_deferred();
@@ -993,7 +993,7 @@ impl ExtensibleTensor {
 
     /// Hands out `[offset, offset + num_bytes)` of the capacity; the guard keeps it alive.
     /// Never waits for an operation in progress (it takes no lock but the snapshot's).
-    pub fn export(&self, offset: u64, num_bytes: u64) -> Result<ExportedRegion> {
+    pub fn view(&self, offset: u64, num_bytes: u64) -> Result<ViewRegion> {
         let capacity = self.inner.geometry.capacity_bytes();
         if offset
             .checked_add(num_bytes)
@@ -1011,7 +1011,7 @@ impl ExtensibleTensor {
             }
             self.inner.live_views.fetch_add(1, Ordering::AcqRel);
         }
-        Ok(ExportedRegion {
+        Ok(ViewRegion {
             ptr: self.inner.ctx.base + offset,
             num_bytes,
             device: self.inner.ctx.driver.device(),
@@ -1032,11 +1032,6 @@ impl ExtensibleTensor {
     /// The segments' capacities and offsets, and the granularity.
     pub fn geometry(&self) -> &Geometry {
         &self.inner.geometry
-    }
-
-    /// How grows cut runs of granules into handles.
-    pub fn policy(&self) -> HandlePolicy {
-        self.inner.policy
     }
 
     /// The reserved bytes the segments can grow into.
@@ -1094,7 +1089,7 @@ impl ExtensibleTensor {
         self.lock().mappings.values().map(|m| m.run).collect()
     }
 
-    /// How many exported views are alive (`close` refuses while any is).
+    /// How many views are alive (`close` refuses while any is).
     pub fn live_views(&self) -> usize {
         self.inner.live_views.load(Ordering::Acquire)
     }
