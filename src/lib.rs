@@ -3,7 +3,14 @@
 //! Layers, bottom up: `driver` (the only FFI: CUDA's VMM API or Linux mmap, behind one trait),
 //! `plan` (pure arithmetic: which granules to map and how to cut them into handles), `tensor`
 //! (the owner that applies plans all-or-nothing), `dlpack` (handing memory to consumers), and,
-//! behind the `python` feature, the bindings, which only convert.
+//! behind the `python` feature, the bindings, which only convert. `ipc` is the process
+//! plumbing that sharing with other processes needs (pidfds, the export registry).
+//!
+//! `unsafe` is denied crate-wide (`Cargo.toml`) and allowed only in the boundary modules that
+//! must use it, each with `#![allow(unsafe_code)]` and a `// SAFETY:` comment on every block:
+//! the driver backends (`driver::host`, `driver::cuda` and its `context` and `vmm`,
+//! `driver::stray`), `dlpack`, `ipc`, and the bindings' `python::capsule` (plus one `unsafe fn`
+//! in `driver`, `Stream::from_raw`, and its one caller in the bindings).
 //!
 //! # Example
 //!
@@ -42,6 +49,7 @@
 pub mod dlpack;
 pub mod driver;
 pub mod error;
+pub mod ipc;
 pub mod plan;
 pub mod tensor;
 

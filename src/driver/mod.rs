@@ -16,9 +16,7 @@
 
 mod books;
 pub mod faulty;
-pub mod headroom;
 pub mod host;
-pub mod ipc;
 pub mod stray;
 pub mod timing;
 

@@ -5,9 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::driver::ipc::ExportRegistry;
 use crate::driver::{Driver, ExportTypes, Exported, HandleId};
 use crate::error::{Error, Result};
+use crate::ipc::ExportRegistry;
 use crate::plan::Run;
 
 /// What the destructors of driver resources share: the driver, where the reservation starts

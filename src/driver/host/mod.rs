@@ -13,13 +13,15 @@
 //! clobber memory this driver does not own, whatever the caller passes.
 #![allow(unsafe_code)]
 
+pub mod headroom;
+
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::books::Books;
-use super::{headroom, stray};
+use super::stray;
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
