@@ -19,6 +19,7 @@ pub mod faulty;
 pub mod host;
 pub mod stray;
 pub mod timing;
+pub mod wrap;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
