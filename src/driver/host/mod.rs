@@ -484,13 +484,8 @@ impl Driver for HostDriver {
             return Ok(());
         }
         let books = self.books();
-        if !books.accessible(va, num_bytes) {
-            return Err(invalid_range(
-                Op::Memset,
-                va,
-                num_bytes,
-                "is not mapped read-write",
-            ));
+        if let Some(why) = books.refuse_memset(va, num_bytes) {
+            return Err(invalid_range(Op::Memset, va, num_bytes, why));
         }
         // SAFETY: the range is covered by live read-write mappings of ours (checked above under
         // the lock that every unmap also takes); writing zeros there cannot alias Rust objects.
@@ -503,23 +498,8 @@ impl Driver for HostDriver {
             return Ok(());
         }
         let books = self.books();
-        for va in [dst, src] {
-            if !books.accessible(va, num_bytes) {
-                return Err(invalid_range(
-                    Op::Copy,
-                    va,
-                    num_bytes,
-                    "is not mapped read-write",
-                ));
-            }
-        }
-        if dst.abs_diff(src) < num_bytes {
-            return Err(invalid_range(
-                Op::Copy,
-                dst,
-                num_bytes,
-                "overlaps the source",
-            ));
+        if let Some((va, why)) = books.refuse_copy(dst, src, num_bytes) {
+            return Err(invalid_range(Op::Copy, va, num_bytes, why));
         }
         // SAFETY: both ranges are covered by live read-write mappings of ours (checked above
         // under the lock every unmap takes) and are disjoint, so neither aliases a Rust object
