@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use extensible_kv::driver::Stream;
-use extensible_kv::plan::{self, Geometry, HandlePolicy};
-use extensible_kv::{driver, Driver, ExtensibleTensor, GrowOptions, Options};
+use extensible_kv::plan::{self, Geometry, HandlePolicy, Run};
+use extensible_kv::{driver, Driver, ExtensibleTensor, GrowOptions, HandleSizing, Options};
 
 const MIB: u64 = 1 << 20;
 /// One 16-token bf16 block of 8 KV heads of 128 per segment: the flow's first commit.
@@ -61,7 +61,7 @@ fn bulk_commit(c: &mut Criterion) {
         (
             "fixed_granule",
             Options {
-                fixed_handle_bytes: Some(g),
+                handle_sizing: HandleSizing::PerRun { max_bytes: g },
                 ..Options::default()
             },
         ),
@@ -132,21 +132,25 @@ fn incremental_grow(c: &mut Criterion) {
 fn planning(c: &mut Criterion) {
     let g = 2 * MIB;
     let geometry = Geometry::equal(64 << 40, 2, g).unwrap();
-    let adaptive = HandlePolicy::Adaptive {
+    let adaptive = HandlePolicy::AlignedPowersOfTwo {
         max_handle_granules: (1 << 30) / g,
+    };
+    // What a grow plans from the old and new sizes (all of `mapped` passed: the tensor passes
+    // only the runs that overlap the new granules).
+    let grow = |mapped: &[Run], old: &[u64], new: &[u64]| {
+        let new_ranges = geometry.new_ranges(old, new);
+        let new_granules = plan::granules_of(&new_ranges, g);
+        plan::plan_grow(new_ranges, &new_granules, mapped, adaptive)
     };
     let mut group = c.benchmark_group("planning_64TiB");
     group.bench_function("full_grow_1GiB_cap", |b| {
-        b.iter(|| {
-            let plan = plan::plan_grow(&geometry, &[], adaptive, &[0, 0], &[32 << 40, 32 << 40]);
-            black_box(plan.new_handles.len())
-        })
+        b.iter(|| black_box(grow(&[], &[0, 0], &[32 << 40, 32 << 40]).new_handles.len()))
     });
     let half = [16u64 << 40, 16 << 40];
-    let mapped = plan::plan_grow(&geometry, &[], adaptive, &[0, 0], &half).new_handles;
+    let mapped = grow(&[], &[0, 0], &half).new_handles;
     let next = [half[0] + g, half[1] + g];
     group.bench_function("one_granule_grow_over_32k_handles", |b| {
-        b.iter(|| black_box(plan::plan_grow(&geometry, &mapped, adaptive, &half, &next)))
+        b.iter(|| black_box(grow(&mapped, &half, &next)))
     });
     group.finish();
 }

@@ -104,12 +104,14 @@ class Vllm:
 
 
 def make(kind: str, capacity: int, segments: int) -> Ours | Vllm:
+    from extensible_kv import HandleSizing
+
     if kind == "ours":
         return Ours(capacity, segments)
     if kind == "ours_4gib":
-        return Ours(capacity, segments, max_handle_bytes=4 * GIB)
+        return Ours(capacity, segments, handle_sizing=HandleSizing(max_bytes=4 * GIB))
     if kind == "ours_fixed_2mib":
-        return Ours(capacity, segments, fixed_handle_bytes=2 * MIB)
+        return Ours(capacity, segments, handle_sizing=HandleSizing("per_run", 2 * MIB))
     if kind == "vllm":
         return Vllm(capacity, segments)
     raise ValueError(kind)
@@ -136,7 +138,7 @@ def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
     big = gib_bytes(args.bulk_gib)
     variants = [
         ("ours", "ours, adaptive (1 GiB cap, default)", big),
-        ("ours_4gib", "ours, adaptive, max_handle_bytes 4 GiB", big),
+        ("ours_4gib", "ours, cap-aligned handles of at most 4 GiB", big),
         (
             "ours_fixed_2mib",
             "ours, fixed 2 MiB handles (per-granule peers)",
@@ -353,7 +355,9 @@ def bench_first_pass(args: argparse.Namespace) -> dict[str, Any]:
         return None, buf.view(torch.int64)
 
     contenders["ours"] = ours()
-    contenders["ours_fixed_2mib"] = ours(fixed_handle_bytes=2 * MIB)
+    from extensible_kv import HandleSizing
+
+    contenders["ours_fixed_2mib"] = ours(handle_sizing=HandleSizing("per_run", 2 * MIB))
     contenders["torch_empty"] = plain
     results: dict[str, Any] = {"bytes": n}
     for name, build in contenders.items():

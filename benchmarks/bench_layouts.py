@@ -136,16 +136,20 @@ class Ours:
     """`ours[:<cut>][@<cap GiB>]`: the default policy, or another cut or cap."""
 
     def __init__(self, geo: Geometry, variant: str, profile: bool) -> None:
-        from extensible_kv import ExtensibleTensor
+        from extensible_kv import ExtensibleTensor, HandleSizing
 
-        kw: dict[str, Any] = {"_profile": profile}
         cut, _, cap_gib = variant.partition("@")
-        if cut:
-            kw["_cut"] = cut
-        if cap_gib:
-            kw["max_handle_bytes"] = int(float(cap_gib) * GIB)
+        sizing = HandleSizing(
+            cut or "cap_aligned",  # type: ignore[arg-type]
+            int(float(cap_gib) * GIB) if cap_gib else None,
+        )
         self.t = ExtensibleTensor(
-            geo.size, None, DEVICE, segment_capacities=list(geo.segment_capacities), **kw
+            geo.size,
+            None,
+            DEVICE,
+            segment_capacities=list(geo.segment_capacities),
+            handle_sizing=sizing,
+            _profile=profile,
         )
 
     def grow(self, sizes: list[int]) -> None:

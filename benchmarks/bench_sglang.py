@@ -121,11 +121,15 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
 def capped(cls: Any, cap: str) -> Any:
     """Our owner whose tensor's handles are capped at `cap` GiB, or cut only between runs
     (`whole`): its module's `ExtensibleTensor` takes the option while one is built."""
+    from extensible_kv import HandleSizing
     from extensible_kv.sglang import owner as owner_module
 
-    option: dict[str, Any] = (
-        {"_cut": "whole_runs"} if cap == "whole" else {"max_handle_bytes": int(cap) * GIB}
+    sizing = (
+        HandleSizing("whole_runs")
+        if cap == "whole"
+        else HandleSizing("cap_aligned", int(cap) * GIB)
     )
+    option: dict[str, Any] = {"handle_sizing": sizing}
 
     class Capped(cls):  # type: ignore[misc, valid-type]
         def __init__(self, **kwargs: Any) -> None:

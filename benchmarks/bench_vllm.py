@@ -4,7 +4,7 @@ plugin, side by side in one process, on vLLM 0.34 layouts.
     python3 benchmarks/bench_vllm.py --out DIR [--quick] [--reps 2] [--pause 3]
 
 Per layout and repetition, for each contender -- vLLM's class, and ours with two handle cuts
-of `EXTENSIBLE_KV_VLLM_HANDLES` (at_cap_multiples, the default; whole_runs: one handle per
+of `EXTENSIBLE_KV_VLLM_HANDLES` (cap_aligned, the default; whole_runs: one handle per
 run, vLLM's count); the plugin's `unregister()`/`register()` switch the module global vLLM's
 cache reads -- the steps a vLLM
 worker runs, each timed with `time.perf_counter()` around the call and a
@@ -51,7 +51,7 @@ from common import GIB, log, settle, timed_ms  # noqa: E402
 MARGIN = 2 * GIB
 STEPS = ("allocate", "extend", "defragment", "sleep", "wake", "free")
 # Ours, by EXTENSIBLE_KV_VLLM_HANDLES.
-OURS = {"ours": "at_cap_multiples", "ours_runs": "whole_runs"}
+OURS = {"ours": "cap_aligned", "ours_runs": "whole_runs"}
 LABELS = {"vllm": "vLLM 0.34", "ours": "ours (default cut)", "ours_runs": "ours (whole runs)"}
 
 torch: Any = None

@@ -1,13 +1,13 @@
-//! DLPack export of a tensor's bytes: the C structs (DLPack 1.x, and the legacy unversioned
+//! DLPack views of a tensor's bytes: the C structs (DLPack 1.x, and the legacy unversioned
 //! form for old consumers) and their deleters. Knows nothing of Python: the bindings wrap the
 //! pointer in a capsule.
 //!
-//! An export carries its dtype, shape and strides (`StridedLayout`), so a consumer builds the
+//! A view carries its dtype, shape and strides (`StridedLayout`), so a consumer builds the
 //! final view in one step — torch's `from_dlpack` then costs one call, not three. Any offset
 //! goes into `data`, with `byte_offset` 0, because torch ignores `byte_offset`.
 //!
-//! Soundness: a consumer may touch every byte the layout addresses, so an export is made only
-//! here, from the tensor itself, over exactly the layout's extent: `ExtensibleTensor::export`
+//! Soundness: a consumer may touch every byte the layout addresses, so a view is made only
+//! here, from the tensor itself, over exactly the layout's extent: `ExtensibleTensor::view`
 //! checks that range against the capacity and hands back the region whose guard the managed
 //! struct then owns, so the memory lives until the consumer calls the deleter — on any thread,
 //! with or without the GIL: it only drops a box.
@@ -16,7 +16,7 @@
 use std::ffi::c_void;
 
 use crate::error::{Error, Result};
-use crate::tensor::{ExportedRegion, ExtensibleTensor};
+use crate::tensor::{ExtensibleTensor, ViewRegion};
 
 /// The DLPack version this crate implements: 1.x (`DLManagedTensorVersioned`).
 pub const DLPACK_MAJOR: u32 = 1;
@@ -25,7 +25,7 @@ pub const DLPACK_MINOR: u32 = 1;
 /// `DLDataTypeCode::kDLUInt`.
 pub const KDL_UINT: u8 = 1;
 
-/// Element type, shape and strides (in elements) of an export.
+/// Element type, shape and strides (in elements) of a view.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StridedLayout {
     /// The element type.
@@ -110,7 +110,7 @@ pub fn extent_bytes(shape: &[i64], strides: &[i64], itemsize: u64) -> Result<u64
         .ok_or_else(overflow)
 }
 
-/// `DLPackVersion`: the ABI version of a versioned export.
+/// `DLPackVersion`: the ABI version of a versioned view.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DLPackVersion {
@@ -138,7 +138,7 @@ pub struct DLDataType {
     pub code: u8,
     /// Bits per lane.
     pub bits: u8,
-    /// Lanes per element; 1 (no vector types are exported).
+    /// Lanes per element; 1 (no vector types are handed out).
     pub lanes: u16,
 }
 
@@ -154,9 +154,9 @@ pub struct DLTensor {
     pub ndim: i32,
     /// The element type.
     pub dtype: DLDataType,
-    /// `ndim` sizes, owned by the export's holder.
+    /// `ndim` sizes, owned by the view's holder.
     pub shape: *mut i64,
-    /// `ndim` strides in elements, owned by the export's holder.
+    /// `ndim` strides in elements, owned by the view's holder.
     pub strides: *mut i64,
     /// Always 0 (see `data`).
     pub byte_offset: u64,
@@ -167,7 +167,7 @@ pub struct DLTensor {
 pub struct DLManagedTensorVersioned {
     /// The ABI version of this struct.
     pub version: DLPackVersion,
-    /// The holder of the export (its guard keeps the memory alive).
+    /// The holder of the view (its guard keeps the memory alive).
     pub manager_ctx: *mut c_void,
     /// Called once by the consumer when done: frees the holder, dropping its guard.
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
@@ -182,39 +182,35 @@ pub struct DLManagedTensorVersioned {
 pub struct DLManagedTensor {
     /// The tensor itself.
     pub dl_tensor: DLTensor,
-    /// The holder of the export (its guard keeps the memory alive).
+    /// The holder of the view (its guard keeps the memory alive).
     pub manager_ctx: *mut c_void,
     /// Called once by the consumer when done: frees the holder, dropping its guard.
     pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// The heap block behind one export: the managed struct first (consumers get a pointer to it),
+/// The heap block behind one view: the managed struct first (consumers get a pointer to it),
 /// then the arrays it points into and the region whose guard keeps the memory alive.
 #[repr(C)]
 struct Holder<M> {
     managed: M,
     shape: Vec<i64>,
     strides: Vec<i64>,
-    _region: ExportedRegion,
+    _region: ViewRegion,
 }
 
 /// The region of `tensor` that `layout` at byte `offset` addresses: the offset must be a
 /// multiple of the item size, and the layout's whole extent must lie in the capacity.
-fn region(
-    tensor: &ExtensibleTensor,
-    offset: u64,
-    layout: &StridedLayout,
-) -> Result<ExportedRegion> {
+fn region(tensor: &ExtensibleTensor, offset: u64, layout: &StridedLayout) -> Result<ViewRegion> {
     if offset % layout.itemsize() != 0 {
         return Err(Error::invalid(format!(
             "offset {offset} must be a multiple of the {}-byte item size",
             layout.itemsize()
         )));
     }
-    tensor.export(offset, layout.extent_bytes()?)
+    tensor.view(offset, layout.extent_bytes()?)
 }
 
-fn dl_tensor(region: &ExportedRegion, layout: &StridedLayout) -> DLTensor {
+fn dl_tensor(region: &ViewRegion, layout: &StridedLayout) -> DLTensor {
     let (device_type, device_id) = region.device().dlpack();
     DLTensor {
         data: region.ptr() as *mut c_void,
@@ -230,10 +226,10 @@ fn dl_tensor(region: &ExportedRegion, layout: &StridedLayout) -> DLTensor {
     }
 }
 
-/// The export both forms share: the region `layout` at `offset` addresses (checked), the
+/// The view both forms share: the region `layout` at `offset` addresses (checked), the
 /// managed struct `managed` builds around its `DLTensor`, boxed with the arrays that tensor
 /// points into and the region's guard. `tensor_of` finds the `DLTensor` in the managed struct.
-fn export<M>(
+fn view<M>(
     tensor: &ExtensibleTensor,
     offset: u64,
     layout: StridedLayout,
@@ -263,7 +259,7 @@ fn export<M>(
 /// A DLPack 1.x managed tensor of `layout` at byte `offset` of `tensor` (a multiple of the
 /// item size; the layout's extent must fit the capacity); the consumer must call its deleter
 /// exactly once.
-pub fn export_versioned(
+pub fn view_versioned(
     tensor: &ExtensibleTensor,
     offset: u64,
     layout: StridedLayout,
@@ -278,11 +274,11 @@ pub fn export_versioned(
         flags: 0,
         dl_tensor,
     };
-    export(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
+    view(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
 }
 
-/// A legacy (pre-1.0) managed tensor, under the same rules as `export_versioned`.
-pub fn export_legacy(
+/// A legacy (pre-1.0) managed tensor, under the same rules as `view_versioned`.
+pub fn view_legacy(
     tensor: &ExtensibleTensor,
     offset: u64,
     layout: StridedLayout,
@@ -292,18 +288,18 @@ pub fn export_legacy(
         manager_ctx: std::ptr::null_mut(),
         deleter: Some(delete_legacy),
     };
-    export(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
+    view(tensor, offset, layout, managed, |m| &mut m.dl_tensor)
 }
 
 /// # Safety
-/// `managed` must come from `export_versioned` and not have been deleted before.
+/// `managed` must come from `view_versioned` and not have been deleted before.
 unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
     // SAFETY: per the contract, `managed` is the first field of a live boxed Holder.
     drop(unsafe { Box::from_raw(managed.cast::<Holder<DLManagedTensorVersioned>>()) });
 }
 
 /// # Safety
-/// `managed` must come from `export_legacy` and not have been deleted before.
+/// `managed` must come from `view_legacy` and not have been deleted before.
 unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
     // SAFETY: per the contract, `managed` is the first field of a live boxed Holder.
     drop(unsafe { Box::from_raw(managed.cast::<Holder<DLManagedTensor>>()) });
@@ -345,9 +341,9 @@ mod tests {
             .resize_per_segment(100, GrowOptions::zeroed())
             .unwrap();
         let layout = StridedLayout::bytes(50).unwrap();
-        let managed = export_versioned(&tensor, 10, layout).unwrap();
+        let managed = view_versioned(&tensor, 10, layout).unwrap();
         assert_eq!(tensor.live_views(), 1);
-        // SAFETY: `managed` is a live export; we read it, then delete it exactly once.
+        // SAFETY: `managed` is a live view; we read it, then delete it exactly once.
         unsafe {
             let t = &(*managed).dl_tensor;
             assert_eq!(t.data as u64, tensor.base_ptr().unwrap() + 10);
@@ -362,10 +358,10 @@ mod tests {
         tensor.close().unwrap();
     }
 
-    /// The extent and alignment checks live inside the export: no caller can hand a consumer
+    /// The extent and alignment checks live inside the view: no caller can hand a consumer
     /// a pointer to bytes past the capacity, or a misaligned one.
     #[test]
-    fn export_refuses_layouts_past_the_capacity_or_misaligned() {
+    fn view_refuses_layouts_past_the_capacity_or_misaligned() {
         let driver = Arc::new(HostDriver::new(4096).unwrap());
         let tensor =
             ExtensibleTensor::with_equal_segments(driver, 8192, 1, Options::default()).unwrap();
@@ -379,35 +375,35 @@ mod tests {
         let refused = |result: Result<*mut DLManagedTensor>, what: &str| match result {
             Err(Error::InvalidArgument(message)) => assert!(message.contains(what), "{message}"),
             Err(other) => panic!("expected InvalidArgument ({what}), got {other}"),
-            Ok(_) => panic!("exported {what}"),
+            Ok(_) => panic!("viewed {what}"),
         };
         // One f32 past the end, directly or through a stride, or by the offset.
         refused(
-            export_legacy(&tensor, 0, layout(vec![2049], vec![1])),
+            view_legacy(&tensor, 0, layout(vec![2049], vec![1])),
             "exceeds",
         );
         refused(
-            export_legacy(&tensor, 0, layout(vec![2, 2], vec![1, 2048])),
+            view_legacy(&tensor, 0, layout(vec![2, 2], vec![1, 2048])),
             "exceeds",
         );
         refused(
-            export_legacy(&tensor, 4, layout(vec![2048], vec![1])),
+            view_legacy(&tensor, 4, layout(vec![2048], vec![1])),
             "exceeds",
         );
         refused(
-            export_legacy(&tensor, 2, layout(vec![1], vec![1])),
+            view_legacy(&tensor, 2, layout(vec![1], vec![1])),
             "item size",
         );
         assert!(matches!(
-            export_versioned(&tensor, 0, layout(vec![2049], vec![1])),
+            view_versioned(&tensor, 0, layout(vec![2049], vec![1])),
             Err(Error::InvalidArgument(_))
         ));
-        assert_eq!(tensor.live_views(), 0, "a refused export holds no view");
+        assert_eq!(tensor.live_views(), 0, "a refused view holds no guard");
         // Exactly the capacity, and an empty view at its end, are fine.
         for (offset, shape) in [(0, 2048), (8192, 0)] {
-            let managed = export_legacy(&tensor, offset, layout(vec![shape], vec![1])).unwrap();
+            let managed = view_legacy(&tensor, offset, layout(vec![shape], vec![1])).unwrap();
             assert_eq!(tensor.live_views(), 1);
-            // SAFETY: a live export, deleted exactly once.
+            // SAFETY: a live view, deleted exactly once.
             unsafe { ((*managed).deleter.unwrap())(managed) };
         }
         assert_eq!(tensor.live_views(), 0);

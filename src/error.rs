@@ -83,6 +83,32 @@ impl fmt::Display for Op {
     }
 }
 
+/// An operation on a tensor's committed bytes, as a structured error names it: the core's
+/// message uses the Rust method names, and each facade words it with its own verbs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SizeOp {
+    /// `ExtensibleTensor::resize` and `resize_per_segment`: grows.
+    Resize,
+    /// `ExtensibleTensor::shrink` and `shrink_per_segment`.
+    Shrink,
+}
+
+impl SizeOp {
+    /// The verb: `resize` or `shrink`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SizeOp::Resize => "resize",
+            SizeOp::Shrink => "shrink",
+        }
+    }
+}
+
+impl fmt::Display for SizeOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Everything that can fail, each variant with the numbers a user needs to act on it.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -115,6 +141,30 @@ pub enum Error {
         detail: String,
     },
 
+    /// A one-size call (`resize`, `shrink`) on a tensor of several segments; nothing was
+    /// changed.
+    #[error("{op} takes one size, for a tensor of one segment; this tensor has {num_segments}: use {op}_per_segment")]
+    NotOneSegment {
+        /// The call.
+        op: SizeOp,
+        /// How many segments the tensor has.
+        num_segments: usize,
+    },
+
+    /// A resize that would shrink a segment, or a shrink that would grow one; nothing was
+    /// changed.
+    #[error("{}", wrong_direction_message(*.op, *.segment, *.from_bytes, *.to_bytes))]
+    WrongDirection {
+        /// The call.
+        op: SizeOp,
+        /// The first segment that would go the wrong way.
+        segment: usize,
+        /// Its committed bytes.
+        from_bytes: u64,
+        /// The bytes asked for.
+        to_bytes: u64,
+    },
+
     /// The backend or device cannot do this at all.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -132,6 +182,18 @@ pub enum Error {
         /// How many views still point into the reservation.
         live_views: usize,
     },
+}
+
+/// The message of `Error::WrongDirection`, in the Rust method names.
+fn wrong_direction_message(op: SizeOp, segment: usize, from_bytes: u64, to_bytes: u64) -> String {
+    let (other, change) = match op {
+        SizeOp::Resize => (SizeOp::Shrink, "shrink"),
+        SizeOp::Shrink => (SizeOp::Resize, "grow"),
+    };
+    format!(
+        "{op} cannot {change} segment {segment} from {from_bytes} to {to_bytes} bytes: use \
+         {other}_per_segment"
+    )
 }
 
 /// The message of `Error::OutOfMemory`: a failed reservation ran out of address space, not of

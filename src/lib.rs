@@ -3,7 +3,14 @@
 //! Layers, bottom up: `driver` (the only FFI: CUDA's VMM API or Linux mmap, behind one trait),
 //! `plan` (pure arithmetic: which granules to map and how to cut them into handles), `tensor`
 //! (the owner that applies plans all-or-nothing), `dlpack` (handing memory to consumers), and,
-//! behind the `python` feature, the bindings, which only convert.
+//! behind the `python` feature, the bindings, which only convert. `ipc` is the process
+//! plumbing that sharing with other processes needs (pidfds, the export registry).
+//!
+//! `unsafe` is denied crate-wide (`Cargo.toml`) and allowed only in the boundary modules that
+//! must use it, each with `#![allow(unsafe_code)]` and a `// SAFETY:` comment on every block:
+//! the driver backends (`driver::host`, `driver::cuda` and its `context` and `vmm`,
+//! `driver::stray`), `dlpack`, `ipc`, and the bindings' `python::capsule` (plus one `unsafe fn`
+//! in `driver`, `Stream::from_raw`, and its one caller in the bindings).
 //!
 //! # Example
 //!
@@ -22,7 +29,7 @@
 //! assert_eq!(kv.physical_bytes(), 2 * 3 * 4096);
 //!
 //! // A view (what DLPack hands to torch) keeps the memory alive: close refuses meanwhile.
-//! let view = kv.export(0, 10_000)?;
+//! let view = kv.view(0, 10_000)?;
 //! assert_eq!(view.ptr(), base);
 //! assert!(kv.close().is_err());
 //! drop(view);
@@ -30,10 +37,10 @@
 //! // Give memory back, keeping the first 4 KiB of each segment and every address. Each
 //! // segment's 3 granules are one handle: a plain shrink keeps it whole, an exact one
 //! // replaces it by a copy of the granule still needed.
-//! kv.shrink_segments(&[4096, 4096], ShrinkOptions::default())?;
+//! kv.shrink_per_segment(&[4096, 4096], ShrinkOptions::default())?;
 //! assert_eq!(kv.physical_bytes(), 2 * 3 * 4096);
 //! let exact = ShrinkOptions { exact: true, ..ShrinkOptions::default() };
-//! kv.shrink_segments(&[4096, 4096], exact)?;
+//! kv.shrink_per_segment(&[4096, 4096], exact)?;
 //! assert_eq!(kv.physical_bytes(), 2 * 4096);
 //! kv.close()?;
 //! # Ok::<(), extensible_kv::Error>(())
@@ -42,6 +49,7 @@
 pub mod dlpack;
 pub mod driver;
 pub mod error;
+pub mod ipc;
 pub mod plan;
 pub mod tensor;
 
@@ -49,6 +57,6 @@ pub mod tensor;
 mod python;
 
 pub use driver::{DeviceKind, Driver, Stream};
-pub use error::{Error, Op, Result};
+pub use error::{Error, Op, Result, SizeOp};
 pub use plan::{Geometry, HandlePolicy, Run};
-pub use tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};
+pub use tensor::{ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions};

@@ -172,7 +172,9 @@ impl Geometry {
         &self.segment_offsets
     }
 
-    /// The sum of the segment capacities.
+    /// The bytes the segments can hold: where the last one ends, which is the sum of their
+    /// capacities (they lie back to back from 0; `Geometry::new` checked it fits in 64 bits).
+    /// Not granule-aligned: `reserved_bytes` is this rounded up to whole granules.
     pub fn capacity_bytes(&self) -> u64 {
         self.segment_offsets.last().copied().unwrap_or(0)
             + self.segment_capacities.last().copied().unwrap_or(0)
@@ -333,22 +335,10 @@ pub fn intersect(ranges: &[ByteRange], runs: &[Run], granularity: u64) -> Vec<By
     out
 }
 
-/// How a run of missing granules is cut into physical handles.
+/// How a run of missing granules is cut into physical handles: `tensor::HandleSizing` in
+/// granules (each variant there names the one here it maps onto).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HandlePolicy {
-    /// Greedy from the left: the largest power-of-two block of granules that is aligned (in
-    /// the reservation's granule index) at the current granule, fits in the run, and is at
-    /// most `max_handle_granules`. A bulk grow costs O(log n) handles; a one-granule grow one.
-    Adaptive {
-        /// The cap, in granules (a power of two).
-        max_handle_granules: u64,
-    },
-    /// Fixed-size handles of `handle_granules` (the last one of a run may be shorter): what
-    /// per-granule peers do, kept as a baseline.
-    Fixed {
-        /// Every handle's size, in granules.
-        handle_granules: u64,
-    },
     /// Cut at the multiples of `max_handle_granules` in the reservation's granule index, and
     /// nowhere else: a run costs at most `len / max + 2` handles, whatever granule it starts
     /// at, while interior handles stay aligned to the cap.
@@ -356,27 +346,39 @@ pub enum HandlePolicy {
         /// The cap, in granules.
         max_handle_granules: u64,
     },
+    /// Greedy from the left: the largest power-of-two block of granules that is aligned (in
+    /// the reservation's granule index) at the current granule, fits in the run, and is at
+    /// most `max_handle_granules`. A bulk grow costs O(log n) handles; a one-granule grow one.
+    AlignedPowersOfTwo {
+        /// The cap, in granules (rounded down to a power of two).
+        max_handle_granules: u64,
+    },
+    /// From each run's start, pieces of `max_handle_granules` (the last one of a run may be
+    /// shorter): one handle per run up to the cap, wherever the run starts. With a cap of one
+    /// granule, what per-granule peers do.
+    PerRun {
+        /// Every handle's size but a run's last, in granules.
+        max_handle_granules: u64,
+    },
     /// One handle per run, however long: what a segment registered for RDMA needs.
     WholeRuns,
 }
 
-impl HandlePolicy {
-    /// `Adaptive` capped at `max_handle_bytes`, a power-of-two multiple of `granularity`.
-    pub fn adaptive(max_handle_bytes: u64, granularity: u64) -> Result<HandlePolicy> {
-        if granularity == 0 {
-            return Err(Error::invalid("granularity must be positive"));
-        }
-        if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
-            return Err(Error::invalid(format!(
-                "max_handle_bytes ({max_handle_bytes}) must be a positive multiple of the \
-                 granularity ({granularity})"
-            )));
-        }
-        Ok(HandlePolicy::Adaptive {
-            max_handle_granules: max_handle_bytes / granularity,
-        })
+/// `max_handle_bytes` in granules of `granularity`: it must be a positive multiple of it.
+pub fn handle_granules(max_handle_bytes: u64, granularity: u64) -> Result<u64> {
+    if granularity == 0 {
+        return Err(Error::invalid("granularity must be positive"));
     }
+    if max_handle_bytes < granularity || max_handle_bytes % granularity != 0 {
+        return Err(Error::invalid(format!(
+            "handle_sizing max_bytes ({max_handle_bytes}) must be a positive multiple of the \
+             granularity ({granularity})"
+        )));
+    }
+    Ok(max_handle_bytes / granularity)
+}
 
+impl HandlePolicy {
     /// Appends the handles for `run` to `out`. Nothing here overflows given `end_granule`
     /// does: every size is at most `end - cursor`, and a shift is by at most 63.
     pub fn cut(self, run: Run, out: &mut Vec<Run>) {
@@ -384,7 +386,7 @@ impl HandlePolicy {
         let end = run.end_granule();
         while cursor < end {
             let size = match self {
-                HandlePolicy::Adaptive {
+                HandlePolicy::AlignedPowersOfTwo {
                     max_handle_granules,
                 } => {
                     let cap = prev_power_of_two(max_handle_granules.max(1));
@@ -396,7 +398,9 @@ impl HandlePolicy {
                     };
                     cap.min(fits).min(aligned)
                 }
-                HandlePolicy::Fixed { handle_granules } => handle_granules.max(1).min(end - cursor),
+                HandlePolicy::PerRun {
+                    max_handle_granules,
+                } => max_handle_granules.max(1).min(end - cursor),
                 HandlePolicy::CapAligned {
                     max_handle_granules,
                 } => {
@@ -425,26 +429,13 @@ pub struct GrowPlan {
     pub new_ranges: Vec<ByteRange>,
 }
 
-/// Plans growing every segment from `old` to `new` bytes (`new[i] >= old[i]`) given the
-/// `mapped` runs (sorted, disjoint, covering every granule `old` needs).
+/// Plans a grow that adds the bytes `new_ranges` (`Geometry::new_ranges` of the old and new
+/// sizes), whose granules are `new_granules` (`granules_of(&new_ranges)`), given the `mapped`
+/// runs that overlap them (sorted, disjoint): the missing granules, cut by `policy`.
 ///
 /// Only the granules of the new bytes can be missing, so the work is O(segments × log
 /// handles) however much is already mapped.
 pub fn plan_grow(
-    geometry: &Geometry,
-    mapped: &[Run],
-    policy: HandlePolicy,
-    old: &[u64],
-    new: &[u64],
-) -> GrowPlan {
-    let new_ranges = geometry.new_ranges(old, new);
-    let new_granules = granules_of(&new_ranges, geometry.granularity());
-    plan_new_ranges(new_ranges, &new_granules, mapped, policy)
-}
-
-/// `plan_grow` for a caller that already has the new bytes and their granules
-/// (`granules_of(&new_ranges)`), and looked up only the `mapped` runs that overlap them.
-pub fn plan_new_ranges(
     new_ranges: Vec<ByteRange>,
     new_granules: &[Run],
     mapped: &[Run],
@@ -600,6 +591,20 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Plans growing every segment from `old` to `new` bytes given all the `mapped` runs, as
+    /// `ExtensibleTensor::resize_per_segment` does (which passes only the overlapping ones).
+    fn grow(
+        geometry: &Geometry,
+        mapped: &[Run],
+        policy: HandlePolicy,
+        old: &[u64],
+        new: &[u64],
+    ) -> GrowPlan {
+        let new_ranges = geometry.new_ranges(old, new);
+        let new_granules = granules_of(&new_ranges, geometry.granularity());
+        plan_grow(new_ranges, &new_granules, mapped, policy)
+    }
+
     const G: u64 = 4096;
 
     fn granule_set(runs: &[Run]) -> std::collections::BTreeSet<u64> {
@@ -616,10 +621,10 @@ mod tests {
         assert_eq!(geometry.needed_runs(&[G / 2, G / 2]), vec![Run::new(0, 2)]);
         let full = geometry.needed_runs(&[3 * G / 2, 3 * G / 2]);
         assert_eq!(full, vec![Run::new(0, 3)]);
-        let plan = plan_grow(
+        let plan = grow(
             &geometry,
             &[Run::new(0, 2)],
-            HandlePolicy::Adaptive {
+            HandlePolicy::AlignedPowersOfTwo {
                 max_handle_granules: 8,
             },
             &[G / 2, G / 2],
@@ -654,13 +659,13 @@ mod tests {
     #[test]
     fn adaptive_cuts_aligned_powers_of_two() {
         let mut out = Vec::new();
-        HandlePolicy::Adaptive {
+        HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 1 << 20,
         }
         .cut(Run::new(3, 13), &mut out);
         assert_eq!(out, vec![Run::new(3, 1), Run::new(4, 4), Run::new(8, 8)]);
         out.clear();
-        HandlePolicy::Adaptive {
+        HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 4,
         }
         .cut(Run::new(0, 11), &mut out);
@@ -711,10 +716,10 @@ mod tests {
                 per_segment.div_ceil(1 << 30) + 2 * u64::from(cap_granules.ilog2()) + 2,
             ),
         ] {
-            let policy = HandlePolicy::Adaptive {
+            let policy = HandlePolicy::AlignedPowersOfTwo {
                 max_handle_granules: cap,
             };
-            let plan = plan_grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
+            let plan = grow(&geometry, &initial, policy, &[block; 2], &[per_segment; 2]);
             for segment in 0..2u64 {
                 let (lo, hi) = (segment * granules, (segment + 1) * granules);
                 let count = plan
@@ -733,11 +738,11 @@ mod tests {
     #[test]
     fn planning_64_tib_allocates_per_handle_not_per_granule() {
         let geometry = Geometry::equal(64 << 40, 2, 2 << 20).unwrap();
-        let policy = HandlePolicy::Adaptive {
+        let policy = HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 1 << 20,
         };
         let full = [32u64 << 40; 2];
-        let plan = plan_grow(&geometry, &[], policy, &[0, 0], &full);
+        let plan = grow(&geometry, &[], policy, &[0, 0], &full);
         // One merged run of 32 Mi granules, cut at the 2 TiB cap.
         assert_eq!(plan.new_handles.len(), 32);
         assert!(plan.new_handles.iter().all(|r| r.num_granules == 1 << 20));
@@ -770,7 +775,7 @@ mod tests {
         assert!(err.contains("past granule 4"), "{err}");
         assert!(check_runs(&[Run::new(0, 1), Run::new(u64::MAX, 2)], 4).is_err());
         assert!(check_runs(&[Run::new(0, u64::MAX)], u64::MAX).is_ok());
-        assert!(HandlePolicy::adaptive(4096, 0).is_err());
+        assert!(handle_granules(4096, 0).is_err());
     }
 
     /// Values at the edges of `u64`: near 0, near `u64::MAX`, near every power of two.
@@ -861,7 +866,7 @@ mod tests {
             prop_assert_eq!(granule_set(&missing), expect.clone());
             let mut handles = Vec::new();
             for run in &missing {
-                HandlePolicy::Adaptive { max_handle_granules: cap }.cut(*run, &mut handles);
+                HandlePolicy::AlignedPowersOfTwo { max_handle_granules: cap }.cut(*run, &mut handles);
             }
             check_runs(&handles, 1 << 20).unwrap();
             prop_assert_eq!(granule_set(&handles), expect);
@@ -973,8 +978,8 @@ mod tests {
             // At least longest / 1024 granules per handle, so cutting stays fast.
             let cap = cap.max(longest / 1024 + 1);
             for policy in [
-                HandlePolicy::Adaptive { max_handle_granules: cap },
-                HandlePolicy::Fixed { handle_granules: cap },
+                HandlePolicy::AlignedPowersOfTwo { max_handle_granules: cap },
+                HandlePolicy::PerRun { max_handle_granules: cap },
                 HandlePolicy::CapAligned { max_handle_granules: cap },
                 HandlePolicy::WholeRuns,
             ] {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options};
 
 const G: u64 = 4096;
 /// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
@@ -18,7 +18,7 @@ const FIRST: u64 = G / 2;
 fn options() -> Options {
     // One-granule handles: the second grow needs several of every call.
     Options {
-        max_handle_bytes: Some(G),
+        handle_sizing: HandleSizing::CapAligned { max_bytes: G },
         ..Options::default()
     }
 }
@@ -204,11 +204,11 @@ fn shrink_exact(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
         exact: true,
         ..Default::default()
     };
-    tensor.shrink_segments(&[2 * G + G / 2, 3 * G], options)
+    tensor.shrink_per_segment([2 * G + G / 2, 3 * G], options)
 }
 
 fn shrink_plain(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
-    tensor.shrink_segments(&[G, G / 2], Default::default())
+    tensor.shrink_per_segment([G, G / 2], Default::default())
 }
 
 fn consolidate(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {

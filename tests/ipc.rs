@@ -9,7 +9,9 @@ use std::sync::Arc;
 use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, Op, Options, ShrinkOptions, Stream};
+use extensible_kv::{
+    Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options, ShrinkOptions, Stream,
+};
 
 const G: u64 = 4096;
 
@@ -20,7 +22,7 @@ fn host_driver() -> Arc<HostDriver> {
 /// An exportable owner of 2 segments of 8 granules on `host`, each grown to `per_segment`.
 fn owner(host: &Arc<HostDriver>, per_segment: u64) -> ExtensibleTensor {
     let options = Options {
-        max_handle_bytes: Some(2 * G),
+        handle_sizing: HandleSizing::CapAligned { max_bytes: 2 * G },
         export_types: ExportTypes::POSIX_FD,
         ..Options::default()
     };
@@ -56,7 +58,7 @@ fn an_importer_sees_writes_and_follows_grows_and_shrinks() {
         exact: true,
         stream: Stream::DEFAULT,
     };
-    owner.shrink_segments(&[G + 1, G + 1], exact).unwrap();
+    owner.shrink_per_segment([G + 1, G + 1], exact).unwrap();
     imported.refresh(&owner.share().unwrap(), None).unwrap();
     assert_eq!(imported.handle_runs(), owner.handle_runs());
     assert_eq!(common::read(&imported, 0, 16), vec![7; 16]);

@@ -12,8 +12,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
-use extensible_kv::tensor::ExportedRegion;
-use extensible_kv::{Driver, Error, ExtensibleTensor, GrowOptions, Options, ShrinkOptions, Stream};
+use extensible_kv::tensor::ViewRegion;
+use extensible_kv::{
+    Driver, Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions, Stream,
+};
 
 const OWNERS: usize = 8;
 const VIEWERS: usize = 4;
@@ -41,7 +43,7 @@ impl Rng {
 /// grow would shrink (or this shrink grow).
 fn expected_race(result: extensible_kv::Result<()>) {
     match result {
-        Ok(()) | Err(Error::InvalidArgument(_)) => {}
+        Ok(()) | Err(Error::InvalidArgument(_) | Error::WrongDirection { .. }) => {}
         Err(other) => panic!("unexpected error under contention: {other}"),
     }
 }
@@ -63,7 +65,7 @@ fn mutate(tensor: &ExtensibleTensor, rng: &mut Rng, capacity: u64) -> Option<u64
                 ..ShrinkOptions::default()
             };
             let targets = vec![rng.below(current + 1); tensor.num_segments()];
-            expected_race(tensor.shrink_segments(&targets, options));
+            expected_race(tensor.shrink_per_segment(&targets, options));
             None
         }
         8 => {
@@ -97,14 +99,14 @@ fn owner(tensor: &ExtensibleTensor, seed: u64, iterations: usize, touch: bool) {
 
 fn viewer(tensors: &[ExtensibleTensor], seed: u64, done: &AtomicBool) {
     let mut rng = Rng::new(seed);
-    let mut held: Vec<ExportedRegion> = Vec::new();
+    let mut held: Vec<ViewRegion> = Vec::new();
     let mut views = 0usize;
     while !done.load(Ordering::Acquire) || views < 1000 {
         let tensor = &tensors[rng.below(tensors.len() as u64) as usize];
         let capacity = tensor.capacity_bytes();
         let offset = rng.below(capacity);
         let num_bytes = 1 + rng.below(capacity - offset);
-        let region = tensor.export(offset, num_bytes).unwrap();
+        let region = tensor.view(offset, num_bytes).unwrap();
         assert_eq!(region.ptr(), tensor.base_ptr().unwrap() + offset);
         held.push(region);
         views += 1;
@@ -131,7 +133,7 @@ fn threads(driver: Arc<dyn Driver>, live: &dyn Fn() -> (usize, usize, usize), to
     // Segments that are not granule multiples share a granule: the dedup is under stress too.
     let segment = GRANULES * g - g / 2;
     let options = Options {
-        max_handle_bytes: Some(4 * g),
+        handle_sizing: HandleSizing::CapAligned { max_bytes: 4 * g },
         ..Options::default()
     };
     let make =

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
-use extensible_kv::tensor::ExportedRegion;
-use extensible_kv::{Cut, Error, ExtensibleTensor, GrowOptions, Options, ShrinkOptions};
+use extensible_kv::tensor::ViewRegion;
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions};
 use proptest::prelude::*;
 use proptest::test_runner::{TestError, TestRunner};
 
@@ -126,23 +126,23 @@ fn run(
     // Whether exactly the needed granules are mapped (no slack left by a plain shrink).
     let mut exact_footprint = true;
     let mut importer: Option<ExtensibleTensor> = None;
-    let mut views: Vec<ExportedRegion> = Vec::new();
+    let mut views: Vec<ViewRegion> = Vec::new();
     let mut closed = false;
     let capacity = geometry.capacity_bytes();
     for step in steps {
         if closed {
             match step {
                 Step::Grow { .. } => {
-                    refused_closed(tensor.resize_segments(&vec![0; n], GrowOptions::default()))?
+                    refused_closed(tensor.resize_per_segment(&vec![0; n], GrowOptions::default()))?
                 }
-                Step::Shrink { .. } => {
-                    refused_closed(tensor.shrink_segments(&vec![0; n], ShrinkOptions::default()))?
-                }
+                Step::Shrink { .. } => refused_closed(
+                    tensor.shrink_per_segment(&vec![0; n], ShrinkOptions::default()),
+                )?,
                 Step::Consolidate => {
                     refused_closed(tensor.consolidate(extensible_kv::Stream::DEFAULT))?
                 }
                 Step::Release => refused_closed(tensor.release_physical())?,
-                Step::View { .. } => refused_closed(tensor.export(0, 1))?,
+                Step::View { .. } => refused_closed(tensor.view(0, 1))?,
                 Step::Refresh => refused_closed(tensor.share())?,
                 Step::Close => tensor
                     .close()
@@ -158,7 +158,7 @@ fn run(
             Step::View { offset, len } => {
                 let offset = ((capacity as f64 * offset) as u64).min(capacity - 1);
                 let len = (((capacity - offset) as f64 * len) as u64).max(1);
-                views.push(tensor.export(offset, len).unwrap());
+                views.push(tensor.view(offset, len).unwrap());
                 prop_assert_eq!(
                     views.last().unwrap().ptr(),
                     tensor.base_ptr().unwrap() + offset
@@ -209,7 +209,7 @@ fn run(
                     targets
                 };
                 tensor
-                    .resize_segments(
+                    .resize_per_segment(
                         &targets,
                         GrowOptions {
                             zero_new,
@@ -260,7 +260,7 @@ fn run(
                     exact,
                     ..Default::default()
                 };
-                tensor.shrink_segments(&targets, options).unwrap();
+                tensor.shrink_per_segment(&targets, options).unwrap();
                 for (m, &t) in model.iter_mut().zip(&targets) {
                     m.truncate(t as usize);
                 }
@@ -351,27 +351,27 @@ fn matches_the_model() {
         source_file: Some(file!()),
         ..ProptestConfig::default()
     };
-    let cut = prop::sample::select(vec![
-        Cut::AlignedPowersOfTwo,
-        Cut::AtCapMultiples,
-        Cut::WholeRuns,
-    ]);
+    // 0: cap-aligned, 1: aligned powers of two, 2: per run, 3: whole runs.
+    let sizing = 0u8..4;
     let strategy = (
         prop::collection::vec(1u64..4 * G, 1..5),
         (any::<bool>(), any::<bool>(), any::<bool>()),
-        (1u64..8, prop::option::of(1u64..3), cut),
+        (1u64..8, sizing),
         prop::collection::vec(step(), 1..16),
     );
     let ran = AtomicU32::new(0);
     let result = TestRunner::new(config).run(
         &strategy,
-        |(caps, (equal, dirty, drop_with_views), (adaptive_cap, fixed, cut), steps)| {
+        |(caps, (equal, dirty, drop_with_views), (cap, sizing), steps)| {
             ran.fetch_add(1, Ordering::Relaxed);
             let options = Options {
                 granularity: None,
-                max_handle_bytes: Some(adaptive_cap * G),
-                fixed_handle_bytes: fixed.map(|f| f * G),
-                cut,
+                handle_sizing: match sizing {
+                    0 => HandleSizing::CapAligned { max_bytes: cap * G },
+                    1 => HandleSizing::AlignedPowersOfTwo { max_bytes: cap * G },
+                    2 => HandleSizing::PerRun { max_bytes: cap * G },
+                    _ => HandleSizing::WholeRuns,
+                },
                 export_types: ExportTypes::POSIX_FD,
             };
             run(caps, equal, dirty, options, steps, drop_with_views)
@@ -426,7 +426,7 @@ fn views_keep_memory_alive() {
             .unwrap();
     tensor.resize_per_segment(G, GrowOptions::zeroed()).unwrap();
     common::write(&tensor, 0, b"alive");
-    let region = tensor.export(0, G).unwrap();
+    let region = tensor.view(0, G).unwrap();
     assert!(matches!(
         tensor.close(),
         Err(extensible_kv::Error::ViewsAlive { live_views: 1 })

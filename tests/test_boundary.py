@@ -27,6 +27,7 @@ from extensible_kv import (
     AttentionLayerSpec,
     ExtensibleKVCache,
     ExtensibleTensor,
+    HandleSizing,
     KVCacheFlow,
     KVCacheTensorSpec,
     OutOfMemoryError,
@@ -114,9 +115,18 @@ def _cases() -> list[Case]:
         cases.extend(Case(owner, name, v, error, call) for v in values)
 
     # ExtensibleTensor: the constructor, then every method with an argument.
-    for kwarg in ("num_segments", "granularity", "max_handle_bytes", "fixed_handle_bytes"):
+    for kwarg in ("num_segments", "granularity"):
         add("tensor", kwarg, [1.5, "2", True], TypeError,
             lambda t, v, k=kwarg: ExtensibleTensor(8 * G, device="cpu", **{k: v}))  # fmt: skip
+    add("tensor", "handle_sizing", ["per_run", ("per_run", G), 4 * G], TypeError,
+        lambda t, v: ExtensibleTensor(8 * G, device="cpu", handle_sizing=v))  # fmt: skip
+    for kind in ("cap_aligned", "per_run"):
+        add("tensor", "handle_sizing", [1.5, "2", True], TypeError,
+            lambda t, v, k=kind: ExtensibleTensor(
+                8 * G, device="cpu", handle_sizing=HandleSizing(k, v)))  # fmt: skip
+        add("tensor", "handle_sizing", [-1, 0, 3 * G // 2, 2**64], ValueError,
+            lambda t, v, k=kind: ExtensibleTensor(
+                8 * G, device="cpu", handle_sizing=HandleSizing(k, v)))  # fmt: skip
     add("tensor", "max_bytes", [1.5, "8192", None, True], TypeError,
         lambda t, v: ExtensibleTensor(v, device="cpu"))  # fmt: skip
     add("tensor", "max_bytes", [-1, 0, 2**64], ValueError,

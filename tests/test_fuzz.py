@@ -13,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from conftest import memfd_counts
-from extensible_kv import ClosedError, ExtensibleTensor, OutOfMemoryError
+from extensible_kv import ClosedError, ExtensibleTensor, HandleSizing, OutOfMemoryError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 G = 4096
+HANDLE_KINDS = ["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"]
 ALLOWED = (ValueError, TypeError, OutOfMemoryError)
 
 SETTINGS = settings(
@@ -94,22 +95,22 @@ def constructor_arguments(draw: st.DrawFn) -> dict[str, Any]:
         "segment_capacities": None,
         "match_sum": False,
         "granularity": gran,
-        "max_handle_bytes": draw(st.one_of(st.none(), st.integers(1, 4).map(lambda k: k * unit))),
-        "fixed_handle_bytes": None,
+        "handle_kind": draw(st.sampled_from(HANDLE_KINDS[:3])),
+        "handle_bytes": draw(st.one_of(st.none(), st.integers(1, 4).map(lambda k: k * unit))),
     }
     if draw(st.booleans()):
         caps = draw(st.lists(st.integers(1, 3 * G), min_size=1, max_size=6))
         args.update(segment_capacities=caps, max_bytes=sum(caps), num_segments=None)
     if draw(st.booleans()):
-        args["fixed_handle_bytes"] = draw(st.integers(1, 4).map(lambda k: k * unit))
+        args.update(handle_kind="whole_runs", handle_bytes=None)
     fuzzed = {
         "max_bytes": size,
         "num_segments": num_segments,
         "segment_capacities": capacities,
         "match_sum": st.booleans(),
         "granularity": granularity,
-        "max_handle_bytes": handle_bytes,
-        "fixed_handle_bytes": st.one_of(st.none(), handle_bytes),
+        "handle_kind": st.one_of(st.sampled_from(HANDLE_KINDS), st.text(max_size=3)),
+        "handle_bytes": st.one_of(st.none(), handle_bytes),
     }
     mode = draw(st.sampled_from(["valid", "one", "one", "all"]))
     args["must_work"] = mode == "valid"
@@ -128,8 +129,7 @@ def test_constructor_arguments(kwargs: dict[str, Any]) -> None:
     num_segments = kwargs["num_segments"]
     segment_capacities = kwargs["segment_capacities"]
     granularity = kwargs["granularity"]
-    max_handle_bytes = kwargs["max_handle_bytes"]
-    fixed_handle_bytes = kwargs["fixed_handle_bytes"]
+    handle_sizing = HandleSizing(kwargs["handle_kind"], kwargs["handle_bytes"])
     match_sum = kwargs["match_sum"]
     if match_sum and isinstance(segment_capacities, list):
         if all(type(c) is int for c in segment_capacities):
@@ -142,8 +142,7 @@ def test_constructor_arguments(kwargs: dict[str, Any]) -> None:
             "cpu",
             segment_capacities=segment_capacities,
             granularity=granularity,
-            max_handle_bytes=max_handle_bytes,
-            fixed_handle_bytes=fixed_handle_bytes,
+            handle_sizing=handle_sizing,
         )
     except ALLOWED as err:
         event(f"constructor raised {type(err).__name__}")
@@ -239,8 +238,8 @@ def test_resize_arguments(
 ) -> None:
     n, cap, ops = program
     before = memfd_counts()
-    policy = {"fixed_handle_bytes": G} if fixed else {"max_handle_bytes": 2 * G}
-    t = ExtensibleTensor(n * cap, n, "cpu", granularity=G, **policy)
+    sizing = HandleSizing("per_run", G) if fixed else HandleSizing(max_bytes=2 * G)
+    t = ExtensibleTensor(n * cap, n, "cpu", granularity=G, handle_sizing=sizing)
     try:
         closed = False
         for op, arg, zero_new in ops:

@@ -13,13 +13,17 @@ import time
 
 import pytest
 from conftest import MakeTensor
-from extensible_kv import ClosedError, DriverError, ExtensibleTensor
+from extensible_kv import ClosedError, DriverError, ExtensibleTensor, HandleSizing
 
 
 def _deferring(g: int) -> ExtensibleTensor:
     """A tensor whose first release fails (a destructor defers it): a shrink triggers it."""
     t = ExtensibleTensor(
-        8 * g, device="cpu", granularity=g, max_handle_bytes=g, _fault=("release", 1, "driver")
+        8 * g,
+        device="cpu",
+        granularity=g,
+        handle_sizing=HandleSizing(max_bytes=g),
+        _fault=("release", 1, "driver"),
     )
     t.resize_(4 * g)
     return t
@@ -44,7 +48,11 @@ def test_an_earlier_deferred_error_is_logged_not_raised_by_later_calls(
 def test_close_always_ends_closed_and_reports_its_own_error_after() -> None:
     g = 4096
     t = ExtensibleTensor(
-        8 * g, device="cpu", granularity=g, max_handle_bytes=g, _fault=("release", 2, "driver")
+        8 * g,
+        device="cpu",
+        granularity=g,
+        handle_sizing=HandleSizing(max_bytes=g),
+        _fault=("release", 2, "driver"),
     )
     t.resize_(3 * g)
     with pytest.raises(DriverError, match="the tensor is closed regardless"):
@@ -59,7 +67,11 @@ def test_close_always_ends_closed_and_reports_its_own_error_after() -> None:
 def test_release_physical_says_what_it_released_when_a_release_fails() -> None:
     g = 4096
     t = ExtensibleTensor(
-        8 * g, device="cpu", granularity=g, max_handle_bytes=g, _fault=("release", 1, "driver")
+        8 * g,
+        device="cpu",
+        granularity=g,
+        handle_sizing=HandleSizing(max_bytes=g),
+        _fault=("release", 1, "driver"),
     )
     t.resize_(2 * g)
     with pytest.raises(DriverError, match="the release went on: every segment holds 0 bytes"):

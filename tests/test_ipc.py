@@ -22,6 +22,7 @@ from conftest import MakeTensor, device_kwargs
 from extensible_kv import (
     DriverError,
     ExtensibleTensor,
+    HandleSizing,
     OutOfMemoryError,
     SharedTensor,
     UnsupportedError,
@@ -343,7 +344,7 @@ def test_bad_descriptions_are_typed_errors_and_leak_nothing(
 def test_a_failed_import_maps_nothing_and_keeps_no_fd(
     backend: str, g: int, make_owner: MakeOwner
 ) -> None:
-    owner = make_owner(8 * g, 2, max_handle_bytes=2 * g)
+    owner = make_owner(8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g))
     owner.resize_per_segment_(7 * g)
     description = owner.share()
     assert len(description.handles) >= 4
@@ -417,7 +418,7 @@ def test_a_stale_description_is_refused_and_never_reaches_other_memory(
     """The review's repro: A shares 2 handles, shrinks (its second handle and fd go), and the
     freed fd number comes to name B's memory of the same size (here by dup2, so it happens on
     every backend and run). The old description must be refused, B never read nor written."""
-    a = make_owner(4 * g, 1, max_handle_bytes=g)
+    a = make_owner(4 * g, 1, handle_sizing=HandleSizing(max_bytes=g))
     a.resize_(2 * g)
     a.full_view()[: 2 * g].copy_(pattern(2 * g, 1).to(a.device))
     old = a.share()
@@ -498,7 +499,7 @@ def test_received_fds_are_closed_when_a_description_is_refused(
 
 
 def test_send_shared_refuses_a_stale_description(g: int, make_owner: MakeOwner) -> None:
-    owner = make_owner(4 * g, 1, max_handle_bytes=g)
+    owner = make_owner(4 * g, 1, handle_sizing=HandleSizing(max_bytes=g))
     owner.resize_(2 * g)
     old = owner.share()
     owner.shrink_(g)

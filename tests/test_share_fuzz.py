@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import memfd_counts
-from extensible_kv import ExtensibleTensor, SharedHandle, SharedTensor
+from extensible_kv import ExtensibleTensor, HandleSizing, SharedHandle, SharedTensor
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +37,12 @@ junk = st.one_of(
 @pytest.fixture(scope="module")
 def owner() -> Any:
     t = ExtensibleTensor(
-        16 * G, 2, "cpu", granularity=G, max_handle_bytes=2 * G, export_handle_types="posix_fd"
+        16 * G,
+        2,
+        "cpu",
+        granularity=G,
+        handle_sizing=HandleSizing(max_bytes=2 * G),
+        export_handle_types="posix_fd",
     )
     t.resize_per_segment_(5 * G)
     for s in range(2):

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import MakeTensor, mapped_granules, needed_granules
-from extensible_kv import ClosedError, DriverError, ExtensibleTensor, OutOfMemoryError
+from extensible_kv import ClosedError, DriverError, ExtensibleTensor, HandleSizing, OutOfMemoryError
 
 BLOCK = 512  # bytes per block per segment
 
@@ -62,7 +62,7 @@ def test_shrink_keeps_the_prefix_and_grows_back_zeroed(
 ) -> None:
     rng = random.Random(f"{granules}/{segments}/{exact}")
     capacity = int(granules * g) // BLOCK * BLOCK
-    t = make_tensor(capacity * segments, segments, max_handle_bytes=2 * g)
+    t = make_tensor(capacity * segments, segments, handle_sizing=HandleSizing(max_bytes=2 * g))
     # Grown in uneven steps, so handles straddle segment ends and the new frontier.
     for step in (1, 3, capacity // BLOCK):
         t.resize_per_segment_(min(step * BLOCK, capacity))
@@ -87,7 +87,7 @@ def test_shrink_keeps_the_prefix_and_grows_back_zeroed(
 def test_plain_shrink_keeps_the_straddling_handle_exact_trims_it(
     make_tensor: MakeTensor, g: int
 ) -> None:
-    t = make_tensor(16 * g, max_handle_bytes=8 * g)
+    t = make_tensor(16 * g, handle_sizing=HandleSizing(max_bytes=8 * g))
     t.resize_(16 * g)
     assert t.handle_runs() == [(0, 8), (8, 8)]
     t.shrink_(3 * g + 1)
@@ -140,7 +140,7 @@ def test_consolidate_keeps_every_byte_and_backs_each_segment_by_one_handle(
     for s, data in enumerate(contents(t)):
         assert torch.equal(data[: 12 * g], before[s]), s
     # Segments that share granules: one handle per maximal run.
-    shared = make_tensor(3 * g, 2, max_handle_bytes=g)
+    shared = make_tensor(3 * g, 2, handle_sizing=HandleSizing(max_bytes=g))
     shared.resize_per_segment_(3 * g // 2)
     fill_blocks(shared, seed=4)
     shared.consolidate()
@@ -149,7 +149,7 @@ def test_consolidate_keeps_every_byte_and_backs_each_segment_by_one_handle(
 
 
 def test_consolidate_after_a_plain_shrink_drops_the_slack(make_tensor: MakeTensor, g: int) -> None:
-    t = make_tensor(16 * g, max_handle_bytes=8 * g)
+    t = make_tensor(16 * g, handle_sizing=HandleSizing(max_bytes=8 * g))
     t.resize_(16 * g)
     fill_blocks(t, seed=1)
     t.shrink_(5 * g)
@@ -165,7 +165,7 @@ def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handl
     # The README's word: each run is all or nothing, not the whole call. Two runs of
     # granules, [0, 6) and [8, 11), each over several handles; the second one's create fails.
     def setup(**kw: Any) -> ExtensibleTensor:
-        t = make_tensor(2 * 8 * g, 2, max_handle_bytes=2 * g, **kw)
+        t = make_tensor(2 * 8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g), **kw)
         for step in (1, 3, 6):
             t.resize_per_segment_(step * g)
         t.shrink_per_segment_([6 * g, 3 * g])
@@ -215,7 +215,7 @@ def test_shrink_refuses_what_it_cannot_do(make_tensor: MakeTensor, g: int) -> No
 
 def _setup(make_tensor: MakeTensor, g: int, **kw: Any) -> ExtensibleTensor:
     # Two aligned segments grown in steps (several handles each), then filled.
-    t = make_tensor(2 * 8 * g, 2, max_handle_bytes=2 * g, **kw)
+    t = make_tensor(2 * 8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g), **kw)
     for step in (1, 3, 8):
         t.resize_per_segment_(step * g - (BLOCK if step < 8 else 0))
     fill_blocks(t, seed=7)

@@ -25,7 +25,7 @@ import extensible_kv
 import pytest
 import torch
 from conftest import MakeTensor, memfd_counts, settled_free
-from extensible_kv import ExtensibleTensor, OutOfMemoryError
+from extensible_kv import ExtensibleTensor, HandleSizing, OutOfMemoryError
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -89,8 +89,10 @@ def test_threads_grow_view_and_race(make_tensor: MakeTensor, g: int, backend: st
     probe = _leak_probe(backend)
     before = probe()
     segment = 32 * g - g // 2  # not a granule multiple: the two segments share a granule
-    owned = [make_tensor(2 * segment, 2, max_handle_bytes=4 * g) for _ in range(8)]
-    shared = make_tensor(2 * segment, 2, max_handle_bytes=4 * g)
+    owned = [
+        make_tensor(2 * segment, 2, handle_sizing=HandleSizing(max_bytes=4 * g)) for _ in range(8)
+    ]
+    shared = make_tensor(2 * segment, 2, handle_sizing=HandleSizing(max_bytes=4 * g))
     tensors = [*owned, shared]
     done = threading.Event()
     errors: list[BaseException] = []
@@ -275,7 +277,9 @@ def test_out_of_memory_in_a_100_handle_grow_leaves_free_memory_as_it_was() -> No
     # More than is free, in 1 GiB handles: the driver refuses one of the last creates, after
     # 100+ handles were created, mapped and queued for zeroing.
     request = (before + 4 * GIB) // g * g
-    t = ExtensibleTensor(request, device="cuda:0", max_handle_bytes=GIB, _profile=True)
+    t = ExtensibleTensor(
+        request, device="cuda:0", handle_sizing=HandleSizing(max_bytes=GIB), _profile=True
+    )
     with pytest.raises(OutOfMemoryError) as info:
         t.resize_(request)
     creates = t._op_times()["create"][0]

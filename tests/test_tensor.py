@@ -23,6 +23,7 @@ from extensible_kv import (
     ClosedError,
     DriverError,
     ExtensibleTensor,
+    HandleSizing,
     OutOfMemoryError,
 )
 
@@ -188,20 +189,34 @@ CONSTRUCTOR_VALUE_ERRORS = {
         lambda g: ((4 * g,), {"granularity": 1024 if g == CPU_GRANULARITY else g // 2}),
         "granularity",
     ),
-    "max_handle_bytes not a multiple": (
-        lambda g: ((4 * g,), {"max_handle_bytes": g + g // 2}),
-        "max_handle_bytes",
+    "max_bytes of handles not a multiple": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing(max_bytes=g + g // 2)}),
+        "handle_sizing",
     ),
-    "max_handle_bytes below granularity": (
-        lambda g: ((4 * g,), {"max_handle_bytes": g // 2}),
-        "max_handle_bytes",
+    "max_bytes of handles below granularity": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing(max_bytes=g // 2)}),
+        "handle_sizing",
     ),
-    "max_handle_bytes zero": (lambda g: ((4 * g,), {"max_handle_bytes": 0}), "max_handle_bytes"),
-    "fixed_handle_bytes not a multiple": (
-        lambda g: ((4 * g,), {"fixed_handle_bytes": g + 512}),
+    "max_bytes of handles zero": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing(max_bytes=0)}),
+        "handle_sizing",
+    ),
+    "per-run pieces not a multiple": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing("per_run", g + 512)}),
         "granularity",
     ),
-    "fixed_handle_bytes zero": (lambda g: ((4 * g,), {"fixed_handle_bytes": 0}), "granularity"),
+    "per-run pieces zero": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing("per_run", 0)}),
+        "granularity",
+    ),
+    "whole runs with a cap": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing("whole_runs", g)}),
+        "handle_sizing",
+    ),
+    "unknown handle sizing": (
+        lambda g: ((4 * g,), {"handle_sizing": HandleSizing("huge")}),  # type: ignore[arg-type]
+        "handle_sizing.kind",
+    ),
 }
 
 
@@ -220,7 +235,22 @@ def test_unknown_device_is_value_error(spec: str) -> None:
         ExtensibleTensor(8192, device=spec, granularity=4096)
 
 
-SIZE_ARGS = ["max_bytes", "num_segments", "granularity", "max_handle_bytes", "fixed_handle_bytes"]
+# `handle_sizing:<kind>` stands for the `max_bytes` of a `HandleSizing` of that kind.
+SIZE_ARGS = [
+    "max_bytes",
+    "num_segments",
+    "granularity",
+    "handle_sizing:cap_aligned",
+    "handle_sizing:per_run",
+]
+
+
+def _size_kwargs(g: int, name: str, value: object) -> dict[str, Any]:
+    """A one-segment tensor's arguments with `value` for the size argument `name`."""
+    argument, _, kind = name.partition(":")
+    if kind:
+        return {"max_bytes": 4 * g, "num_segments": 1, argument: HandleSizing(kind, value)}  # type: ignore[arg-type]
+    return {"max_bytes": 4 * g, "num_segments": 1, argument: value}
 
 
 @pytest.mark.parametrize("value", [-1, -(2**70), 2**64, 2**70])
@@ -228,11 +258,10 @@ SIZE_ARGS = ["max_bytes", "num_segments", "granularity", "max_handle_bytes", "fi
 def test_constructor_out_of_range_ints_are_value_errors(
     make_tensor: MakeTensor, g: int, name: str, value: int
 ) -> None:
-    kwargs: dict[str, Any] = {"max_bytes": 4 * g, "num_segments": 1, name: value}
     with pytest.raises(ValueError) as info:
-        make_tensor(**kwargs)
+        make_tensor(**_size_kwargs(g, name, value))
     assert not isinstance(info.value, OverflowError)
-    assert name in str(info.value)
+    assert name.partition(":")[0] in str(info.value)
 
 
 @pytest.mark.parametrize("value", [1.5, "4096", b"4096", True, [4096], object()])
@@ -240,9 +269,23 @@ def test_constructor_out_of_range_ints_are_value_errors(
 def test_constructor_non_ints_are_type_errors(
     make_tensor: MakeTensor, g: int, name: str, value: Any
 ) -> None:
-    kwargs: dict[str, Any] = {"max_bytes": 4 * g, "num_segments": 1, name: value}
     with pytest.raises(TypeError):
-        make_tensor(**kwargs)
+        make_tensor(**_size_kwargs(g, name, value))
+
+
+@pytest.mark.parametrize(
+    ("sizing", "match"),
+    [
+        ("per_run", "handle_sizing must be a HandleSizing, not str"),
+        (4096, "handle_sizing must be a HandleSizing, not int"),
+        (HandleSizing(1), "handle_sizing.kind must be a str, not int"),  # type: ignore[arg-type]
+    ],
+)
+def test_handle_sizing_of_another_type_is_a_type_error(
+    make_tensor: MakeTensor, g: int, sizing: object, match: str
+) -> None:
+    with pytest.raises(TypeError, match=match):
+        make_tensor(4 * g, handle_sizing=sizing)
 
 
 def test_segment_capacities_entry_errors(make_tensor: MakeTensor, g: int) -> None:
@@ -938,11 +981,11 @@ def test_failed_grow_changes_nothing(
 ) -> None:
     cap = 4 * g  # per segment
     start = [g // 4] * 2  # granules 0 and 4, partly committed
-    target = [cap] * 2  # granules 1-3 and 5-7: 6 handles with max_handle_bytes=g
+    target = [cap] * 2  # granules 1-3 and 5-7: 6 handles of at most g each
     host = backend == "cpu"
     failures_in_grow = 0
     for nth in itertools.count(1):
-        t = make_tensor(2 * cap, 2, max_handle_bytes=g, _fault=(op, nth, kind))
+        t = make_tensor(2 * cap, 2, handle_sizing=HandleSizing(max_bytes=g), _fault=(op, nth, kind))
         memfds = leak_check() if host else None
         try:
             t.resize_per_segment_(start)
@@ -1001,13 +1044,15 @@ def _assert_aligned_powers_of_two(runs: list[tuple[int, int]]) -> None:
         assert first % n == 0, runs
 
 
-def test_fixed_handle_bytes_gives_one_handle_per_granule(make_tensor: MakeTensor, g: int) -> None:
-    t = make_tensor(8 * g, fixed_handle_bytes=g)
+def test_per_run_handles_of_a_granule_give_one_handle_per_granule(
+    make_tensor: MakeTensor, g: int
+) -> None:
+    t = make_tensor(8 * g, handle_sizing=HandleSizing("per_run", g))
     t.resize_(8 * g)
     assert t.num_handles == 8
     assert t.handle_runs() == [(i, 1) for i in range(8)]
     check(t)
-    t2 = make_tensor(8 * g, fixed_handle_bytes=2 * g)
+    t2 = make_tensor(8 * g, handle_sizing=HandleSizing("per_run", 2 * g))
     t2.resize_(7 * g)
     assert t2.handle_runs() == [(0, 2), (2, 2), (4, 2), (6, 1)]
     check(t2)
@@ -1015,7 +1060,7 @@ def test_fixed_handle_bytes_gives_one_handle_per_granule(make_tensor: MakeTensor
 
 def test_aligned_powers_of_two_use_few_handles(make_tensor: MakeTensor, g: int) -> None:
     granules = 32  # per segment
-    aligned = {"_cut": "aligned_powers_of_two"}
+    aligned = {"handle_sizing": HandleSizing("aligned_powers_of_two")}
     t = make_tensor(2 * granules * g, 2, **aligned)
     t.resize_per_segment_(512)  # one block per segment
     assert t.num_handles == 2
@@ -1034,7 +1079,7 @@ def test_aligned_powers_of_two_use_few_handles(make_tensor: MakeTensor, g: int) 
     bulk.resize_per_segment_(granules * g)  # from empty: one aligned power-of-two run
     assert bulk.handle_runs() == [(0, 2 * granules)]
 
-    capped = make_tensor(16 * g, max_handle_bytes=4 * g, **aligned)
+    capped = make_tensor(16 * g, handle_sizing=HandleSizing("aligned_powers_of_two", 4 * g))
     capped.resize_(11 * g)
     assert capped.handle_runs() == [(0, 4), (4, 4), (8, 2), (10, 1)]
     check(capped)
@@ -1044,7 +1089,7 @@ def test_default_cuts_runs_only_at_cap_multiples(make_tensor: MakeTensor, g: int
     # vLLM's layer-outermost layout: segments a granule apart, each grown from its first
     # block. Every run then starts one granule past a cap multiple: the default cuts it there
     # and at the cap multiples inside it, nowhere else.
-    t = make_tensor(3 * 10 * g, 3, max_handle_bytes=4 * g)
+    t = make_tensor(3 * 10 * g, 3, handle_sizing=HandleSizing(max_bytes=4 * g))
     t.resize_per_segment_(512)
     t.resize_per_segment_(9 * g)
     check(t)
@@ -1063,7 +1108,7 @@ def test_one_handle_per_run_backs_each_segment_by_one_handle(
     make_tensor: MakeTensor, g: int
 ) -> None:
     # Three granule-aligned segments, a 4-granule cap that would cut each of them in pieces.
-    t = make_tensor(3 * 11 * g, 3, max_handle_bytes=4 * g)
+    t = make_tensor(3 * 11 * g, 3, handle_sizing=HandleSizing(max_bytes=4 * g))
     t.resize_per_segment_(g // 2)
     t.resize_per_segment_(9 * g)
     assert t.num_handles > 3  # the policy's cut
@@ -1130,7 +1175,7 @@ def test_absurd_segment_counts_do_not_crash(exponent: int) -> None:
 
 
 def test_profile_counts_driver_calls(make_tensor: MakeTensor, g: int) -> None:
-    t = make_tensor(8 * g, 2, max_handle_bytes=g, _profile=True)
+    t = make_tensor(8 * g, 2, handle_sizing=HandleSizing(max_bytes=g), _profile=True)
     t.resize_per_segment_(3 * g)
     times = t._op_times(reset=True)
     assert times["create"][0] == times["map"][0] == t.num_handles == 6

@@ -291,7 +291,7 @@ def test_segments_backed_by_one_chunk(make: Callable[..., ExtensibleTensor], g: 
 
 @pytest.mark.parametrize(
     ("cut", "chunks"),
-    [(None, 8), ("at_cap_multiples", 8), ("whole_runs", 8), ("aligned_powers_of_two", 10)],
+    [(None, 8), ("cap_aligned", 8), ("whole_runs", 8), ("aligned_powers_of_two", 10)],
 )
 def test_handle_cut_of_later_grows(
     make: Callable[..., ExtensibleTensor],

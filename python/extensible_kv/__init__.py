@@ -33,7 +33,7 @@ from extensible_kv.sizing import (
     host_free_bytes,
     measure_budget,
 )
-from extensible_kv.tensor import ExtensibleTensor
+from extensible_kv.tensor import ExtensibleTensor, HandleSizing
 
 __all__ = [
     "ATTENTION_BACKEND_PRESETS",
@@ -44,6 +44,7 @@ __all__ = [
     "ExtendReport",
     "ExtensibleKVCache",
     "ExtensibleTensor",
+    "HandleSizing",
     "KVCacheFlow",
     "KVCacheTensorSpec",
     "LayerSpec",

@@ -67,10 +67,8 @@ class ExtensibleTensor:
         *,
         segment_capacities: Sequence[int] | None = None,
         granularity: int | None = None,
-        max_handle_bytes: int | None = None,
-        fixed_handle_bytes: int | None = None,
+        handle_sizing: tuple[str, int | None] | None = None,
         export_handle_types: int = 0,
-        _cut: str | None = None,
         _fault: tuple[str, int, str] | None = None,
         _profile: bool = False,
         _shared: tuple[Any, ...] | None = None,
@@ -84,14 +82,7 @@ class ExtensibleTensor:
         *,
         one_handle_per_run: bool = False,
     ) -> Self: ...
-    def resize_(
-        self,
-        num_bytes: int,
-        zero_new: bool = True,
-        stream: int | None = None,
-        *,
-        one_handle_per_run: bool = False,
-    ) -> Self: ...
+    def resize_(self, num_bytes: int, zero_new: bool = True, stream: int | None = None) -> Self: ...
     def shrink_per_segment_(
         self,
         bytes_per_segment: int | Sequence[int],

@@ -1,4 +1,4 @@
-"""torch is optional: the core (`ExtensibleTensor`'s reserve, grow, shrink, DLPack export) needs
+"""torch is optional: the core (`ExtensibleTensor`'s reserve, grow, shrink, DLPack views) needs
 none, so `pip install extensible-kv` does not pull in a multi-GB wheel that a serving stack
 brings in its own build of. Whatever does need it (views, the KV cache, the flow, the demo)
 calls `require` first, so a missing torch is one error naming the extra, not a raw

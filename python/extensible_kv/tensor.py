@@ -27,11 +27,12 @@ CUDA driver. By default the facade passes torch's current stream, which is alway
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from extensible_kv import _args, _native, _torch
 from extensible_kv.ipc import FABRIC, SharedTensor, export_handle_types_bits
@@ -40,7 +41,7 @@ from extensible_kv.layouts import contiguous_strides
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ExtensibleTensor"]
+__all__ = ["ExtensibleTensor", "HandleSizing"]
 
 logger = logging.getLogger("extensible_kv")
 
@@ -129,16 +130,48 @@ def _export_bits(types: object) -> int:
     return bits
 
 
+@dataclasses.dataclass(frozen=True)
+class HandleSizing:
+    """How grows cut each run of missing granules into physical handles (the one handle-sizing
+    knob, `ExtensibleTensor(..., handle_sizing=HandleSizing(...))`).
+
+    `kind`:
+    - `"cap_aligned"` (the default): cut at the multiples of `max_bytes` in the reservation,
+      nowhere else; few handles whatever granule a run starts at.
+    - `"aligned_powers_of_two"`: aligned power-of-two handles of at most `max_bytes`.
+    - `"per_run"`: one handle per run from its start, in pieces of `max_bytes` (SGLang's arena;
+      a granule-sized `max_bytes` is what per-granule allocators do).
+    - `"whole_runs"`: one handle per run, however long (takes no `max_bytes`).
+
+    `max_bytes` is the largest handle, a positive multiple of the granularity; `None` means
+    `DEFAULT_MAX_HANDLE_BYTES` (1 GiB, or the granularity where that is larger). A wrong value
+    raises a `TypeError` or `ValueError` naming `handle_sizing` when the tensor is built.
+    """
+
+    kind: Literal["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"] = "cap_aligned"
+    max_bytes: int | None = None
+
+
+def _handle_sizing(sizing: object) -> tuple[str, int | None] | None:
+    """`handle_sizing` as the native module takes it: `(kind, max_bytes)`, or None."""
+    if sizing is None:
+        return None
+    if not isinstance(sizing, HandleSizing):
+        raise TypeError(f"handle_sizing must be a HandleSizing, not {type(sizing).__name__}")
+    return sizing.kind, sizing.max_bytes
+
+
 class ExtensibleTensor(_native.ExtensibleTensor):
     """One address reservation of `max_bytes`, in `num_segments` segments that grow in lockstep.
 
     `ExtensibleTensor(max_bytes, num_segments=1, device="cpu", *, segment_capacities=None,
-    granularity=None, max_handle_bytes=None)`: `device` is `"cpu"` (host backend), `"cuda"`,
-    `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal segments (summing to
-    `max_bytes`). `export_handle_types` (`"posix_fd"`, `"fabric"`, CUDA's bits, or a list)
-    makes the memory shareable with other processes (`share`, `from_shared`); fabric is
-    dropped, with a warning, where the device does not support it. Use as a context manager
-    to `close()` on exit.
+    granularity=None, handle_sizing=None, export_handle_types=0)`: `device` is `"cpu"` (host
+    backend), `"cuda"`, `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal
+    segments (summing to `max_bytes`). `handle_sizing` (a `HandleSizing`) says how grows cut
+    new memory into physical handles: by default at multiples of 1 GiB. `export_handle_types`
+    (`"posix_fd"`, `"fabric"`, CUDA's bits, or a list) makes the memory shareable with other
+    processes (`share`, `from_shared`); fabric is dropped, with a warning, where the device
+    does not support it. Use as a context manager to `close()` on exit.
 
     Sizes are ints or any integer with `__index__` (numpy, torch scalars); each wrong argument
     raises a `TypeError` or `ValueError` naming it, and leaves the tensor unchanged.
@@ -150,13 +183,21 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         num_segments: int | None = None,
         device: object = None,
         *,
+        handle_sizing: HandleSizing | None = None,
         export_handle_types: int | str | list[int | str] | tuple[int | str, ...] = 0,
         **kwargs: Any,
     ) -> Self:
         bits = _export_bits(export_handle_types)
+        sizing = _handle_sizing(handle_sizing)
         _enable_fault_report()
         tensor = super().__new__(
-            cls, max_bytes, num_segments, device, export_handle_types=bits, **kwargs
+            cls,
+            max_bytes,
+            num_segments,
+            device,
+            handle_sizing=sizing,
+            export_handle_types=bits,
+            **kwargs,
         )
         if bits & FABRIC and not tensor.export_handle_types & FABRIC:
             logger.warning(
@@ -220,7 +261,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         nothing. With `zero_new`, zeroes exactly the new bytes; on a GPU that is ordered on
         `stream`, a raw CUDA stream of the tensor's device (e.g. `torch.cuda.Stream.cuda_stream`,
         0 the legacy default stream), by default torch's current stream. `one_handle_per_run`
-        backs each run of new granules by one allocation (for RDMA registration). A `stream`
+        overrides `handle_sizing` for this grow: one allocation per run of new granules (for
+        RDMA registration, which cannot span allocations: vLLM's one chunk per segment). A `stream`
         given is vouched for by the caller (module docstring), as for
         `torch.cuda.ExternalStream`."""
         _args.flag(zero_new, "zero_new")
@@ -238,17 +280,14 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         num_bytes: int,
         zero_new: bool = True,
         stream: int | None = None,
-        *,
-        one_handle_per_run: bool = False,
     ) -> Self:
         """`resize_per_segment_` for a one-segment tensor."""
         _args.flag(zero_new, "zero_new")
-        _args.flag(one_handle_per_run, "one_handle_per_run")
         if self._is_noop_resize([num_bytes]):  # a list: an int would stand for every segment
             return self
         if stream is None and zero_new:
             stream = self._current_stream()
-        return super().resize_(num_bytes, zero_new, stream, one_handle_per_run=one_handle_per_run)
+        return super().resize_(num_bytes, zero_new, stream)
 
     def shrink_per_segment_(
         self,

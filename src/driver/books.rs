@@ -107,6 +107,24 @@ impl<H> Books<H> {
         }
         cursor >= end
     }
+
+    /// Why `[va, va + num_bytes)` cannot be zeroed, if it cannot: it must lie in accessible
+    /// mappings (and may cut through them).
+    pub fn refuse_memset(&self, va: u64, num_bytes: u64) -> Option<&'static str> {
+        (!self.accessible(va, num_bytes)).then_some("is not mapped read-write")
+    }
+
+    /// Why `num_bytes` cannot be copied from `src` to `dst`, if they cannot: the address of
+    /// the range at fault and why. Both ranges must lie in accessible mappings and be disjoint.
+    pub fn refuse_copy(&self, dst: u64, src: u64, num_bytes: u64) -> Option<(u64, &'static str)> {
+        if let Some(va) = [dst, src]
+            .into_iter()
+            .find(|&va| !self.accessible(va, num_bytes))
+        {
+            return Some((va, "is not mapped read-write"));
+        }
+        (dst.abs_diff(src) < num_bytes).then_some((dst, "overlaps the source"))
+    }
 }
 
 #[cfg(test)]
@@ -197,6 +215,61 @@ mod tests {
             "starts before the mappings"
         );
         assert!(!books.accessible(u64::MAX, 2));
+    }
+
+    #[test]
+    fn books_refuse_memsets_outside_accessible_mappings() {
+        let books = books();
+        assert_eq!(books.refuse_memset(64 * MIB, 2 * MIB), None);
+        assert_eq!(books.refuse_memset(65 * MIB + 3, MIB - 3), None);
+        let refused = Some("is not mapped read-write");
+        assert_eq!(
+            books.refuse_memset(66 * MIB, 1),
+            refused,
+            "mapped, not accessible"
+        );
+        assert_eq!(
+            books.refuse_memset(64 * MIB, 2 * MIB + 1),
+            refused,
+            "runs past access"
+        );
+        assert_eq!(
+            books.refuse_memset(68 * MIB, MIB),
+            refused,
+            "reserved, not mapped"
+        );
+        assert_eq!(
+            books.refuse_memset(63 * MIB, MIB + 1),
+            refused,
+            "starts outside"
+        );
+        assert_eq!(books.refuse_memset(u64::MAX, 2), refused, "wraps around");
+    }
+
+    #[test]
+    fn books_refuse_copies_outside_accessible_mappings_or_overlapping() {
+        let books = books();
+        assert_eq!(books.refuse_copy(64 * MIB, 65 * MIB, MIB), None);
+        let unmapped = "is not mapped read-write";
+        assert_eq!(
+            books.refuse_copy(66 * MIB, 64 * MIB, MIB),
+            Some((66 * MIB, unmapped)),
+            "destination not accessible"
+        );
+        assert_eq!(
+            books.refuse_copy(64 * MIB, 68 * MIB, MIB),
+            Some((68 * MIB, unmapped)),
+            "source not mapped"
+        );
+        assert_eq!(
+            books.refuse_copy(64 * MIB, 64 * MIB + 4096, MIB),
+            Some((64 * MIB, "overlaps the source"))
+        );
+        assert_eq!(
+            books.refuse_copy(64 * MIB, u64::MAX, 2),
+            Some((u64::MAX, unmapped)),
+            "wraps around"
+        );
     }
 
     #[test]

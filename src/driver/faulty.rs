@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
+use super::wrap::{Hook, Wrap};
+use super::Driver;
 use crate::error::{Error, Op, Result};
 
 /// How the injected failure looks to the caller.
@@ -39,8 +40,10 @@ pub struct Fault {
 }
 
 /// A driver that passes every call to `inner` except the one `fault` names.
-pub struct FaultyDriver {
-    inner: Arc<dyn Driver>,
+pub type FaultyDriver = Wrap<Faults>;
+
+/// The hook of `FaultyDriver`: counts and logs every call, and fails the one `fault` names.
+pub struct Faults {
     fault: Fault,
     calls: [AtomicU64; Op::ALL.len()],
     /// Every call in order, for tests of ordering (e.g. the fence before an unmap).
@@ -50,29 +53,34 @@ pub struct FaultyDriver {
 impl FaultyDriver {
     /// `inner`, failing as `fault` says.
     pub fn new(inner: Arc<dyn Driver>, fault: Fault) -> FaultyDriver {
-        FaultyDriver {
-            inner,
+        let faults = Faults {
             fault,
             calls: Default::default(),
             log: Mutex::default(),
-        }
+        };
+        Wrap::with_hook(inner, faults)
     }
 
     /// How many times `op` has been called so far, the failed call included.
     pub fn calls(&self, op: Op) -> u64 {
-        self.calls[op as usize].load(Ordering::Relaxed)
+        self.hook().calls[op as usize].load(Ordering::Relaxed)
     }
 
     /// Every call so far, in order (the failed one included).
     pub fn log(&self) -> Vec<Op> {
-        self.log.lock().expect("log poisoned").clone()
+        self.hook().log.lock().expect("log poisoned").clone()
     }
+}
 
-    fn check(&self, op: Op, num_bytes: u64) -> Result<()> {
+impl Hook for Faults {
+    // Not a call that fault injection counts: it makes nothing to roll back.
+    const CHECK_ROOM_AS: Option<Op> = None;
+
+    fn around<T>(&self, op: Op, num_bytes: u64, call: impl FnOnce() -> Result<T>) -> Result<T> {
         self.log.lock().expect("log poisoned").push(op);
         let n = self.calls[op as usize].fetch_add(1, Ordering::Relaxed) + 1;
         if op != self.fault.op || n != self.fault.nth {
-            return Ok(());
+            return call();
         }
         Err(match self.fault.kind {
             FaultKind::Driver => Error::Driver {
@@ -87,101 +95,5 @@ impl FaultyDriver {
                 code: "INJECTED_OOM".into(),
             },
         })
-    }
-}
-
-impl Driver for FaultyDriver {
-    fn backend_name(&self) -> &'static str {
-        self.inner.backend_name()
-    }
-
-    fn device(&self) -> DeviceKind {
-        self.inner.device()
-    }
-
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-
-    fn fresh_memory_is_zeroed(&self) -> bool {
-        self.inner.fresh_memory_is_zeroed()
-    }
-
-    fn reserve(&self, num_bytes: u64) -> Result<u64> {
-        self.check(Op::Reserve, num_bytes)?;
-        self.inner.reserve(num_bytes)
-    }
-
-    fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
-        self.check(Op::FreeReservation, num_bytes)?;
-        self.inner.free_reservation(va, num_bytes)
-    }
-
-    fn supported_export_types(&self) -> ExportTypes {
-        self.inner.supported_export_types()
-    }
-
-    fn create(&self, num_bytes: u64, export: ExportTypes) -> Result<HandleId> {
-        self.check(Op::Create, num_bytes)?;
-        self.inner.create(num_bytes, export)
-    }
-
-    fn export(&self, handle: HandleId, kind: ExportTypes) -> Result<Exported> {
-        self.check(Op::Export, 0)?;
-        self.inner.export(handle, kind)
-    }
-
-    fn import(&self, source: ImportSource<'_>, num_bytes: u64) -> Result<HandleId> {
-        self.check(Op::Import, num_bytes)?;
-        self.inner.import(source, num_bytes)
-    }
-
-    fn release(&self, handle: HandleId) -> Result<()> {
-        self.check(Op::Release, 0)?;
-        self.inner.release(handle)
-    }
-
-    fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
-        self.check(Op::Map, num_bytes)?;
-        self.inner.map(va, num_bytes, handle)
-    }
-
-    fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
-        self.check(Op::Unmap, num_bytes)?;
-        self.inner.unmap(va, num_bytes)
-    }
-
-    fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
-        self.check(Op::SetAccess, num_bytes)?;
-        self.inner.set_access(va, num_bytes)
-    }
-
-    fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {
-        self.check(Op::Memset, num_bytes)?;
-        self.inner.memset_zero(va, num_bytes, stream)
-    }
-
-    fn copy(&self, dst: u64, src: u64, num_bytes: u64, stream: Stream) -> Result<()> {
-        self.check(Op::Copy, num_bytes)?;
-        self.inner.copy(dst, src, num_bytes, stream)
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        self.check(Op::Synchronize, 0)?;
-        self.inner.synchronize()
-    }
-
-    fn check_room(&self, num_bytes: u64) -> Result<()> {
-        // Not a call that fault injection counts: it makes nothing to roll back.
-        self.inner.check_room(num_bytes)
-    }
-
-    fn mem_info(&self) -> Result<(u64, u64)> {
-        self.check(Op::MemInfo, 0)?;
-        self.inner.mem_info()
-    }
-
-    fn note_layout(&self, va: u64, offsets: &[u64], capacities: &[u64], committed: &[u64]) {
-        self.inner.note_layout(va, offsets, capacities, committed);
     }
 }

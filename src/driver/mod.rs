@@ -16,11 +16,10 @@
 
 mod books;
 pub mod faulty;
-pub mod headroom;
 pub mod host;
-pub mod ipc;
 pub mod stray;
 pub mod timing;
+pub mod wrap;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

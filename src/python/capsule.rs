@@ -1,4 +1,4 @@
-//! The DLPack boundary on the Python side: wraps an export from `dlpack.rs` in a PyCapsule
+//! The DLPack boundary on the Python side: wraps a view from `dlpack.rs` in a PyCapsule
 //! named as the protocol requires, with a destructor that deletes it only if no consumer
 //! took it (a consumer renames the capsule to `used_*` and calls the deleter itself).
 #![allow(unsafe_code)]
@@ -24,8 +24,8 @@ pub fn new(
     versioned: bool,
 ) -> PyResult<Py<PyAny>> {
     if versioned {
-        let managed = dlpack::export_versioned(tensor, offset, layout)?;
-        // SAFETY: `managed` is a live export we own; `wrap` hands it to the capsule or, on
+        let managed = dlpack::view_versioned(tensor, offset, layout)?;
+        // SAFETY: `managed` is a live view we own; `wrap` hands it to the capsule or, on
         // failure, deletes it once through the closure.
         unsafe {
             wrap(py, managed.cast(), VERSIONED, destroy_versioned, || {
@@ -33,7 +33,7 @@ pub fn new(
             })
         }
     } else {
-        let managed = dlpack::export_legacy(tensor, offset, layout)?;
+        let managed = dlpack::view_legacy(tensor, offset, layout)?;
         // SAFETY: as above, for the legacy struct.
         unsafe {
             wrap(py, managed.cast(), LEGACY, destroy_legacy, || {
@@ -44,7 +44,7 @@ pub fn new(
 }
 
 /// # Safety
-/// `pointer` is a live export not owned by anything else; `on_failure` deletes it.
+/// `pointer` is a live view not owned by anything else; `on_failure` deletes it.
 unsafe fn wrap(
     py: Python<'_>,
     pointer: *mut std::ffi::c_void,
@@ -63,23 +63,23 @@ unsafe fn wrap(
 }
 
 /// # Safety
-/// `managed` is a live export from `export_versioned`; it is deleted here, exactly once.
+/// `managed` is a live view from `view_versioned`; it is deleted here, exactly once.
 unsafe fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
     // SAFETY: per the contract above.
-    unsafe { ((*managed).deleter.expect("exports always set a deleter"))(managed) }
+    unsafe { ((*managed).deleter.expect("views always set a deleter"))(managed) }
 }
 
 /// # Safety
-/// `managed` is a live export from `export_legacy`; it is deleted here, exactly once.
+/// `managed` is a live view from `view_legacy`; it is deleted here, exactly once.
 unsafe fn delete_legacy(managed: *mut DLManagedTensor) {
     // SAFETY: per the contract above.
-    unsafe { ((*managed).deleter.expect("exports always set a deleter"))(managed) }
+    unsafe { ((*managed).deleter.expect("views always set a deleter"))(managed) }
 }
 
 /// # Safety
 /// Called by Python with a capsule made by `new`, while holding the GIL.
 unsafe extern "C" fn destroy_versioned(capsule: *mut ffi::PyObject) {
-    // SAFETY: the capsule is live; a still-valid name means no consumer took the export, so it
+    // SAFETY: the capsule is live; a still-valid name means no consumer took the view, so it
     // is ours to delete. Neither call sets an exception when the name matches.
     unsafe {
         if ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {

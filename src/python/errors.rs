@@ -5,7 +5,7 @@
 use pyo3::exceptions::{PyBaseException, PyBufferError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::error::Error;
+use crate::error::{Error, SizeOp};
 
 // The module is the full import path: pickle finds a class by its `__module__`, and a serving
 // stack's worker processes send these errors to the engine (the fields travel in `__dict__`).
@@ -35,11 +35,49 @@ pyo3::create_exception!(
     "The tensor was closed."
 );
 
+/// The facade's method for `op`: a one-size call, or the per-segment one.
+fn python_method(op: SizeOp, per_segment: bool) -> String {
+    let suffix = if per_segment { "_per_segment_" } else { "_" };
+    format!("{}{suffix}", op.name())
+}
+
+/// `err`'s message in the Python facade's words: its method names where the core's error names
+/// an operation (the core words them in Rust's).
+fn python_message(err: &Error) -> String {
+    match *err {
+        Error::NotOneSegment { op, num_segments } => format!(
+            "{} is for one segment; this tensor has {num_segments}: use {}",
+            python_method(op, false),
+            python_method(op, true)
+        ),
+        Error::WrongDirection {
+            op,
+            segment,
+            from_bytes,
+            to_bytes,
+        } => {
+            let (change, other) = match op {
+                SizeOp::Resize => ("shrink", SizeOp::Shrink),
+                SizeOp::Shrink => ("grow", SizeOp::Resize),
+            };
+            format!(
+                "{} cannot {change} segment {segment} from {from_bytes} to {to_bytes} bytes: use \
+                 {}",
+                python_method(op, true),
+                python_method(other, true)
+            )
+        }
+        _ => err.to_string(),
+    }
+}
+
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
-        let message = err.to_string();
+        let message = python_message(&err);
         match err {
-            Error::InvalidArgument(_) => PyValueError::new_err(message),
+            Error::InvalidArgument(_)
+            | Error::NotOneSegment { .. }
+            | Error::WrongDirection { .. } => PyValueError::new_err(message),
             Error::OutOfMemory {
                 op,
                 requested_bytes,

@@ -19,7 +19,10 @@ use crate::driver::faulty::{Fault, FaultKind};
 use crate::driver::timing::TimingDriver;
 use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
-use crate::tensor::{Cut, ExtensibleTensor, GrowOptions, Options, Segments, ShrinkOptions};
+use crate::tensor::{
+    ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions,
+    DEFAULT_MAX_HANDLE_BYTES,
+};
 
 /// The int that `obj` stands for: an int or anything `operator.index` takes (numpy and torch
 /// integer scalars), never a bool or a float; `None` for anything else.
@@ -44,20 +47,20 @@ fn as_int<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyInt>>> {
     }
 }
 
-/// A TypeError naming the argument `what` and the type it got.
-fn not_an_int(obj: &Bound<'_, PyAny>, what: &str) -> PyErr {
+/// A TypeError naming the argument `what`, what it must be (`expected`), and the type it got.
+fn wrong_type(obj: &Bound<'_, PyAny>, what: &str, expected: &str) -> PyErr {
     let type_name = obj
         .get_type()
         .name()
         .map_or_else(|_| "?".to_string(), |n| n.to_string());
-    PyTypeError::new_err(format!("{what} must be an int, not {type_name}"))
+    PyTypeError::new_err(format!("{what} must be {expected}, not {type_name}"))
 }
 
 /// A size from an int or anything with `__index__` (numpy and torch integer scalars): TypeError
 /// for other types (bools and floats included), ValueError (not OverflowError) for negative or
 /// oversized values. Each message names the argument.
 fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    let int = as_int(obj)?.ok_or_else(|| not_an_int(obj, what))?;
+    let int = as_int(obj)?.ok_or_else(|| wrong_type(obj, what, "an int"))?;
     int.extract::<u64>().map_err(|_| {
         PyValueError::new_err(format!(
             "{what} must be a non-negative int below 2**64, got {int}"
@@ -80,14 +83,31 @@ fn to_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
     Ok(Fault { op, nth, kind })
 }
 
-fn to_cut(name: &str) -> PyResult<Cut> {
-    match name {
-        "at_cap_multiples" => Ok(Cut::AtCapMultiples),
-        "aligned_powers_of_two" => Ok(Cut::AlignedPowersOfTwo),
-        "whole_runs" => Ok(Cut::WholeRuns),
-        other => Err(PyValueError::new_err(format!(
-            "_cut must be 'at_cap_multiples', 'aligned_powers_of_two' or 'whole_runs', not \
-             {other:?}"
+/// The handle sizing a Python caller names: `(kind, max_bytes)`, as the facade's
+/// `HandleSizing` hands it over; `None` is the default. Each wrong part is named.
+fn to_handle_sizing(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HandleSizing> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(HandleSizing::default());
+    };
+    let (kind, max_bytes): (Bound<'_, PyAny>, Bound<'_, PyAny>) = obj.extract().map_err(|_| {
+        PyTypeError::new_err("handle_sizing must be a HandleSizing (kind, max_bytes)")
+    })?;
+    let kind: String = kind
+        .extract()
+        .map_err(|_| wrong_type(&kind, "handle_sizing.kind", "a str"))?;
+    let max_bytes = to_u64_opt(Some(&max_bytes), "handle_sizing.max_bytes")?;
+    let cap = max_bytes.unwrap_or(DEFAULT_MAX_HANDLE_BYTES);
+    match (kind.as_str(), max_bytes) {
+        ("cap_aligned", _) => Ok(HandleSizing::CapAligned { max_bytes: cap }),
+        ("aligned_powers_of_two", _) => Ok(HandleSizing::AlignedPowersOfTwo { max_bytes: cap }),
+        ("per_run", _) => Ok(HandleSizing::PerRun { max_bytes: cap }),
+        ("whole_runs", None) => Ok(HandleSizing::WholeRuns),
+        ("whole_runs", Some(_)) => Err(PyValueError::new_err(
+            "handle_sizing: whole_runs takes no max_bytes (its handles are as long as the runs)",
+        )),
+        (other, _) => Err(PyValueError::new_err(format!(
+            "handle_sizing.kind must be 'cap_aligned', 'aligned_powers_of_two', 'per_run' or \
+             'whole_runs', not {other:?}"
         ))),
     }
 }
@@ -178,8 +198,7 @@ impl PyExtensibleTensor {
     #[new]
     #[pyo3(signature = (
         max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
-        max_handle_bytes=None, fixed_handle_bytes=None, export_handle_types=0, _cut=None,
-        _fault=None, _profile=false, _shared=None, _fds=None
+        handle_sizing=None, export_handle_types=0, _fault=None, _profile=false, _shared=None, _fds=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -189,10 +208,8 @@ impl PyExtensibleTensor {
         device: Option<&Bound<'_, PyAny>>,
         segment_capacities: Option<&Bound<'_, PyAny>>,
         granularity: Option<&Bound<'_, PyAny>>,
-        max_handle_bytes: Option<&Bound<'_, PyAny>>,
-        fixed_handle_bytes: Option<&Bound<'_, PyAny>>,
+        handle_sizing: Option<&Bound<'_, PyAny>>,
         export_handle_types: u32,
-        _cut: Option<&str>,
         _fault: Option<&Bound<'_, PyAny>>,
         _profile: bool,
         _shared: Option<&Bound<'_, PyAny>>,
@@ -206,9 +223,7 @@ impl PyExtensibleTensor {
         };
         let options = Options {
             granularity: to_u64_opt(granularity, "granularity")?,
-            max_handle_bytes: to_u64_opt(max_handle_bytes, "max_handle_bytes")?,
-            fixed_handle_bytes: to_u64_opt(fixed_handle_bytes, "fixed_handle_bytes")?,
-            cut: _cut.map(to_cut).transpose()?.unwrap_or_default(),
+            handle_sizing: to_handle_sizing(handle_sizing)?,
             export_types: ExportTypes::from_bits(export_handle_types)?,
         };
         let shared = _shared.map(share::to_description).transpose()?;
@@ -259,24 +274,23 @@ impl PyExtensibleTensor {
             stream: to_stream(stream)?,
             one_handle_per_run,
         };
-        this.run(slf.py(), |core| core.resize_segments(&targets, options))?;
+        this.run(slf.py(), |core| core.resize_per_segment(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
     /// Grows a one-segment tensor to `num_bytes`.
-    #[pyo3(signature = (num_bytes, zero_new=true, stream=None, *, one_handle_per_run=false))]
+    #[pyo3(signature = (num_bytes, zero_new=true, stream=None))]
     fn resize_(
         slf: &Bound<'_, Self>,
         num_bytes: &Bound<'_, PyAny>,
         zero_new: bool,
         stream: Option<&Bound<'_, PyAny>>,
-        one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
         let num_bytes = to_u64(num_bytes, "num_bytes")?;
         let options = GrowOptions {
             zero_new,
             stream: to_stream(stream)?,
-            one_handle_per_run,
+            one_handle_per_run: false,
         };
         slf.get()
             .run(slf.py(), |core| core.resize(num_bytes, options))?;
@@ -305,7 +319,7 @@ impl PyExtensibleTensor {
             exact,
             stream: to_stream(stream)?,
         };
-        this.run(slf.py(), |core| core.shrink_segments(&targets, options))?;
+        this.run(slf.py(), |core| core.shrink_per_segment(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -434,13 +448,13 @@ impl PyExtensibleTensor {
         let _ = stream;
         if copy == Some(true) {
             return Err(PyBufferError::new_err(
-                "ExtensibleTensor exports without copying only",
+                "ExtensibleTensor hands out DLPack views without copying only",
             ));
         }
         if let Some(dev) = dl_device {
             if dev != self.core.device().dlpack() {
                 return Err(PyBufferError::new_err(format!(
-                    "cannot export to DLPack device {dev:?}: the memory lives on {:?}",
+                    "cannot hand a DLPack view to device {dev:?}: the memory lives on {:?}",
                     self.core.device().dlpack()
                 )));
             }

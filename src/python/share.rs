@@ -13,7 +13,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyTuple};
 
-use crate::driver::{ipc, parse_device};
+use crate::driver::parse_device;
+use crate::ipc;
 use crate::plan::Run;
 use crate::tensor::{SharedDescription, SharedExport, SharedHandle};
 

@@ -18,373 +18,42 @@
 //! 2. `mappings` are sorted, disjoint, granule-aligned, each exactly one live handle, so a
 //!    granule is mapped at most once (the dedup of shared granules);
 //! 3. every granule holding a committed byte is mapped and accessible;
-//! 4. every exported view holds an `Arc` of the inner state: memory outlives the last view;
+//! 4. every view handed out holds an `Arc` of the inner state: memory outlives the last view;
 //! 5. nothing is unmapped before the driver is synchronised (the fence), except mappings this
 //!    very call made and nothing has touched yet.
 //!
 //! Limitations: `release_physical` drops everything (no pool of handles is kept for a later
 //! grow); a consolidation is all or nothing per run of granules, not across runs.
 
+//!
+//! Files by concern: `options.rs` (what a tensor is built with and each call takes),
+//! `mapping.rs` (the RAII owners of driver resources), `grow.rs`, `reback.rs` (shrink and
+//! consolidate), `view.rs` (views and their guard), `share.rs` (other processes); this file
+//! holds the type, its state and locking, construction, release and the getters.
+
+mod grow;
+mod mapping;
+mod options;
 mod reback;
 mod share;
+mod view;
 
+pub use options::{
+    GrowOptions, HandleSizing, Options, PerSegment, Segments, ShrinkOptions,
+    DEFAULT_MAX_HANDLE_BYTES,
+};
 pub use share::{SharedDescription, SharedExport, SharedHandle};
+pub use view::ViewRegion;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::driver::ipc::ExportRegistry;
-use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, Stream};
+use mapping::{completed_despite, relock, Ctx, Mapping, PhysicalHandle, Reservation};
+
+use crate::driver::{DeviceKind, Driver, ExportTypes};
 use crate::error::{Error, Result};
-use crate::plan::{self, ByteRange, Geometry, HandlePolicy, Run};
-
-/// The adaptive policy's default cap: large enough that a bulk commit runs near memset speed,
-/// small enough to avoid the outliers of giant handles (docs/design.md §2).
-pub const DEFAULT_MAX_HANDLE_BYTES: u64 = 1 << 30;
-
-/// Construction options; `Default` gives the driver's granularity and the adaptive policy.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Options {
-    /// The mapping granularity: a power-of-two multiple of the driver's. Default: the driver's.
-    pub granularity: Option<u64>,
-    /// The largest handle the adaptive policy creates. Default: `DEFAULT_MAX_HANDLE_BYTES`.
-    pub max_handle_bytes: Option<u64>,
-    /// Fixed-size handles instead of the adaptive policy: the per-granule peers' baseline.
-    pub fixed_handle_bytes: Option<u64>,
-    /// How runs are cut below the cap (ignored with `fixed_handle_bytes`).
-    pub cut: Cut,
-    /// How every physical allocation may be exported to other processes (`share`). POSIX fd
-    /// must be supported by the device; fabric is dropped where it is not.
-    pub export_types: ExportTypes,
-}
-
-/// The ways of cutting a run of granules into handles of at most the cap; see `HandlePolicy`.
-///
-/// The default cuts only at cap multiples: on vLLM 0.34's layouts (a segment per layer, each
-/// grown from its first block, so every run starts one granule past a boundary) aligned
-/// powers of two cost 3x the handles, and each handle's create and set-access calls cost
-/// 40-60 us of host time whatever its size (docs/benchmarks.md).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Cut {
-    /// Aligned powers of two (`HandlePolicy::Adaptive`).
-    AlignedPowersOfTwo,
-    /// At the multiples of the cap only (`HandlePolicy::CapAligned`).
-    #[default]
-    AtCapMultiples,
-    /// Not at all: one handle per run (`HandlePolicy::WholeRuns`).
-    WholeRuns,
-}
-
-/// How a tensor's capacity is cut into segments.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Segments {
-    /// `num_segments` equal segments of `max_bytes / num_segments` bytes.
-    Equal {
-        /// The total capacity in bytes.
-        max_bytes: u64,
-        /// How many segments share it.
-        num_segments: u64,
-    },
-    /// Segments of these capacities, back to back.
-    Capacities(Vec<u64>),
-}
-
-impl Segments {
-    /// What a caller means who states the total and, optionally, the count and the capacities:
-    /// without capacities, equal segments (one by default); with them, those, which must sum
-    /// to `max_bytes` and, if a count is given too, be that many.
-    pub fn stated(
-        max_bytes: u64,
-        num_segments: Option<u64>,
-        capacities: Option<Vec<u64>>,
-    ) -> Result<Segments> {
-        let Some(capacities) = capacities else {
-            return Ok(Segments::Equal {
-                max_bytes,
-                num_segments: num_segments.unwrap_or(1),
-            });
-        };
-        let total: u128 = capacities.iter().map(|&c| u128::from(c)).sum();
-        if total != u128::from(max_bytes) {
-            return Err(Error::invalid(format!(
-                "segment_capacities sum to {total} bytes, but max_bytes is {max_bytes}"
-            )));
-        }
-        match num_segments {
-            Some(n) if n != capacities.len() as u64 => Err(Error::invalid(format!(
-                "num_segments is {n} but segment_capacities has {} entries",
-                capacities.len()
-            ))),
-            _ => Ok(Segments::Capacities(capacities)),
-        }
-    }
-}
-
-/// What the destructors of driver resources share: the driver, where the reservation starts
-/// and its granularity (a mapping's addresses follow from its granule run), and the errors they
-/// could not return (a destructor never panics; `take_deferred_errors` reports them later).
-struct Ctx {
-    driver: Arc<dyn Driver>,
-    /// The reservation's first address, for the tensor's whole life.
-    base: u64,
-    /// The geometry's granularity, which never changes either.
-    granularity: u64,
-    /// What every new handle is created exportable as.
-    export_types: ExportTypes,
-    serials: AtomicU64,
-    deferred: Mutex<Vec<Error>>,
-    /// The messages of deferred errors not yet handed to `take_unwarned` (the bindings log
-    /// each once, as a warning).
-    unwarned: Mutex<Vec<String>>,
-    /// Which exported fd backs which handle, for importers to check (made by the first
-    /// `share` of fds; closed after every handle, since each holds the `Ctx`).
-    registry: OnceLock<ExportRegistry>,
-}
-
-impl Ctx {
-    fn next_serial(&self) -> u64 {
-        self.serials.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// `(va, num_bytes)` of granule `run`.
-    fn span(&self, run: Run) -> (u64, u64) {
-        let bytes = run.bytes(self.granularity);
-        (self.base + bytes.offset, bytes.num_bytes)
-    }
-
-    fn defer(&self, result: Result<()>) {
-        if let Err(err) = result {
-            relock(&self.unwarned).push(err.to_string());
-            relock(&self.deferred).push(err);
-        }
-    }
-
-    fn num_deferred(&self) -> usize {
-        relock(&self.deferred).len()
-    }
-
-    /// The errors deferred since there were `mark`, taken out of the deferred list: what the
-    /// operation that set the mark met itself.
-    fn take_deferred_since(&self, mark: usize) -> Vec<Error> {
-        let mut deferred = relock(&self.deferred);
-        let mark = mark.min(deferred.len());
-        let own = deferred.split_off(mark);
-        drop(deferred);
-        let mut unwarned = relock(&self.unwarned);
-        let keep = unwarned.len().saturating_sub(own.len());
-        unwarned.truncate(keep);
-        own
-    }
-}
-
-/// The lock of `mutex`, even when a thread panicked holding it: a destructor must never
-/// panic, and what these mutexes guard (lists of errors, a snapshot) stays consistent.
-fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// `err`, an error met by an operation that went on to complete, saying so: `done` states
-/// what holds now. (Only a driver's detail can carry it; other kinds are returned as they are.)
-fn completed_despite(err: Error, more: usize, done: &str) -> Error {
-    match err {
-        Error::Driver { op, code, detail } => {
-            let more = match more {
-                0 => String::new(),
-                n => format!("; {n} more in take_deferred_errors()"),
-            };
-            let sep = if detail.is_empty() { "" } else { "; " };
-            Error::Driver {
-                op,
-                code,
-                detail: format!("{detail}{sep}{done}{more}"),
-            }
-        }
-        other => other,
-    }
-}
-
-/// How one grow runs; `Default` maps with the tensor's policy and zeroes nothing.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GrowOptions {
-    /// Zero the new logical bytes of every segment.
-    pub zero_new: bool,
-    /// The stream the zeroing is ordered on.
-    pub stream: Stream,
-    /// Back each run of missing granules by one handle, whatever the policy: after a
-    /// `release_physical`, one such grow backs every granule-aligned segment by a single
-    /// allocation, which RDMA registration of a segment needs (UCX cannot span handles).
-    pub one_handle_per_run: bool,
-}
-
-/// How one shrink runs; `Default` keeps straddling handles whole.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ShrinkOptions {
-    /// Replace each handle that straddles the new frontier by handles of just the granules
-    /// still needed, copying their bytes, so that no slack stays mapped. Otherwise such a
-    /// handle stays whole and its slack counts in `physical_bytes`.
-    pub exact: bool,
-    /// The stream the copies are ordered on.
-    pub stream: Stream,
-}
-
-impl GrowOptions {
-    /// Zero the new bytes on the backend's default stream.
-    pub fn zeroed() -> GrowOptions {
-        GrowOptions {
-            zero_new: true,
-            ..GrowOptions::default()
-        }
-    }
-}
-
-/// Whether a grow zeroes its new bytes, on which stream, and whether it has queued any.
-struct Zeroing {
-    enabled: bool,
-    stream: Stream,
-    queued: bool,
-}
-
-impl Zeroing {
-    fn new(enabled: bool, stream: Stream) -> Zeroing {
-        Zeroing {
-            enabled,
-            stream,
-            queued: false,
-        }
-    }
-}
-
-/// Owns the address reservation that starts at `ctx.base`; frees it on drop.
-struct Reservation {
-    ctx: Arc<Ctx>,
-    num_bytes: u64,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.ctx.defer(
-            self.ctx
-                .driver
-                .free_reservation(self.ctx.base, self.num_bytes),
-        );
-    }
-}
-
-/// Owns a physical handle; releases it on drop.
-struct PhysicalHandle {
-    ctx: Arc<Ctx>,
-    id: HandleId,
-    /// Names the handle across processes: the owner numbers its handles in creation order,
-    /// an importer keeps the owner's numbers (so `refresh` can tell which it has).
-    serial: u64,
-    /// The export made by the first `share` that needed it (~0.6 ms on CUDA), kept for the
-    /// handle's life: an importer duplicates the owner's fd while the owner holds it.
-    exported: OnceLock<Exported>,
-    /// The first granule under which `share` recorded the exported fd in the registry.
-    published_at: OnceLock<u64>,
-}
-
-impl Drop for PhysicalHandle {
-    fn drop(&mut self) {
-        // Before the exported fd closes (a field, dropped after this): once it is closed, its
-        // number may name other memory, which importers must not take for this handle.
-        if let (Some(&granule), Some(registry), Some(Exported::Fd(fd))) = (
-            self.published_at.get(),
-            self.ctx.registry.get(),
-            self.exported.get(),
-        ) {
-            use std::os::fd::AsRawFd;
-            registry.withdraw(granule, self.serial, fd.as_raw_fd());
-        }
-        self.ctx.defer(self.ctx.driver.release(self.id));
-    }
-}
-
-/// Owns the mapping of one whole handle over `run`; unmaps on drop, then releases the handle.
-struct Mapping {
-    run: Run,
-    /// `None` only inside `unmap`, which hands the handle back.
-    handle: Option<PhysicalHandle>,
-}
-
-impl PhysicalHandle {
-    fn create(ctx: &Arc<Ctx>, num_bytes: u64) -> Result<PhysicalHandle> {
-        // The driver may have stopped offering fabric since (a refused fabric allocation).
-        let export = ctx
-            .export_types
-            .intersection(ctx.driver.supported_export_types());
-        let id = ctx.driver.create(num_bytes, export)?;
-        Ok(PhysicalHandle::adopt(ctx, id, ctx.next_serial()))
-    }
-
-    /// Owns handle `id` of `ctx`'s driver from now on.
-    fn adopt(ctx: &Arc<Ctx>, id: HandleId, serial: u64) -> PhysicalHandle {
-        PhysicalHandle {
-            ctx: Arc::clone(ctx),
-            id,
-            serial,
-            exported: OnceLock::new(),
-            published_at: OnceLock::new(),
-        }
-    }
-}
-
-impl Mapping {
-    /// Creates a handle for `run` and maps it there.
-    fn create(ctx: &Arc<Ctx>, run: Run) -> Result<Mapping> {
-        let handle = PhysicalHandle::create(ctx, ctx.span(run).1)?;
-        Mapping::map(handle, run)
-    }
-
-    /// Maps all of `handle` over `run` (which spans exactly its size).
-    fn map(handle: PhysicalHandle, run: Run) -> Result<Mapping> {
-        let (va, num_bytes) = handle.ctx.span(run);
-        handle.ctx.driver.map(va, num_bytes, handle.id)?;
-        Ok(Mapping {
-            run,
-            handle: Some(handle),
-        })
-    }
-
-    fn handle(&self) -> &PhysicalHandle {
-        self.handle.as_ref().expect("a mapping holds its handle")
-    }
-
-    fn ctx(&self) -> &Arc<Ctx> {
-        &self.handle().ctx
-    }
-
-    fn num_bytes(&self) -> u64 {
-        self.ctx().span(self.run).1
-    }
-
-    /// Unmaps now and hands back the (still live) handle, or, if the driver refuses, the
-    /// mapping itself with the error.
-    #[allow(clippy::result_large_err)]
-    fn unmap(mut self) -> std::result::Result<PhysicalHandle, (Error, Mapping)> {
-        let handle = self.handle.take().expect("a mapping holds its handle");
-        let (va, num_bytes) = handle.ctx.span(self.run);
-        match handle.ctx.driver.unmap(va, num_bytes) {
-            Ok(()) => Ok(handle),
-            Err(err) => {
-                self.handle = Some(handle);
-                Err((err, self))
-            }
-        }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        if let Some(handle) = &self.handle {
-            let (va, num_bytes) = handle.ctx.span(self.run);
-            handle.ctx.defer(handle.ctx.driver.unmap(va, num_bytes));
-        }
-    }
-}
+use crate::plan::{self, Geometry, HandlePolicy, Run};
 
 struct State {
     segment_bytes: Vec<u64>,
@@ -404,7 +73,7 @@ struct Snapshot {
     physical_bytes: u64,
     num_handles: usize,
     /// Set by `close` before it lets go of anything, with the live views checked under the
-    /// same lock that `export` counts a new view under: no view can slip in meanwhile.
+    /// same lock that `view` counts a new view under: no view can slip in meanwhile.
     closed: bool,
 }
 
@@ -499,49 +168,6 @@ pub struct ExtensibleTensor {
     inner: Arc<Inner>,
 }
 
-/// Keeps a tensor's memory alive for one exported view; counts towards `live_views`.
-struct ViewGuard {
-    inner: Arc<Inner>,
-}
-
-impl Drop for ViewGuard {
-    fn drop(&mut self) {
-        self.inner.live_views.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// A byte range of a tensor handed to a consumer (DLPack), with the guard that keeps it valid.
-/// Only `ExtensibleTensor::export` makes one, after checking the range against the capacity,
-/// so its pointer can be trusted: the fields are private, and nothing can forge one.
-///
-/// ```compile_fail,E0451
-/// use extensible_kv::{tensor::ExportedRegion, DeviceKind};
-/// let forged = ExportedRegion { ptr: 0xdead, num_bytes: 1, device: DeviceKind::Cpu, _guard: todo!() };
-/// ```
-pub struct ExportedRegion {
-    ptr: u64,
-    num_bytes: u64,
-    device: DeviceKind,
-    _guard: ViewGuard,
-}
-
-impl ExportedRegion {
-    /// The first byte's address; `num_bytes` from it lie in the tensor's reservation.
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// The region's length in bytes.
-    pub fn num_bytes(&self) -> u64 {
-        self.num_bytes
-    }
-
-    /// Where the region's memory lives.
-    pub fn device(&self) -> DeviceKind {
-        self.device
-    }
-}
-
 impl ExtensibleTensor {
     /// Reserves address space for `segments` on `driver`; commits nothing.
     pub fn new(
@@ -597,25 +223,7 @@ impl ExtensibleTensor {
                 driver.granularity()
             )));
         }
-        let policy = match (options.fixed_handle_bytes, options.max_handle_bytes) {
-            (Some(fixed), _) => {
-                HandlePolicy::adaptive(fixed, granularity)?; // the same validity rule
-                HandlePolicy::Fixed {
-                    handle_granules: fixed / granularity,
-                }
-            }
-            (None, max) => {
-                let max = max.unwrap_or(DEFAULT_MAX_HANDLE_BYTES.max(granularity));
-                let adaptive = HandlePolicy::adaptive(max, granularity)?;
-                match options.cut {
-                    Cut::AlignedPowersOfTwo => adaptive,
-                    Cut::AtCapMultiples => HandlePolicy::CapAligned {
-                        max_handle_granules: max / granularity,
-                    },
-                    Cut::WholeRuns => HandlePolicy::WholeRuns,
-                }
-            }
-        };
+        let policy = options.handle_sizing.policy(granularity)?;
         let export_types = export_types_for(driver.as_ref(), options.export_types)?;
         ExtensibleTensor::reserve(driver, geometry, policy, export_types, None)
     }
@@ -714,142 +322,10 @@ impl ExtensibleTensor {
         self.snapshot(|s| !s.closed && s.segment_bytes == segment_bytes)
     }
 
-    /// Grows a one-segment tensor to `num_bytes`.
-    pub fn resize(&self, num_bytes: u64, options: GrowOptions) -> Result<()> {
-        self.check_one_segment("resize_")?;
-        self.resize_segments(&[num_bytes], options)
-    }
-
-    /// `InvalidArgument` unless the tensor has one segment (for `method`, a one-size call).
-    fn check_one_segment(&self, method: &str) -> Result<()> {
-        match self.num_segments() {
-            1 => Ok(()),
-            n => Err(Error::invalid(format!(
-                "{method} is for one segment; this tensor has {n}: use {method}per_segment_"
-            ))),
-        }
-    }
-
-    /// Grows every segment to `bytes_per_segment`.
-    pub fn resize_per_segment(&self, bytes_per_segment: u64, options: GrowOptions) -> Result<()> {
-        let targets = vec![bytes_per_segment; self.inner.geometry.num_segments()];
-        self.resize_segments(&targets, options)
-    }
-
-    /// Grows segment `i` to `segment_bytes[i]`; zeroes the new bytes `[old_i, new_i)` of each
-    /// segment on `options.stream` when `options.zero_new`. All or nothing: on error the
-    /// tensor is unchanged.
-    pub fn resize_segments(&self, segment_bytes: &[u64], options: GrowOptions) -> Result<()> {
-        let mut state = self.lock_owned("grow")?;
-        let geometry = &self.inner.geometry;
-        geometry.check_request(segment_bytes)?;
-        if let Some(i) = state
-            .segment_bytes
-            .iter()
-            .zip(segment_bytes)
-            .position(|(o, n)| n < o)
-        {
-            return Err(Error::invalid(format!(
-                "cannot shrink segment {i} from {} to {} bytes: only growth is supported",
-                state.segment_bytes[i], segment_bytes[i]
-            )));
-        }
-        if state.segment_bytes == segment_bytes {
-            return Ok(());
-        }
-        let new_ranges = geometry.new_ranges(&state.segment_bytes, segment_bytes);
-        let new_granules = plan::granules_of(&new_ranges, geometry.granularity());
-        let mapped = mapped_overlapping(&state.mappings, &new_granules);
-        let policy = match options.one_handle_per_run {
-            true => HandlePolicy::WholeRuns,
-            false => self.inner.policy,
-        };
-        let plan = plan::plan_new_ranges(new_ranges, &new_granules, &mapped, policy);
-        if plan.new_handles.len() > 1 {
-            // All the new handles at once: a grow that cannot fit fails before its first create
-            // rather than after taking what it could (one handle's create checks itself).
-            let ctx = &self.inner.ctx;
-            let new_bytes = plan.new_handles.iter().map(|&run| ctx.span(run).1).sum();
-            ctx.driver.check_room(new_bytes)?;
-        }
-        let mut zeroing = Zeroing::new(options.zero_new, options.stream);
-        // Owned here, not in `map_and_zero`, so that on error the mappings unmap (as `fresh`
-        // drops) only after the fence below.
-        let mut fresh = Vec::with_capacity(plan.new_handles.len());
-        if let Err(err) = self.map_and_zero(&plan, &mapped, &mut zeroing, &mut fresh) {
-            if zeroing.queued {
-                // Queued memsets may still write to the fresh mappings: fence first.
-                self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
-            }
-            drop(fresh);
-            return Err(err);
-        }
-        for mapping in fresh {
-            state.mappings.insert(mapping.run.first_granule, mapping);
-        }
-        state.segment_bytes.copy_from_slice(segment_bytes);
-        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
-        Ok(())
-    }
-
     /// Tells the driver every segment's committed bytes, for the report of a stray access
     /// (`driver::stray`): at reservation, then by every `Locked` that changed them.
     fn note_layout(&self, committed: &[u64]) {
         self.inner.note_layout(committed);
-    }
-
-    /// Creates, maps and grants access to one handle per planned run, and zeroes the new
-    /// logical bytes, pushing each mapping into `fresh` as soon as it exists. A handle's bytes
-    /// are zeroed as soon as it is accessible, so on a device the memsets run while the host
-    /// maps the next handles. On error, the caller fences, then drops `fresh` (unmapping and
-    /// releasing what this call made).
-    ///
-    /// (A second thread creating handles ahead of the mapping one was tried on the H200: the
-    /// driver serialises the calls, and creates took 1.5-1.9x longer; docs/benchmarks.md.)
-    fn map_and_zero(
-        &self,
-        plan: &plan::GrowPlan,
-        mapped: &[Run],
-        zeroing: &mut Zeroing,
-        fresh: &mut Vec<Mapping>,
-    ) -> Result<()> {
-        let inner = &*self.inner;
-        let g = inner.geometry.granularity();
-        let fresh_is_zero = inner.ctx.driver.fresh_memory_is_zeroed();
-        // Pieces of the new bytes, each inside one new handle, in address order.
-        let in_fresh = match zeroing.enabled && !fresh_is_zero {
-            true => plan::intersect(&plan.new_ranges, &plan.new_handles, g),
-            false => Vec::new(),
-        };
-        let mut pending = in_fresh.iter().peekable();
-        for &run in &plan.new_handles {
-            let bytes = inner.geometry.run_bytes(run);
-            fresh.push(Mapping::create(&inner.ctx, run)?);
-            inner
-                .ctx
-                .driver
-                .set_access(inner.ctx.base + bytes.offset, bytes.num_bytes)?;
-            while let Some(piece) = pending.next_if(|p| p.offset < bytes.end()) {
-                self.zero(piece, zeroing)?;
-            }
-        }
-        if zeroing.enabled {
-            // New bytes in granules mapped earlier (a granule shared with a neighbour, or the
-            // slack past the old prefix) are not fresh memory: zero them on every backend.
-            for piece in plan::intersect(&plan.new_ranges, mapped, g) {
-                self.zero(&piece, zeroing)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn zero(&self, piece: &ByteRange, zeroing: &mut Zeroing) -> Result<()> {
-        let va = self.inner.ctx.base + piece.offset;
-        zeroing.queued = true;
-        self.inner
-            .ctx
-            .driver
-            .memset_zero(va, piece.num_bytes, zeroing.stream)
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
@@ -905,7 +381,7 @@ impl ExtensibleTensor {
             if live_views > 0 {
                 return Err(Error::ViewsAlive { live_views });
             }
-            snapshot.closed = true; // from here on `export` refuses
+            snapshot.closed = true; // from here on `view` refuses
         }
         let ctx = &self.inner.ctx;
         let mark = ctx.num_deferred();
@@ -929,36 +405,6 @@ impl ExtensibleTensor {
         self.snapshot(|s| s.closed)
     }
 
-    /// Hands out `[offset, offset + num_bytes)` of the capacity; the guard keeps it alive.
-    /// Never waits for an operation in progress (it takes no lock but the snapshot's).
-    pub fn export(&self, offset: u64, num_bytes: u64) -> Result<ExportedRegion> {
-        let capacity = self.inner.geometry.capacity_bytes();
-        if offset
-            .checked_add(num_bytes)
-            .is_none_or(|end| end > capacity)
-        {
-            return Err(Error::invalid(format!(
-                "a view of {num_bytes} bytes at offset {offset} exceeds the capacity of \
-                 {capacity} bytes"
-            )));
-        }
-        {
-            let snapshot = relock(&self.inner.snapshot);
-            if snapshot.closed {
-                return Err(Error::Closed);
-            }
-            self.inner.live_views.fetch_add(1, Ordering::AcqRel);
-        }
-        Ok(ExportedRegion {
-            ptr: self.inner.ctx.base + offset,
-            num_bytes,
-            device: self.inner.ctx.driver.device(),
-            _guard: ViewGuard {
-                inner: Arc::clone(&self.inner),
-            },
-        })
-    }
-
     /// The reservation's first address (views are offsets from it); `Error::Closed` once closed.
     pub fn base_ptr(&self) -> Result<u64> {
         match self.snapshot(|s| s.closed) {
@@ -970,11 +416,6 @@ impl ExtensibleTensor {
     /// The segments' capacities and offsets, and the granularity.
     pub fn geometry(&self) -> &Geometry {
         &self.inner.geometry
-    }
-
-    /// How grows cut runs of granules into handles.
-    pub fn policy(&self) -> HandlePolicy {
-        self.inner.policy
     }
 
     /// The reserved bytes the segments can grow into.
@@ -1032,7 +473,7 @@ impl ExtensibleTensor {
         self.lock().mappings.values().map(|m| m.run).collect()
     }
 
-    /// How many exported views are alive (`close` refuses while any is).
+    /// How many views are alive (`close` refuses while any is).
     pub fn live_views(&self) -> usize {
         self.inner.live_views.load(Ordering::Acquire)
     }
@@ -1123,31 +564,11 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
     Ok(())
 }
 
-/// The runs of the mappings that overlap any of `spans` (sorted, disjoint), in order.
-fn mapped_overlapping(mappings: &BTreeMap<u64, Mapping>, spans: &[Run]) -> Vec<Run> {
-    let mut runs: Vec<Run> = Vec::new();
-    for span in spans {
-        let before = mappings
-            .range(..span.first_granule)
-            .next_back()
-            .map(|(_, m)| m.run);
-        let straddling = before.filter(|run| run.end_granule() > span.first_granule);
-        let inside = mappings
-            .range(span.first_granule..span.end_granule())
-            .map(|(_, m)| m.run);
-        for run in straddling.into_iter().chain(inside) {
-            if runs.last() != Some(&run) {
-                runs.push(run);
-            }
-        }
-    }
-    runs
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::driver::host::HostDriver;
+    use crate::error::SizeOp;
 
     #[test]
     fn stated_segments_must_agree_with_the_total_and_count() {
@@ -1182,13 +603,16 @@ mod tests {
         )
         .unwrap();
         tensor
-            .resize_segments(&[10, 20], GrowOptions::zeroed())
+            .resize_per_segment([10, 20], GrowOptions::zeroed())
             .unwrap();
         assert!(tensor.is_noop_resize(&[10, 20]));
         assert!(!tensor.is_noop_resize(&[10, 21]) && !tensor.is_noop_resize(&[10]));
         assert!(matches!(
             tensor.resize(10, GrowOptions::default()),
-            Err(Error::InvalidArgument(_))
+            Err(Error::NotOneSegment {
+                op: SizeOp::Resize,
+                num_segments: 2
+            })
         ));
         assert!(matches!(
             tensor.segment_capacity_bytes(),
@@ -1196,7 +620,7 @@ mod tests {
         ));
         assert!(tensor.bytes_per_segment().is_err());
         tensor
-            .resize_segments(&[20, 20], GrowOptions::zeroed())
+            .resize_per_segment([20, 20], GrowOptions::zeroed())
             .unwrap();
         assert_eq!(tensor.bytes_per_segment().unwrap(), 20);
         tensor.close().unwrap();
@@ -1225,7 +649,7 @@ mod tests {
         let tensor = ExtensibleTensor::with_equal_segments(driver.clone(), 4 << 12, 2, options);
         let tensor = tensor.unwrap();
         tensor
-            .resize_segments(&[5000, 10], GrowOptions::zeroed())
+            .resize_per_segment([5000, 10], GrowOptions::zeroed())
             .unwrap();
         poison(&tensor.inner.ctx.deferred);
         let failed = Error::invalid("a failure a destructor met");

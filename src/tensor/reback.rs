@@ -9,9 +9,11 @@
 
 use std::sync::Arc;
 
-use super::{check_state, Ctx, ExtensibleTensor, Mapping, PhysicalHandle, ShrinkOptions, State};
+use super::{
+    check_state, Ctx, ExtensibleTensor, Mapping, PerSegment, PhysicalHandle, ShrinkOptions, State,
+};
 use crate::driver::Stream;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SizeOp};
 use crate::plan::{self, Run};
 
 /// A second mapping, at a scratch address, of a handle owned elsewhere; unmaps on drop.
@@ -54,26 +56,30 @@ struct Staging {
 impl ExtensibleTensor {
     /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
     pub fn shrink(&self, num_bytes: u64, options: ShrinkOptions) -> Result<()> {
-        self.check_one_segment("shrink_")?;
-        self.shrink_segments(&[num_bytes], options)
+        self.check_one_segment(SizeOp::Shrink)?;
+        self.shrink_per_segment([num_bytes], options)
     }
 
-    /// Shrinks segment `i` to `segment_bytes[i]`, keeping bytes `[0, new_i)` of every segment.
+    /// Shrinks segment `i` to `bytes[i]` (or every segment to one size), keeping bytes
+    /// `[0, new_i)` of every segment.
     /// Handles that hold no granule a committed byte still needs are unmapped, after a fence,
     /// and released; a granule shared with a neighbour's live prefix stays. With
     /// `options.exact`, each handle that straddles the new frontier is replaced by handles of
     /// just its needed granules (built at a scratch address, filled by a device copy, then
     /// swapped in at the same address). All or nothing: on error the tensor is unchanged.
-    pub fn shrink_segments(&self, segment_bytes: &[u64], options: ShrinkOptions) -> Result<()> {
+    pub fn shrink_per_segment(&self, bytes: impl PerSegment, options: ShrinkOptions) -> Result<()> {
+        let segment_bytes = &*bytes.per_segment(self.num_segments());
         let mut state = self.lock_owned("shrink")?;
         let geometry = &self.inner.geometry;
         geometry.check_request(segment_bytes)?;
         let grows = state.segment_bytes.iter().zip(segment_bytes);
-        if let Some(i) = grows.clone().position(|(o, n)| n > o) {
-            return Err(Error::invalid(format!(
-                "a shrink cannot grow segment {i} from {} to {} bytes: use resize",
-                state.segment_bytes[i], segment_bytes[i]
-            )));
+        if let Some(segment) = grows.clone().position(|(o, n)| n > o) {
+            return Err(Error::WrongDirection {
+                op: SizeOp::Shrink,
+                segment,
+                from_bytes: state.segment_bytes[segment],
+                to_bytes: segment_bytes[segment],
+            });
         }
         let needed = geometry.needed_runs(segment_bytes);
         let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();

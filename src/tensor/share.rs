@@ -3,7 +3,7 @@
 //! The owner describes its memory (`share`): the tensor's random id, the geometry, the
 //! committed bytes, and per mapped handle its granule run, a serial number and how to get it
 //! (the owner's pid and the number of an fd it keeps open, or a fabric handle). Fd numbers are
-//! checked against the owner's export registry (`driver::ipc`) before anything is mapped, so a
+//! checked against the owner's export registry (`crate::ipc`) before anything is mapped, so a
 //! stale description, whose fd numbers may name other memory by now, is refused. Each handle is exported once, lazily, and the
 //! export kept for the handle's life (an export costs ~0.6 ms on CUDA: few, large handles
 //! make sharing cheap). Another process builds its own reservation of the same geometry and
@@ -16,9 +16,9 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 
 use super::{ExtensibleTensor, Mapping, PhysicalHandle};
-use crate::driver::ipc::{self, ExportRegistry, Process, RegistryView};
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, ImportSource};
 use crate::error::{Error, Result};
+use crate::ipc::{self, ExportRegistry, Process, RegistryView};
 use crate::plan::{self, Geometry, HandlePolicy, Run};
 
 /// How an importer gets one handle.

@@ -6,7 +6,7 @@ use extensible_kv::ExtensibleTensor;
 
 /// Reads `len` bytes at `offset` of a host-backend tensor; the range must be committed.
 pub fn read(tensor: &ExtensibleTensor, offset: u64, len: u64) -> Vec<u8> {
-    let region = tensor.export(offset, len).expect("export");
+    let region = tensor.view(offset, len).expect("export");
     // SAFETY: the export checked the range lies in the reservation and its guard keeps the
     // memory mapped; callers only read committed (mapped, accessible) bytes.
     unsafe { std::slice::from_raw_parts(region.ptr() as *const u8, len as usize).to_vec() }
@@ -14,7 +14,7 @@ pub fn read(tensor: &ExtensibleTensor, offset: u64, len: u64) -> Vec<u8> {
 
 /// Writes `bytes` at `offset` of a host-backend tensor; the range must be committed.
 pub fn write(tensor: &ExtensibleTensor, offset: u64, bytes: &[u8]) {
-    let region = tensor.export(offset, bytes.len() as u64).expect("export");
+    let region = tensor.view(offset, bytes.len() as u64).expect("export");
     // SAFETY: as in `read`; no Rust reference aliases this memory.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.ptr() as *mut u8, bytes.len()) }
 }

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from extensible_kv._plugins import env_flag
-from extensible_kv.tensor import ExtensibleTensor
+from extensible_kv.tensor import ExtensibleTensor, HandleSizing
 
 if TYPE_CHECKING:
     import torch
@@ -176,7 +176,7 @@ class KvVmmBufferOwner:
             sum(capacities),
             device=backing_device,
             segment_capacities=capacities,
-            fixed_handle_bytes=HANDLE_BYTES,
+            handle_sizing=HandleSizing("per_run", HANDLE_BYTES),
         )
         try:
             self.tensors = [

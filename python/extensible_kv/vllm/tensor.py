@@ -13,9 +13,9 @@ by assignment. Where it differs, it is to be safer, never to surprise vLLM's cal
   contract: `commit(defragment=True)` releases everything and grows again, after which every
   granule-aligned segment lies in one allocation (UCX cannot register a range across
   allocations), and a `recommit()` after sleep gives connectors the same.
-  `EXTENSIBLE_KV_VLLM_HANDLES` (read when a tensor is made) picks the core's cut for the other
-  grows, for measurements: `at_cap_multiples` (the default), `whole_runs` (vLLM's count),
-  `aligned_powers_of_two`.
+  `EXTENSIBLE_KV_VLLM_HANDLES` (read when a tensor is made) picks the core's `HandleSizing`
+  kind for the other grows, for measurements: `cap_aligned` (the default), `whole_runs`
+  (vLLM's count), `aligned_powers_of_two`.
 - **All or nothing.** A failed grow leaves the tensor exactly as it was (vLLM's may leave
   chunks mapped). Out of memory: torch's caching allocator is emptied and the grow retried
   once, as vLLM does; then `extensible_kv.OutOfMemoryError` (a `MemoryError`; vLLM raises the
@@ -56,6 +56,7 @@ from extensible_kv.ipc import FABRIC, POSIX_FD
 from extensible_kv.layouts import round_up
 from extensible_kv.sizing import device_granularity
 from extensible_kv.tensor import ExtensibleTensor as _CoreTensor
+from extensible_kv.tensor import HandleSizing
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +64,8 @@ if TYPE_CHECKING:
 __all__ = ["HANDLES_ENV_VAR", "ExtensibleTensor", "granule_size"]
 
 HANDLES_ENV_VAR = "EXTENSIBLE_KV_VLLM_HANDLES"
-# The core's cuts of a grow that does not start from empty; the first is its default.
-_CUTS = ("at_cap_multiples", "whole_runs", "aligned_powers_of_two")
+# The core's handle sizings of a grow that does not start from empty; the first is its default.
+_CUTS = ("cap_aligned", "whole_runs", "aligned_powers_of_two")
 
 
 @functools.cache
@@ -214,7 +215,7 @@ class ExtensibleTensor:
             segment_capacities=capacities,
             granularity=self._granularity,
             export_handle_types=export_handle_types,
-            _cut=cut,
+            handle_sizing=HandleSizing(cut),  # type: ignore[arg-type]
         )
         self._segment_offsets = list(self._tensor.segment_offsets)
 

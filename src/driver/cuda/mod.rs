@@ -331,13 +331,8 @@ impl Driver for CudaDriver {
         }
         let _bound = self.bind(Op::Memset)?;
         let books = self.books();
-        if !books.accessible(va, num_bytes) {
-            return Err(refused(
-                Op::Memset,
-                va,
-                num_bytes,
-                "is not mapped read-write",
-            ));
+        if let Some(why) = books.refuse_memset(va, num_bytes) {
+            return Err(refused(Op::Memset, va, num_bytes, why));
         }
         let raw_stream = stream.as_raw();
         // SAFETY: accessible mappings of ours cover the range, and the lock held until the
@@ -355,13 +350,8 @@ impl Driver for CudaDriver {
         }
         let _bound = self.bind(Op::Copy)?;
         let books = self.books();
-        for va in [dst, src] {
-            if !books.accessible(va, num_bytes) {
-                return Err(refused(Op::Copy, va, num_bytes, "is not mapped read-write"));
-            }
-        }
-        if dst.abs_diff(src) < num_bytes {
-            return Err(refused(Op::Copy, dst, num_bytes, "overlaps the source"));
+        if let Some((va, why)) = books.refuse_copy(dst, src, num_bytes) {
+            return Err(refused(Op::Copy, va, num_bytes, why));
         }
         let raw_stream = stream.as_raw();
         // SAFETY: accessible, disjoint mappings of ours cover both ranges, and the lock held

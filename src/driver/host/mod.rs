@@ -13,13 +13,15 @@
 //! clobber memory this driver does not own, whatever the caller passes.
 #![allow(unsafe_code)]
 
+pub mod headroom;
+
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::books::Books;
-use super::{headroom, stray};
+use super::stray;
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
@@ -482,13 +484,8 @@ impl Driver for HostDriver {
             return Ok(());
         }
         let books = self.books();
-        if !books.accessible(va, num_bytes) {
-            return Err(invalid_range(
-                Op::Memset,
-                va,
-                num_bytes,
-                "is not mapped read-write",
-            ));
+        if let Some(why) = books.refuse_memset(va, num_bytes) {
+            return Err(invalid_range(Op::Memset, va, num_bytes, why));
         }
         // SAFETY: the range is covered by live read-write mappings of ours (checked above under
         // the lock that every unmap also takes); writing zeros there cannot alias Rust objects.
@@ -501,23 +498,8 @@ impl Driver for HostDriver {
             return Ok(());
         }
         let books = self.books();
-        for va in [dst, src] {
-            if !books.accessible(va, num_bytes) {
-                return Err(invalid_range(
-                    Op::Copy,
-                    va,
-                    num_bytes,
-                    "is not mapped read-write",
-                ));
-            }
-        }
-        if dst.abs_diff(src) < num_bytes {
-            return Err(invalid_range(
-                Op::Copy,
-                dst,
-                num_bytes,
-                "overlaps the source",
-            ));
+        if let Some((va, why)) = books.refuse_copy(dst, src, num_bytes) {
+            return Err(invalid_range(Op::Copy, va, num_bytes, why));
         }
         // SAFETY: both ranges are covered by live read-write mappings of ours (checked above
         // under the lock every unmap takes) and are disjoint, so neither aliases a Rust object

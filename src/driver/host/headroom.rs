@@ -19,11 +19,13 @@
 //!
 //! What cannot be read counts as no limit: the check is a guard against the OOM killer, and a
 //! `/proc` or cgroup layout it does not know must not make every create fail.
+// Plain file reads: none of the host backend's `unsafe` allowance is needed here.
+#![deny(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use super::host::{mem_info_from, MEMINFO};
+use super::{mem_info_from, MEMINFO};
 
 /// v1 reports "no limit" as the largest page-aligned counter (`PAGE_COUNTER_MAX` pages),
 /// about 2^63; anything from 2^62 up is no limit in practice.

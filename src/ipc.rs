@@ -24,7 +24,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::host::os_error;
+use crate::driver::host::os_error;
 use crate::error::{Error, Op, Result};
 use crate::plan::Run;
 

@@ -1,0 +1,225 @@
+//! The RAII owners of driver resources: one per reservation, physical handle and mapping,
+//! each releasing its resource on drop, and the context (`Ctx`) their destructors share,
+//! which records the errors a destructor cannot return.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use crate::driver::{Driver, ExportTypes, Exported, HandleId};
+use crate::error::{Error, Result};
+use crate::ipc::ExportRegistry;
+use crate::plan::Run;
+
+/// What the destructors of driver resources share: the driver, where the reservation starts
+/// and its granularity (a mapping's addresses follow from its granule run), and the errors they
+/// could not return (a destructor never panics; `take_deferred_errors` reports them later).
+pub(super) struct Ctx {
+    pub(super) driver: Arc<dyn Driver>,
+    /// The reservation's first address, for the tensor's whole life.
+    pub(super) base: u64,
+    /// The geometry's granularity, which never changes either.
+    pub(super) granularity: u64,
+    /// What every new handle is created exportable as.
+    pub(super) export_types: ExportTypes,
+    pub(super) serials: AtomicU64,
+    pub(super) deferred: Mutex<Vec<Error>>,
+    /// The messages of deferred errors not yet handed to `take_unwarned` (the bindings log
+    /// each once, as a warning).
+    pub(super) unwarned: Mutex<Vec<String>>,
+    /// Which exported fd backs which handle, for importers to check (made by the first
+    /// `share` of fds; closed after every handle, since each holds the `Ctx`).
+    pub(super) registry: OnceLock<ExportRegistry>,
+}
+
+impl Ctx {
+    pub(super) fn next_serial(&self) -> u64 {
+        self.serials.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// `(va, num_bytes)` of granule `run`.
+    pub(super) fn span(&self, run: Run) -> (u64, u64) {
+        let bytes = run.bytes(self.granularity);
+        (self.base + bytes.offset, bytes.num_bytes)
+    }
+
+    pub(super) fn defer(&self, result: Result<()>) {
+        if let Err(err) = result {
+            relock(&self.unwarned).push(err.to_string());
+            relock(&self.deferred).push(err);
+        }
+    }
+
+    pub(super) fn num_deferred(&self) -> usize {
+        relock(&self.deferred).len()
+    }
+
+    /// The errors deferred since there were `mark`, taken out of the deferred list: what the
+    /// operation that set the mark met itself.
+    pub(super) fn take_deferred_since(&self, mark: usize) -> Vec<Error> {
+        let mut deferred = relock(&self.deferred);
+        let mark = mark.min(deferred.len());
+        let own = deferred.split_off(mark);
+        drop(deferred);
+        let mut unwarned = relock(&self.unwarned);
+        let keep = unwarned.len().saturating_sub(own.len());
+        unwarned.truncate(keep);
+        own
+    }
+}
+
+/// The lock of `mutex`, even when a thread panicked holding it: a destructor must never
+/// panic, and what these mutexes guard (lists of errors, a snapshot) stays consistent.
+pub(super) fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `err`, an error met by an operation that went on to complete, saying so: `done` states
+/// what holds now. (Only a driver's detail can carry it; other kinds are returned as they are.)
+pub(super) fn completed_despite(err: Error, more: usize, done: &str) -> Error {
+    match err {
+        Error::Driver { op, code, detail } => {
+            let more = match more {
+                0 => String::new(),
+                n => format!("; {n} more in take_deferred_errors()"),
+            };
+            let sep = if detail.is_empty() { "" } else { "; " };
+            Error::Driver {
+                op,
+                code,
+                detail: format!("{detail}{sep}{done}{more}"),
+            }
+        }
+        other => other,
+    }
+}
+
+/// Owns the address reservation that starts at `ctx.base`; frees it on drop.
+pub(super) struct Reservation {
+    pub(super) ctx: Arc<Ctx>,
+    pub(super) num_bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.ctx.defer(
+            self.ctx
+                .driver
+                .free_reservation(self.ctx.base, self.num_bytes),
+        );
+    }
+}
+
+/// Owns a physical handle; releases it on drop.
+pub(super) struct PhysicalHandle {
+    pub(super) ctx: Arc<Ctx>,
+    pub(super) id: HandleId,
+    /// Names the handle across processes: the owner numbers its handles in creation order,
+    /// an importer keeps the owner's numbers (so `refresh` can tell which it has).
+    pub(super) serial: u64,
+    /// The export made by the first `share` that needed it (~0.6 ms on CUDA), kept for the
+    /// handle's life: an importer duplicates the owner's fd while the owner holds it.
+    pub(super) exported: OnceLock<Exported>,
+    /// The first granule under which `share` recorded the exported fd in the registry.
+    pub(super) published_at: OnceLock<u64>,
+}
+
+impl Drop for PhysicalHandle {
+    fn drop(&mut self) {
+        // Before the exported fd closes (a field, dropped after this): once it is closed, its
+        // number may name other memory, which importers must not take for this handle.
+        if let (Some(&granule), Some(registry), Some(Exported::Fd(fd))) = (
+            self.published_at.get(),
+            self.ctx.registry.get(),
+            self.exported.get(),
+        ) {
+            use std::os::fd::AsRawFd;
+            registry.withdraw(granule, self.serial, fd.as_raw_fd());
+        }
+        self.ctx.defer(self.ctx.driver.release(self.id));
+    }
+}
+
+/// Owns the mapping of one whole handle over `run`; unmaps on drop, then releases the handle.
+pub(super) struct Mapping {
+    pub(super) run: Run,
+    /// `None` only inside `unmap`, which hands the handle back.
+    pub(super) handle: Option<PhysicalHandle>,
+}
+
+impl PhysicalHandle {
+    pub(super) fn create(ctx: &Arc<Ctx>, num_bytes: u64) -> Result<PhysicalHandle> {
+        // The driver may have stopped offering fabric since (a refused fabric allocation).
+        let export = ctx
+            .export_types
+            .intersection(ctx.driver.supported_export_types());
+        let id = ctx.driver.create(num_bytes, export)?;
+        Ok(PhysicalHandle::adopt(ctx, id, ctx.next_serial()))
+    }
+
+    /// Owns handle `id` of `ctx`'s driver from now on.
+    pub(super) fn adopt(ctx: &Arc<Ctx>, id: HandleId, serial: u64) -> PhysicalHandle {
+        PhysicalHandle {
+            ctx: Arc::clone(ctx),
+            id,
+            serial,
+            exported: OnceLock::new(),
+            published_at: OnceLock::new(),
+        }
+    }
+}
+
+impl Mapping {
+    /// Creates a handle for `run` and maps it there.
+    pub(super) fn create(ctx: &Arc<Ctx>, run: Run) -> Result<Mapping> {
+        let handle = PhysicalHandle::create(ctx, ctx.span(run).1)?;
+        Mapping::map(handle, run)
+    }
+
+    /// Maps all of `handle` over `run` (which spans exactly its size).
+    pub(super) fn map(handle: PhysicalHandle, run: Run) -> Result<Mapping> {
+        let (va, num_bytes) = handle.ctx.span(run);
+        handle.ctx.driver.map(va, num_bytes, handle.id)?;
+        Ok(Mapping {
+            run,
+            handle: Some(handle),
+        })
+    }
+
+    pub(super) fn handle(&self) -> &PhysicalHandle {
+        self.handle.as_ref().expect("a mapping holds its handle")
+    }
+
+    pub(super) fn ctx(&self) -> &Arc<Ctx> {
+        &self.handle().ctx
+    }
+
+    pub(super) fn num_bytes(&self) -> u64 {
+        self.ctx().span(self.run).1
+    }
+
+    /// Unmaps now and hands back the (still live) handle, or, if the driver refuses, the
+    /// mapping itself with the error.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn unmap(mut self) -> std::result::Result<PhysicalHandle, (Error, Mapping)> {
+        let handle = self.handle.take().expect("a mapping holds its handle");
+        let (va, num_bytes) = handle.ctx.span(self.run);
+        match handle.ctx.driver.unmap(va, num_bytes) {
+            Ok(()) => Ok(handle),
+            Err(err) => {
+                self.handle = Some(handle);
+                Err((err, self))
+            }
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if let Some(handle) = &self.handle {
+            let (va, num_bytes) = handle.ctx.span(self.run);
+            handle.ctx.defer(handle.ctx.driver.unmap(va, num_bytes));
+        }
+    }
+}
