@@ -75,6 +75,7 @@ class ExtendReport:
 
     @property
     def gib_after(self) -> float:
+        """`bytes_after` in GiB (what the log line prints)."""
         return self.bytes_after / GIB
 
     @property
@@ -224,6 +225,7 @@ class KVCacheFlow:
         )
 
     def close(self) -> None:
+        """Closes the cache and gives its memory back (its views must be gone)."""
         self.cache.close()
 
     def __enter__(self) -> KVCacheFlow:

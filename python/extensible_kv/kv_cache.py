@@ -380,18 +380,22 @@ class ExtensibleKVCache:
 
     @property
     def capacity_blocks(self) -> int:
+        """The most blocks the reservation can ever hold."""
         return self._capacity_blocks
 
     @property
     def committed_blocks(self) -> int:
+        """The blocks backed by physical memory now (block ids below it are usable)."""
         return self._committed_blocks
 
     @property
     def legacy(self) -> bool:
+        """Whether this is the legacy cache: plain torch memory committed in full at creation."""
         return self._legacy
 
     @property
     def closed(self) -> bool:
+        """Whether `close()` has run."""
         return self._closed
 
     @property
@@ -431,6 +435,7 @@ class ExtensibleKVCache:
 
     @property
     def physical_bytes(self) -> int:
+        """The physical bytes every buffer maps now, summed."""
         return sum(self.buffer_physical_bytes)
 
     def commit(self, num_blocks: int) -> None:

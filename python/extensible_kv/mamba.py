@@ -69,6 +69,8 @@ class MambaStateSpec:
 
     @property
     def block_bytes(self) -> int:
+        """The bytes one block of state takes: the packed state, or the padded page size
+        where that is larger."""
         return max(self.packed_bytes, self.page_size_padded or 0)
 
     def state_views(self, num_blocks: int) -> list[StridedView]:

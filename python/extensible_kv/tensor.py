@@ -183,10 +183,17 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         num_segments: int | None = None,
         device: object = None,
         *,
+        segment_capacities: Sequence[int] | None = None,
+        granularity: int | None = None,
         handle_sizing: HandleSizing | None = None,
         export_handle_types: int | str | list[int | str] | tuple[int | str, ...] = 0,
-        **kwargs: Any,
+        **private: Any,
     ) -> Self:
+        """See the class's docstring. `private` takes the underscored test and import hooks
+        of the native constructor (`_profile`, `_fault`, `_shared`, `_fds`) and nothing else."""
+        unknown = sorted(k for k in private if not k.startswith("_"))
+        if unknown:
+            raise TypeError(f"ExtensibleTensor() got an unexpected keyword argument {unknown[0]!r}")
         bits = _export_bits(export_handle_types)
         sizing = _handle_sizing(handle_sizing)
         _enable_fault_report()
@@ -195,9 +202,11 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             max_bytes,
             num_segments,
             device,
+            segment_capacities=segment_capacities,
+            granularity=granularity,
             handle_sizing=sizing,
             export_handle_types=bits,
-            **kwargs,
+            **private,
         )
         if bits & FABRIC and not tensor.export_handle_types & FABRIC:
             logger.warning(

@@ -512,11 +512,15 @@ impl PyExtensibleTensor {
         PyList::new(py, runs)
     }
 
+    /// The reservation's first address (granule-aligned); segment i starts at
+    /// `base_ptr + segment_offsets[i]`. Never changes while the tensor lives.
     #[getter]
     fn base_ptr(&self) -> PyResult<u64> {
         Ok(self.core.base_ptr()?)
     }
 
+    /// The bytes reserved for all segments together (their capacities' sum): the most that
+    /// can ever be committed.
     #[getter]
     fn capacity_bytes(&self) -> u64 {
         self.core.capacity_bytes()
@@ -534,6 +538,8 @@ impl PyExtensibleTensor {
         PyTuple::new(py, self.core.geometry().segment_offsets())
     }
 
+    /// The capacity of each segment in bytes, in order (unequal where `segment_capacities`
+    /// was given).
     #[getter]
     fn segment_capacities<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, self.core.geometry().segment_capacities())
@@ -546,26 +552,33 @@ impl PyExtensibleTensor {
         Ok(self.core.bytes_per_segment()?)
     }
 
+    /// The committed bytes of each segment, in order: each segment's committed bytes are a
+    /// prefix of it.
     #[getter]
     fn segment_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, self.core.segment_bytes())
     }
 
+    /// How many segments the reservation is split into.
     #[getter]
     fn num_segments(&self) -> usize {
         self.core.num_segments()
     }
 
+    /// The physical bytes mapped now (whole granules; a granule two segments share counts
+    /// once).
     #[getter]
     fn physical_bytes(&self) -> u64 {
         self.core.physical_bytes()
     }
 
+    /// How many physical handles back the committed bytes now.
     #[getter]
     fn num_handles(&self) -> usize {
         self.core.num_handles()
     }
 
+    /// The mapping granule in bytes: every handle and every mapping is a multiple of it.
     #[getter]
     fn granularity(&self) -> u64 {
         self.core.granularity()
@@ -583,11 +596,14 @@ impl PyExtensibleTensor {
         self.core.backend_name()
     }
 
+    /// How many views (torch tensors, DLPack capsules) still hold this tensor's memory;
+    /// `close()` refuses while any is alive.
     #[getter]
     fn live_views(&self) -> usize {
         self.core.live_views()
     }
 
+    /// Whether `close()` has run: a closed tensor holds no memory and refuses every operation.
     #[getter]
     fn closed(&self) -> bool {
         self.core.is_closed()
