@@ -24,7 +24,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from extensible_kv import _native
 
@@ -337,115 +337,97 @@ def standard_layout(
 # methods.
 
 
-class FlashAttentionLayout:
-    """FlashAttention, NHD: K/V split `(2, B, N, H, D)` stored as is: 2 segments (K and V)."""
+class _Preset:
+    """A preset's two methods from two class attributes: `DIMS`, the logical shape's dims
+    (`"2"` for K/V, `B` blocks, `N` tokens per block, `H` KV heads, `D` head size), and `ORDER`,
+    the stride order (None: the backend defines none, and the order is the logical one)."""
 
-    @staticmethod
+    DIMS: ClassVar[tuple[str, ...]] = ()
+    ORDER: ClassVar[tuple[int, ...] | None] = None
+
+    @classmethod
     def get_kv_cache_shape(
+        cls,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        sizes = {"2": 2, "B": num_blocks, "N": block_size, "H": num_kv_heads, "D": head_size}
+        return tuple(sizes[dim] for dim in cls.DIMS)
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        return (0, 1, 2, 3, 4)
+    @classmethod
+    def get_kv_cache_stride_order(cls) -> tuple[int, ...]:
+        if cls.ORDER is None:
+            raise NotImplementedError  # as vLLM's base class: the logical order
+        return cls.ORDER
+
+
+class FlashAttentionLayout(_Preset):
+    """FlashAttention, NHD: K/V split `(2, B, N, H, D)` stored as is: 2 segments (K and V)."""
+
+    DIMS = ("2", "B", "N", "H", "D")
+    ORDER: ClassVar[tuple[int, ...] | None] = (0, 1, 2, 3, 4)
 
 
 class FlashAttentionHNDLayout(FlashAttentionLayout):
     """FlashAttention, HND: heads stored outside tokens within a block; 2 segments."""
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        return (0, 1, 3, 2, 4)
+    ORDER = (0, 1, 3, 2, 4)
 
 
 class KVSplitBlockMajorLayout(FlashAttentionLayout):
     """A K/V split `(2, B, N, H, D)` stored block-major: 1 segment."""
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        return (1, 0, 2, 3, 4)
+    ORDER = (1, 0, 2, 3, 4)
 
 
 class FlexAttentionLayout(FlashAttentionLayout):
     """FlexAttention: `(2, B, N, H, D)` in logical order (vLLM defines no stride order)."""
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        raise NotImplementedError
+    ORDER = None
 
 
-class FlashInferLayout:
+class FlashInferLayout(_Preset):
     """FlashInfer, NHD: `(B, 2, N, H, D)`, block-major: 1 segment."""
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        return (0, 1, 2, 3, 4)
+    DIMS = ("B", "2", "N", "H", "D")
+    ORDER: ClassVar[tuple[int, ...] | None] = (0, 1, 2, 3, 4)
 
 
 class FlashInferHNDLayout(FlashInferLayout):
     """FlashInfer, HND: `(B, 2, N, H, D)` stored as `(B, 2, H, N, D)`."""
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        return (0, 1, 3, 2, 4)
+    ORDER = (0, 1, 3, 2, 4)
 
 
 class TritonAttentionLayout(FlashInferLayout):
     """Triton attention, NHD: `(B, 2, N, H, D)` in logical order."""
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        raise NotImplementedError
+    ORDER = None
 
 
 class TritonAttentionHNDLayout(FlashInferLayout):
     """Triton attention, HND: `(B, 2, N, H, D)` stored as `(B, 2, H, N, D)`."""
 
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        return (0, 1, 3, 2, 4)
+    ORDER = (0, 1, 3, 2, 4)
 
 
-class MLALayout:
+class MLALayout(_Preset):
     """MLA (FlashMLA, Triton-MLA, CUTLASS-MLA): one latent per token, `(B, N, head_size)`
     with head_size 576 (512 + 64 rope) and one KV head."""
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        return (num_blocks, block_size, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order() -> tuple[int, ...]:
-        raise NotImplementedError
+    DIMS = ("B", "N", "D")
 
 
 class FlashMLASparseLayout(MLALayout):
     """FlashMLA sparse: with `cache_dtype_str="fp8_ds_mla"` a 656-byte record per token (512
     fp8 NoPE + 16 fp32 scales + 128 bf16 RoPE), viewed as uint8."""
 
-    @staticmethod
+    @classmethod
     def get_kv_cache_shape(
+        cls,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
