@@ -2,7 +2,7 @@
 and the release + recommit that peers do instead (discarding the contents), beside the device
 copy floor measured in the same run.
 
-    python3 benchmarks/bench_shrink.py --out DIR [--gib 120] [--reps 3] [--pause 3]
+    python3 benchmarks/bench_shrink.py --out DIR [--gib 120] [--reps 3] [--pause 3] [--profile]
 
 - shrink: a one-segment cache of `--gib` GiB (default cut, 1 GiB cap) shrunk to a bit over
   half (the frontier inside a handle): `plain` releases the handles past it and keeps the one
@@ -16,6 +16,12 @@ copy floor measured in the same run.
 
 Steady state: a pause before each repetition (docs/design.md §2: the driver scrubs released
 memory in the background). Prints a markdown table, writes DIR/bench_shrink.json.
+
+`--profile` builds the tensors with `_profile=True` and records, for each timed step, the
+driver calls it made and their host time (`_op_times`: create, map, set_access, memset, copy,
+synchronize, unmap, release, ...), printed as a second table: where the time goes, and what is
+left for the host side and Python. `--device cpu` runs it all on the host backend with small
+sizes (a smoke test of this script).
 """
 
 from __future__ import annotations
@@ -27,10 +33,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import GIB, log, settle, timed_ms
+from common import GIB, free_bytes, log, settle, timed_ms
 
 DEVICE = "cuda:0"
+PROFILE = False
 torch: Any = None
+
+
+def new_tensor(max_bytes: int, num_segments: int) -> Any:
+    from extensible_kv import ExtensibleTensor
+
+    return ExtensibleTensor(max_bytes, num_segments, DEVICE, _profile=PROFILE)
+
+
+def ops(t: Any) -> dict[str, list[float]]:
+    """The driver calls since the last call, `{op: [calls, host ms]}` (empty unless profiling)."""
+    if not PROFILE:
+        return {}
+    return {op: [n, ns / 1e6] for op, (n, ns) in t._op_times(reset=True).items()}
+
+
+def timed_step(t: Any, fn: Any) -> tuple[float, dict[str, list[float]]]:
+    """`fn()`'s milliseconds (device synchronized) and the driver calls it made."""
+    ops(t)
+    ms = timed_ms(fn, torch.device(DEVICE))[0]
+    return ms, ops(t)
+
+
+def free_now() -> int:
+    from extensible_kv import host_free_bytes
+
+    return free_bytes(torch.device(DEVICE)) or host_free_bytes()
 
 
 def stamp(t: Any) -> None:
@@ -52,18 +85,17 @@ def stamped_ok(t: Any) -> bool:
 
 
 def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str, Any]:
-    from extensible_kv import ExtensibleTensor
-
-    t = ExtensibleTensor(total, 1, DEVICE)
+    t = new_tensor(total, 1)
     t.resize_(total)
     stamp(t)
     handles_before = t.num_handles
-    settle(pause_s)
-    free_before = torch.cuda.mem_get_info()[0]
-    ms = timed_ms(lambda: t.shrink_(keep, exact=exact))[0]
-    freed = torch.cuda.mem_get_info()[0] - free_before
+    settle(pause_s, torch.device(DEVICE))
+    free_before = free_now()
+    ms, step_ops = timed_step(t, lambda: t.shrink_(keep, exact=exact))
+    freed = free_now() - free_before
     out = {
         "ms": ms,
+        "ops": step_ops,
         "handles": [handles_before, t.num_handles],
         "physical_gib": t.physical_bytes / GIB,
         "freed_gib": freed / GIB,
@@ -74,18 +106,18 @@ def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str,
 
 
 def consolidate_once(per_segment: int, pause_s: float) -> dict[str, Any]:
-    from extensible_kv import ExtensibleTensor
-
     # Room past each segment's prefix keeps the segments' runs apart: one handle each.
-    t = ExtensibleTensor(4 * (per_segment + GIB), 4, DEVICE)
+    t = new_tensor(4 * (per_segment + GIB), 4)
+    g = t.granularity
     for step in range(1, 65):
-        t.resize_per_segment_(per_segment * step // 64 // (2 << 20) * (2 << 20) or (2 << 20))
+        t.resize_per_segment_(per_segment * step // 64 // g * g or g)
     stamp(t)
     handles_before = t.num_handles
-    settle(pause_s)
-    ms = timed_ms(t.consolidate)[0]
+    settle(pause_s, torch.device(DEVICE))
+    ms, step_ops = timed_step(t, t.consolidate)
     out = {
         "ms": ms,
+        "ops": step_ops,
         "bytes": t.physical_bytes,
         "handles": [handles_before, t.num_handles],
         "ok": stamped_ok(t),
@@ -95,23 +127,26 @@ def consolidate_once(per_segment: int, pause_s: float) -> dict[str, Any]:
 
 
 def recommit_once(total: int, pause_s: float) -> dict[str, Any]:
-    from extensible_kv import ExtensibleTensor
-
-    t = ExtensibleTensor(total, 1, DEVICE)
+    t = new_tensor(total, 1)
     t.resize_(total)
-    settle(pause_s)
-    release_ms = timed_ms(t.release_physical)[0]
-    settle(pause_s)
-    grow_ms = timed_ms(lambda: t.resize_(total))[0]
+    settle(pause_s, torch.device(DEVICE))
+    release_ms, release_ops = timed_step(t, t.release_physical)
+    settle(pause_s, torch.device(DEVICE))
+    grow_ms, grow_ops = timed_step(t, lambda: t.resize_(total))
     t.close()
-    return {"release_ms": release_ms, "grow_ms": grow_ms}
+    return {
+        "release_ms": release_ms,
+        "grow_ms": grow_ms,
+        "release_ops": release_ops,
+        "grow_ops": grow_ops,
+    }
 
 
 def copy_floor(num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    ms = min(timed_ms(lambda: dst.copy_(src))[0] for _ in range(3))
+    ms = min(timed_ms(lambda: dst.copy_(src), torch.device(DEVICE))[0] for _ in range(3))
     return ms
 
 
@@ -121,29 +156,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, default=120.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pause", type=float, default=3.0)
+    parser.add_argument("--profile", action="store_true", help="driver calls per step")
+    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (small sizes)")
     args = parser.parse_args(argv)
 
-    global torch
+    global torch, DEVICE, PROFILE
     import torch as torch_module
 
     torch = torch_module
     from extensible_kv import vmm_unavailable_reason
 
-    if (reason := vmm_unavailable_reason(DEVICE)) is not None:
+    DEVICE, PROFILE = args.device, args.profile
+    straddler = 300 * (1 << 20)
+    if DEVICE == "cpu":
+        args.gib, args.pause, straddler = min(args.gib, 0.25), 0.0, 3 << 20
+    elif (reason := vmm_unavailable_reason(DEVICE)) is not None:
         log(f"no CUDA VMM device: {reason}")
         return 2
     torch.zeros(1, device=DEVICE)
-    total = int(args.gib * GIB) // (2 << 20) * (2 << 20)
-    keep = total // 2 + 300 * (1 << 20)  # inside a 1 GiB handle: 300 MiB of it still live
-    per_segment = int(args.gib * 5 / 6 / 4 * GIB) // (2 << 20) * (2 << 20)
+    g = new_tensor(1, 1).granularity
+    total = int(args.gib * GIB) // g * g
+    keep = total // 2 + straddler  # inside a handle: `straddler` bytes of it still live
+    per_segment = int(args.gib * 5 / 6 / 4 * GIB) // g * g
     res: dict[str, Any] = {"total_bytes": total, "keep_bytes": keep, "per_segment": per_segment}
     res["plain"] = [shrink_once(total, keep, False, args.pause) for _ in range(args.reps)]
     res["exact"] = [shrink_once(total, keep, True, args.pause) for _ in range(args.reps)]
     res["consolidate"] = [consolidate_once(per_segment, args.pause) for _ in range(args.reps)]
     res["recommit"] = [recommit_once(total, args.pause) for _ in range(args.reps)]
-    settle(args.pause)
+    settle(args.pause, torch.device(DEVICE))
     res["copy_floor_ms"] = {
-        "straddler": copy_floor(300 * (1 << 20)),
+        "straddler": copy_floor(straddler),
         "segment": copy_floor(per_segment),
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -186,11 +228,43 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nDevice copy floor: {floor_seg:.1f} ms for one segment "
         f"({per_segment / floor_seg / 1e6:.0f} GB/s), x4 = {4 * floor_seg:.1f} ms; "
-        f"consolidate / floor = {cons_ms / (4 * floor_seg):.2f}. 300 MiB copy: "
+        f"consolidate / floor = {cons_ms / (4 * floor_seg):.2f}. "
+        f"{straddler / (1 << 20):.0f} MiB copy: "
         f"{res['copy_floor_ms']['straddler']:.2f} ms."
     )
+    if PROFILE:
+        print(profile_table(res))
     print(f"\nJSON: {args.out / 'bench_shrink.json'}")
     return 0
+
+
+def profile_table(res: dict[str, Any]) -> str:
+    """Per step, the median repetition's driver calls: calls and host ms per op, their sum,
+    and what the step took beyond them (host side, Python, the device's wait)."""
+    steps = [
+        ("shrink, plain", res["plain"], "ms", "ops"),
+        ("shrink, exact", res["exact"], "ms", "ops"),
+        ("consolidate", res["consolidate"], "ms", "ops"),
+        ("release (teardown of the mappings)", res["recommit"], "release_ms", "release_ops"),
+        ("recommit (grow, zeroed)", res["recommit"], "grow_ms", "grow_ops"),
+    ]
+    lines = ["", "### Where the time goes (`--profile`: driver calls, host ms)", ""]
+    lines += [
+        "| step | ms | driver calls: op (calls, ms) | sum of calls | rest |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rows, ms_key, ops_key in steps:
+        row = sorted(rows, key=lambda r: r[ms_key])[len(rows) // 2]
+        calls = row[ops_key]
+        spent = sum(ms for _, ms in calls.values())
+        detail = ", ".join(
+            f"{op} ({int(n)}, {ms:.1f})"
+            for op, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])
+        )
+        lines.append(
+            f"| {name} | {row[ms_key]:.1f} | {detail} | {spent:.1f} | {row[ms_key] - spent:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
