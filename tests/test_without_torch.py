@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-EXTRA = "pip install 'extensible-kv[torch]'"
+EXTRA = "pip install '.[torch]' in a clone of extensible-kv"
 
 NO_TORCH = textwrap.dedent(
     """

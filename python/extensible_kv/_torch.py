@@ -10,7 +10,7 @@ import sys
 
 __all__ = ["INSTALL_HINT", "require"]
 
-INSTALL_HINT = "pip install 'extensible-kv[torch]'"
+INSTALL_HINT = "pip install '.[torch]'"
 
 
 def require(feature: str) -> None:
@@ -24,7 +24,8 @@ def require(feature: str) -> None:
         if error.name != "torch":
             raise  # torch is there but broken: its own error says more
         raise ModuleNotFoundError(
-            f"{feature} needs torch, which is not installed: {INSTALL_HINT}, or install the "
-            "torch build for your CUDA version (https://pytorch.org)",
+            f"{feature} needs torch, which is not installed: {INSTALL_HINT} in a clone of "
+            "extensible-kv (no package index has it yet), or install the torch build for your "
+            "CUDA version (https://pytorch.org)",
             name="torch",
         ) from None
