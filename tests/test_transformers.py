@@ -309,8 +309,8 @@ def run(manager: Any) -> list[list[int]]:
 
 def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
     """Leaving `continuous_batching_context_manager` while the cache is released stops the
-    manager (transformers refuses to stop inside a pause: release's pause ends first); the
-    cache stays released, and a kept manager resumes and serves again. `resume` from another
+    manager (transformers refuses to stop inside a pause: release's pause ends first), even
+    after `disable()`; the cache stays released, and a kept manager resumes and serves again. `resume` from another
     thread than `release`'s is refused (transformers counts pauses per thread)."""
     import threading
 
@@ -339,9 +339,13 @@ def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
             thread.join(timeout=30)
             assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
             assert "from that thread" in str(errors[0])
+            # The guard is the manager's own, not transformers' class's: it outlives disable().
+            assert "stop" in vars(manager)
+            ekt.disable()
         assert not manager.is_running()
         state = manager.batch_processor.cache._ekv
         assert state.released and state.pause is None
+        assert "stop" not in vars(manager)
         ekt.resume(manager)
         manager.start()
         try:

@@ -46,6 +46,7 @@ stream captures a graph.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 import math
@@ -128,6 +129,9 @@ class _State:
     released: bool = False
     pause: Any = None  # the manager's entered `pause()` context while released
     pause_thread: int | None = None  # the thread that entered it (transformers counts per thread)
+    paused_manager: Any = (
+        None  # the manager whose `stop` leaves that pause first (an instance attribute)
+    )
     report: ExtendReport | None = field(default=None, repr=False)
 
     def blocks(self, sectors: int) -> int:
@@ -485,7 +489,9 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
         _exit_pause(pause)
         raise
     state.released, state.pause = True, pause
-    state.pause_thread = threading.get_ident() if pause is not None else None
+    if pause is not None:
+        state.pause_thread = threading.get_ident()
+        _guard_stop(manager, state)
     logger.info(
         "Released KV cache: %d blocks kept (%.2f GiB)",
         state.blocks(keep),
@@ -535,19 +541,30 @@ def _check_pause_thread(state: _State, what: str) -> None:
         )
 
 
-def leave_pause(state: _State) -> None:
-    """Ends the pause `release` entered, if it still holds one (the cache's state unchanged)."""
-    _check_pause_thread(state, "resume(manager)")
+def leave_pause(state: _State, what: str = "resume(manager)") -> None:
+    """Ends the pause `release` entered, if it still holds one, and takes its `stop` guard off
+    the manager (the cache's state unchanged)."""
+    _check_pause_thread(state, what)
     pause, state.pause, state.pause_thread = state.pause, None, None
+    manager, state.paused_manager = state.paused_manager, None
+    if manager is not None:
+        vars(manager).pop("stop", None)
     _exit_pause(pause)
 
 
-def before_stop(manager: Any) -> None:
-    """Called before transformers' `ContinuousBatchingManager.stop`: a released cache holds the
-    loop's pause, and transformers refuses to stop from inside one (the loop could never
-    exit). The pause ends; the cache stays released (the pool empty) until `resume`."""
-    batch_processor = getattr(manager, "batch_processor", None)
-    state = getattr(getattr(batch_processor, "cache", None), "_ekv", None)
-    if isinstance(state, _State) and state.pause is not None:
-        leave_pause(state)
+def _guard_stop(manager: Any, state: _State) -> None:
+    """While `release` holds the loop's pause, the manager's `stop` leaves it first:
+    transformers refuses to stop from inside a pause (the loop could never exit), and
+    `continuous_batching_context_manager` stops on exit. The cache stays released (the pool
+    empty) until `resume`. An instance attribute, on this manager for the pause's duration
+    only: transformers' class is never patched for it, so `disable()` cannot leave it stale."""
+    original = manager.stop
+
+    @functools.wraps(original)
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        leave_pause(state, "manager.stop()")
         logger.info("Manager stopped while its KV cache is released: resume(manager) to use it")
+        return original(*args, **kwargs)
+
+    manager.stop = stop
+    state.paused_manager = manager

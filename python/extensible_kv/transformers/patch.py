@@ -10,8 +10,9 @@
 - `ContinuousBatchingManager.warmup` and `._create_batch_processor` wrappers: the cache is
   extended right after the manager's warm-up (graphs captured), or right after the batch
   processor is built when no warm-up runs (the generation loop builds it itself);
-- a `ContinuousBatchingManager.stop` wrapper: a released cache holds the loop's pause, which
-  transformers' `stop` refuses to run inside; it is left first (the cache stays released).
+- nothing for `stop`: a released cache holds the loop's pause, which transformers' `stop`
+  refuses to run inside, so `release` guards that one manager's `stop` (an instance
+  attribute, gone at `resume`) rather than transformers' class.
 
 `disable` puts every original object back where it was; nothing of transformers' code changes.
 """
@@ -188,7 +189,6 @@ def _install(found: dict[str, Any]) -> None:
     _patches.set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
     create = vars(manager)["_create_batch_processor"]
     _patches.set(manager, "_create_batch_processor", _wrap_create(create))
-    _patches.set(manager, "stop", _wrap_stop(vars(manager)["stop"]))
 
 
 def disable() -> None:
@@ -246,15 +246,6 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
         return batch_processor
 
     return create_batch_processor
-
-
-def _wrap_stop(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def stop(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _cache.before_stop(self)
-        return original(self, *args, **kwargs)
-
-    return stop
 
 
 def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
