@@ -33,17 +33,7 @@ from extensible_kv._plugins import Patches, version_in
 from extensible_kv.flow import ExtendReport
 from extensible_kv.transformers import cache as _cache
 
-__all__ = [
-    "SUPPORTED",
-    "current_options",
-    "disable",
-    "enable",
-    "enabled",
-    "is_enabled",
-    "last_report",
-    "release",
-    "resume",
-]
+# Its public names are the package's (`extensible_kv.transformers.__all__`), listed there once.
 
 # The flat cache tensor with its trash sectors first arrived in 5.18; 5.24 is the newest that
 # installs here (5.25 needs a `kernels` release the registry does not serve). Tested on both ends.
