@@ -310,8 +310,9 @@ def run(manager: Any) -> list[list[int]]:
 def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
     """Leaving `continuous_batching_context_manager` while the cache is released stops the
     manager (transformers refuses to stop inside a pause: release's pause ends first), even
-    after `disable()`; the cache stays released, and a kept manager resumes and serves again. `resume` from another
-    thread than `release`'s is refused (transformers counts pauses per thread)."""
+    after `disable()`; the cache stays released, and a kept manager resumes and serves again.
+    `resume` from another thread than `release`'s is refused (transformers counts pauses per
+    thread)."""
     import threading
 
     from extensible_kv import transformers as ekt
