@@ -17,6 +17,7 @@ from typing import Any
 
 import extensible_kv
 import pytest
+import stack_env
 import vllm_env
 from extensible_kv import ExtensibleTensor
 
@@ -166,11 +167,7 @@ def leak_check() -> Callable[[], tuple[int, int]]:
 def vllm() -> Any:
     """vLLM 0.34.0, installed or vendored (`vllm_env`); skips with the reason where absent,
     fails instead where EKV_REQUIRE_VLLM is set (CI)."""
-    reason = vllm_env.load()
-    if reason is not None:
-        if vllm_env.required():
-            pytest.fail(f"EKV_REQUIRE_VLLM is set, but {reason}")
-        pytest.skip(reason)
+    stack_env.skip_or_fail(vllm_env.load(), "EKV_REQUIRE_VLLM")
     import vllm
 
     return vllm

@@ -144,8 +144,3 @@ def load() -> str | None:
 def source() -> str:
     """Where SGLang came from (after `load()`), for logs."""
     return stack_env.source(_state)
-
-
-def required() -> bool:
-    """CI sets EKV_REQUIRE_SGLANG=1: there, SGLang missing is a failure, not a skip."""
-    return stack_env.required("EKV_REQUIRE_SGLANG")

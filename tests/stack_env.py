@@ -86,3 +86,15 @@ def required(env_var: str) -> bool:
     """Whether CI set `env_var` (`EKV_REQUIRE_VLLM=1`, ...): there, the stack missing is a
     failure, not a skip."""
     return os.environ.get(env_var, "") not in ("", "0")
+
+
+def skip_or_fail(reason: str | None, env_var: str) -> None:
+    """Nothing when the stack loaded (`reason` None); else the test skips with the reason, or
+    fails where CI set `env_var`."""
+    if reason is None:
+        return
+    import pytest
+
+    if required(env_var):
+        pytest.fail(f"{env_var} is set, but {reason}")
+    pytest.skip(reason)

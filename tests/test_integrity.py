@@ -16,15 +16,20 @@ from conftest import MakeTensor
 from extensible_kv import ClosedError, DriverError, ExtensibleTensor, HandleSizing
 
 
-def _deferring(g: int) -> ExtensibleTensor:
-    """A tensor whose first release fails (a destructor defers it): a shrink triggers it."""
-    t = ExtensibleTensor(
+def _release_fails(g: int, nth: int) -> ExtensibleTensor:
+    """A host tensor of one-granule handles whose `nth` handle release fails (a driver error)."""
+    return ExtensibleTensor(
         8 * g,
         device="cpu",
         granularity=g,
         handle_sizing=HandleSizing(max_bytes=g),
-        _fault=("release", 1, "driver"),
+        _fault=("release", nth, "driver"),
     )
+
+
+def _deferring(g: int) -> ExtensibleTensor:
+    """A tensor whose first release fails (a destructor defers it): a shrink triggers it."""
+    t = _release_fails(g, 1)
     t.resize_(4 * g)
     return t
 
@@ -47,13 +52,7 @@ def test_an_earlier_deferred_error_is_logged_not_raised_by_later_calls(
 
 def test_close_always_ends_closed_and_reports_its_own_error_after() -> None:
     g = 4096
-    t = ExtensibleTensor(
-        8 * g,
-        device="cpu",
-        granularity=g,
-        handle_sizing=HandleSizing(max_bytes=g),
-        _fault=("release", 2, "driver"),
-    )
+    t = _release_fails(g, 2)
     t.resize_(3 * g)
     with pytest.raises(DriverError, match="the tensor is closed regardless"):
         t.close()
@@ -66,13 +65,7 @@ def test_close_always_ends_closed_and_reports_its_own_error_after() -> None:
 
 def test_release_physical_says_what_it_released_when_a_release_fails() -> None:
     g = 4096
-    t = ExtensibleTensor(
-        8 * g,
-        device="cpu",
-        granularity=g,
-        handle_sizing=HandleSizing(max_bytes=g),
-        _fault=("release", 1, "driver"),
-    )
+    t = _release_fails(g, 1)
     t.resize_(2 * g)
     with pytest.raises(DriverError, match="the release went on: every segment holds 0 bytes"):
         t.release_physical()

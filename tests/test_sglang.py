@@ -22,6 +22,7 @@ from typing import Any
 import extensible_kv
 import pytest
 import sglang_env
+import stack_env
 from extensible_kv import ExtensibleTensor, OutOfMemoryError, vmm_unavailable_reason
 from extensible_kv.sglang import owner as owner_module
 from extensible_kv.sglang import plugin
@@ -39,11 +40,7 @@ LOGGER = "sglang.extensible_kv"
 def sglang() -> Any:
     """SGLang 0.5.23 (installed or vendored); skips with the reason where absent, fails instead
     where EKV_REQUIRE_SGLANG is set."""
-    reason = sglang_env.load()
-    if reason is not None:
-        if sglang_env.required():
-            pytest.fail(f"EKV_REQUIRE_SGLANG is set, but {reason}")
-        pytest.skip(reason)
+    stack_env.skip_or_fail(sglang_env.load(), "EKV_REQUIRE_SGLANG")
     import sglang
 
     return sglang

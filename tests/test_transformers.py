@@ -19,13 +19,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import extensible_kv
 import pytest
+import stack_env
 from extensible_kv import UnsupportedError
 
 torch = pytest.importorskip("torch")
@@ -58,11 +58,7 @@ def _transformers_reason() -> str | None:
 def tf() -> Any:
     """transformers, supported by extensible_kv.transformers; a skip (a failure where
     EKV_REQUIRE_TRANSFORMERS is set) otherwise."""
-    reason = _transformers_reason()
-    if reason is not None:
-        if os.environ.get("EKV_REQUIRE_TRANSFORMERS", "") not in ("", "0"):
-            pytest.fail(f"EKV_REQUIRE_TRANSFORMERS is set, but {reason}")
-        pytest.skip(reason)
+    stack_env.skip_or_fail(_transformers_reason(), "EKV_REQUIRE_TRANSFORMERS")
     import transformers
 
     return transformers

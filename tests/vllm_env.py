@@ -101,8 +101,3 @@ def load() -> str | None:
 def source() -> str:
     """Where vLLM came from (after `load()`), for logs."""
     return stack_env.source(_state)
-
-
-def required() -> bool:
-    """CI sets EKV_REQUIRE_VLLM=1: there, vLLM missing is a failure, not a skip."""
-    return stack_env.required("EKV_REQUIRE_VLLM")
