@@ -45,6 +45,17 @@ def download(target: Path, python: str, platforms: list[str], *pins: str) -> Non
     )
 
 
+def write_wheels(target: Path, python: str, platforms: list[str], names: list[str]) -> None:
+    """`target` holds exactly the wheels of `names`, at the versions installed here, for the
+    GPU machine's Python (earlier wheels there are removed first)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for old in target.glob("*.whl"):
+        old.unlink()
+    download(target, python, platforms, *(f"{name}=={md.version(name)}" for name in names))
+    size = sum(p.stat().st_size for p in target.glob("*.whl"))
+    log(f"{target}: {len(names)} wheels for Python {python}, {size / 2**20:.1f} MiB")
+
+
 def _requirement_names(dist: str) -> list[str]:
     names = []
     for req in md.requires(dist) or []:

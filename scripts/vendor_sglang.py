@@ -23,7 +23,6 @@ SGLang copies are separate: a device call carries one of them (64 MiB per call).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import os
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from vendor_common import download, log, run_as_device  # noqa: E402  (a sibling script)
+from vendor_common import download, log, run_as_device, write_wheels  # noqa: E402  (a sibling script)
 
 VERSION = "0.5.23"
 # Distributions SGLang 0.5.23's pool modules import (tests/sglang_env.py's MODULES, measured on
@@ -101,15 +100,6 @@ def write_code(vendor: Path, python: str) -> None:
     log(f"{target}: {kept} files, {target.stat().st_size / 2**20:.1f} MiB")
 
 
-def write_wheels(target: Path, python: str) -> None:
-    for old in target.glob("*.whl"):
-        old.unlink()
-    target.mkdir(parents=True, exist_ok=True)
-    download(target, python, PLATFORMS, *(f"{name}=={md.version(name)}" for name in WHEELS))
-    size = sum(p.stat().st_size for p in target.glob("*.whl"))
-    log(f"{target}: {len(WHEELS)} wheels for Python {python}, {size / 2**20:.1f} MiB")
-
-
 def check() -> int:
     with tempfile.TemporaryDirectory(prefix="ekv-vendor-check-") as tmp:
         root = Path(tmp)
@@ -117,7 +107,7 @@ def check() -> int:
         vendor.mkdir()
         here = f"{sys.version_info.major}.{sys.version_info.minor}"
         write_code(vendor, here)
-        write_wheels(vendor / "sglang0523-wheels", here)
+        write_wheels(vendor / "sglang0523-wheels", here, PLATFORMS, WHEELS)
         tests = ["-m", "sglang", str(REPO / "tests" / "test_sglang.py")]
         return run_as_device(root, vendor, "EKV_REQUIRE_SGLANG", tests)
 
@@ -130,7 +120,7 @@ def main() -> int:
     vendor = REPO / ".vendor"
     vendor.mkdir(exist_ok=True)
     write_code(vendor, args.python)
-    write_wheels(vendor / "sglang0523-wheels", args.python)
+    write_wheels(vendor / "sglang0523-wheels", args.python, PLATFORMS, WHEELS)
     ours = [vendor / "sglang0523-py.zip", *(vendor / "sglang0523-wheels").glob("*.whl")]
     total = sum(p.stat().st_size for p in ours)
     log(f"SGLang's copy: {total / 2**20:.1f} MiB (a device call carries 64 MiB, with dist)")

@@ -22,7 +22,6 @@ with the vendored copy built for this machine's Python.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import os
 import shutil
 import sys
@@ -30,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vendor_common import REPO, download, log, pip, run_as_device
+from vendor_common import REPO, log, pip, run_as_device, write_wheels
 
 VERSION = "0.34.0"
 # Distributions vLLM's modules import (tests/vllm_env.py's imports, measured on a CPU machine)
@@ -114,15 +113,6 @@ def write_code(wheel: Path, vendor: Path) -> None:
     log(f"{baseline}: vLLM's ExtensibleTensor for benchmarks/bench_cuda.py")
 
 
-def write_wheels(target: Path, python: str) -> None:
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    pins = [f"{name}=={md.version(name)}" for name in WHEELS]
-    download(target, python, PLATFORMS, *pins)
-    size = sum(p.stat().st_size for p in target.glob("*.whl"))
-    log(f"{target}: {len(pins)} wheels for Python {python}, {size / 2**20:.1f} MiB")
-
-
 def check() -> int:
     with tempfile.TemporaryDirectory(prefix="ekv-vendor-check-") as tmp:
         root = Path(tmp)
@@ -130,7 +120,7 @@ def check() -> int:
         vendor.mkdir()
         shutil.copy2(REPO / ".vendor" / "vllm034-py.zip", vendor)
         here = f"{sys.version_info.major}.{sys.version_info.minor}"
-        write_wheels(vendor / "vllm034-wheels", here)
+        write_wheels(vendor / "vllm034-wheels", here, PLATFORMS, WHEELS)
         return run_as_device(root, vendor, "EKV_REQUIRE_VLLM", ["-m", "vllm", str(REPO / "tests")])
 
 
@@ -143,7 +133,7 @@ def main() -> int:
     vendor.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ekv-vllm-wheel-") as cache:
         write_code(vllm_wheel(Path(cache)), vendor)
-    write_wheels(vendor / "vllm034-wheels", args.python)
+    write_wheels(vendor / "vllm034-wheels", args.python, PLATFORMS, WHEELS)
     total = sum(p.stat().st_size for p in vendor.rglob("*") if p.is_file())
     log(f"{vendor}: {total / 2**20:.1f} MiB in all (a device call carries 64 MiB, with dist)")
     return check() if args.check else 0
