@@ -23,9 +23,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import extensible_kv
 import pytest
 import stack_env
+from conftest import BACKENDS
 from extensible_kv import UnsupportedError
 
 torch = pytest.importorskip("torch")
@@ -39,7 +39,6 @@ NUM_BLOCKS = 48  # the cap in the ContinuousBatchingConfig, for both caches, on 
 # so the extension and the release change the committed bytes (48 would fit in one granule).
 CUDA_NUM_BLOCKS = 4096
 PROMPT_LENGTHS = (5, 17, 33, 9, 40)
-CUDA_REASON = extensible_kv.vmm_unavailable_reason("cuda:0")
 
 
 def _transformers_reason() -> str | None:
@@ -72,16 +71,7 @@ def _disabled_after() -> Iterator[None]:
     ekt.disable()
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(CUDA_REASON is not None, reason=CUDA_REASON or ""),
-        ],
-    ),
-]
+DEVICES = BACKENDS  # cpu, and cuda marked gpu and skipped where unusable
 KINDS = ["llama", "qwen3", "sliding"]
 ATTENTIONS = ["sdpa", "eager"]
 
