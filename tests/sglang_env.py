@@ -126,15 +126,9 @@ def load() -> str | None:
                         category=UserWarning,
                         module=r"sglang\.srt\.layers\.quantization\.",
                     )
-                    # torch 2.11 (the GPU machine's) deprecates the `torch.jit` decorators
-                    # SGLang's modules apply at import (`torch.jit.script_method`).
-                    warnings.filterwarnings(
-                        "ignore",
-                        message=r"`torch\.jit\.\w+` is deprecated",
-                        category=DeprecationWarning,
-                    )
-                    for name in MODULES:
-                        importlib.import_module(name)
+                    with stack_env.torch_jit_deprecation_ignored():
+                        for name in MODULES:
+                            importlib.import_module(name)
     except Exception as exc:  # a broken SGLang environment is a reason, not a crash
         reason = f"SGLang {SGLANG_VERSION} does not import: {type(exc).__name__}: {exc}"
     _state["reason"] = reason

@@ -11,7 +11,10 @@ import importlib.util
 import os
 import tempfile
 import types
+import warnings
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,17 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         module.__path__ = []
         module.__version__ = "0+stub"
+
+
+@contextmanager
+def torch_jit_deprecation_ignored() -> Iterator[None]:
+    """torch 2.11 (the GPU machine's) deprecates the `torch.jit` decorators that vLLM's and
+    SGLang's modules apply at import (`torch.jit.script_method`); pytest makes warnings errors."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning
+        )
+        yield
 
 
 def source(state: dict[str, Any]) -> str:

@@ -86,12 +86,15 @@ def load() -> str | None:
                 f"{VLLM_ZIP} is absent (scripts/vendor-vllm makes it)"
             )
         if reason is None:
-            import vllm
+            with stack_env.torch_jit_deprecation_ignored():
+                import vllm
 
-            if vllm.__version__ != VLLM_VERSION:
-                reason = f"vLLM {vllm.__version__} is installed; these tests need {VLLM_VERSION}"
-            else:
-                importlib.import_module("vllm.v1.worker.extensible_kv_cache")
+                if vllm.__version__ != VLLM_VERSION:
+                    reason = (
+                        f"vLLM {vllm.__version__} is installed; these tests need {VLLM_VERSION}"
+                    )
+                else:
+                    importlib.import_module("vllm.v1.worker.extensible_kv_cache")
     except Exception as exc:  # a broken vLLM environment is a reason, not a crash
         reason = f"vLLM {VLLM_VERSION} does not import: {type(exc).__name__}: {exc}"
     _state["reason"] = reason
