@@ -25,6 +25,9 @@ Medians over the repetitions. Prints markdown tables and writes DIR/bench_vllm.j
 `scripts/vendor-vllm`, carried to the GPU machine).
 
 `--device cpu` runs ours alone on the host backend (a smoke test of this script).
+`--profile` builds our tensors with `_profile=True` and adds, per step of ours, the driver
+calls it made and their host time (`ops`: {op: [calls, ms]}); the report lists them under the
+table: where `allocate` and the others spend their time (issue 21).
 """
 
 from __future__ import annotations
@@ -128,8 +131,16 @@ def one_run(
         views = allocate_kv_cache(config, device, lay, allocate=kv.allocate)
         return kv, views
 
+    def ops() -> dict[str, list[float]]:
+        """The driver calls of ours since the last call (empty for vLLM's, or unprofiled)."""
+        native = getattr(kv.buffer, "_tensor", None)
+        if native is None or not hasattr(native, "_op_times"):
+            return {}
+        return {op: [n, ns / 1e6] for op, (n, ns) in native._op_times(reset=True).items()}
+
     out["allocate"], made = timed_ms(allocate, device)
     kv, views = made
+    out["ops"] = {"allocate": ops()}
     if target is None:
         available = (
             (common.free_bytes(device) or 0) + kv.physical_bytes - MARGIN if budget == 0 else budget
@@ -138,18 +149,28 @@ def one_run(
     out["blocks"] = target
     settle(pause_s, device)
     out["extend"], _ = timed_ms(lambda: kv.commit(target), device)
+    out["ops"]["extend"] = ops()
     out["committed_bytes"] = kv.physical_bytes
     out["chunks_after_extend"] = kv.buffer.num_physical_chunks
     out["segments"] = kv.buffer.num_segments
     out["defragment"], _ = timed_ms(lambda: kv.commit(target, defragment=True), device)
+    out["ops"]["defragment"] = ops()
     sizes = [target * stride for stride in kv.segment_strides]
     out["one_chunk_per_segment"] = all(kv.buffer.segments_backed_by_one_chunk(sizes))
     out["chunks_after_defragment"] = kv.buffer.num_physical_chunks
     out["sleep"], _ = timed_ms(kv.release_physical, device)
+    out["ops"]["sleep"] = ops()
     settle(pause_s, device)
     out["wake"], _ = timed_ms(kv.recommit, device)
+    out["ops"]["wake"] = ops()
     views.clear()
+    native = getattr(kv.buffer, "_tensor", None)
     out["free"], _ = timed_ms(kv.free, device)
+    if native is not None and hasattr(native, "_op_times"):
+        # free() dropped the buffer's tensor: its teardown calls are on the object we kept.
+        out["ops"]["free"] = {
+            op: [n, ns / 1e6] for op, (n, ns) in native._op_times(reset=True).items()
+        }
     return out
 
 
@@ -222,8 +243,27 @@ def report(results: dict[str, Any]) -> str:
         for key in ("chunks_after_extend", "chunks_after_defragment", "one_chunk_per_segment"):
             cells = [fmt(entry[kind][key]) for kind in kinds]
             lines.append(f"| {key.replace('_', ' ')} | " + " | ".join(cells) + " |")
-        out.append(head + "\n" + "\n".join(lines))
+        out.append(head + "\n" + "\n".join(lines) + profile_lines(entry, kinds))
     return "\n\n".join(out)
+
+
+def profile_lines(entry: dict[str, Any], kinds: list[str]) -> str:
+    """Per step of ours, the driver calls of each repetition: `op calls/ms`, and the step's
+    time they leave unexplained (Python, waits on the GPU)."""
+    lines = []
+    for kind in kinds:
+        for rep, run in enumerate(entry["runs"][kind]):
+            for step in STEPS:
+                calls = run["ops"].get(step)
+                if not calls:
+                    continue
+                total = sum(ms for _, ms in calls.values())
+                cells = ", ".join(f"{op} {n}/{ms:.2f}" for op, (n, ms) in sorted(calls.items()))
+                lines.append(
+                    f"- {LABELS[kind]} rep {rep + 1} {step} {run[step]:.2f} ms: {cells}; "
+                    f"outside the calls {run[step] - total:.2f} ms"
+                )
+    return ("\n\nDriver calls (calls/host ms):\n" + "\n".join(lines)) if lines else ""
 
 
 def environment(device: Any) -> dict[str, Any]:
@@ -240,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, help="seconds before extend and wake (3)")
     parser.add_argument("--budget-gib", type=float, help="extend to this much, not the free memory")
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (ours alone)")
+    parser.add_argument("--profile", action="store_true", help="driver calls per step of ours")
     parser.add_argument("--cpu-bytes", type=int, default=512 << 20, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 2)
@@ -264,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         torch.zeros(1, device=device)
     contender = Contender(device)
+    if args.profile:
+        import functools
+
+        from extensible_kv.vllm import tensor as ours
+
+        ours._CoreTensor = functools.partial(ours._CoreTensor, _profile=True)  # type: ignore[misc]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_vllm.json"
     results: dict[str, Any] = {
