@@ -10,7 +10,8 @@ cache reads -- the steps a vLLM
 worker runs, each timed with `time.perf_counter()` around the call and a
 `torch.cuda.synchronize()`:
   allocate     `ExtensibleKVCache(...)` + `allocate()`: reserve the capacity, commit the
-               minimum (1 block, 2 for block-outermost) -- what happens before CUDA graphs;
+               minimum (1 block, 2 for block-outermost) -- what happens before CUDA graphs --
+               after a pause, as at a start (no memory just freed);
   extend       `commit(N)`: from there to the free memory (less a 2 GiB margin), zeroed --
                the post-warmup extension, after a pause (the driver scrubs released memory in
                the background and cuMemCreate waits for it: docs/benchmarks.md);
@@ -192,7 +193,10 @@ def bench_case(case: Any, device: Any, contender: Contender, args: argparse.Name
         kinds = contender.kinds if rep % 2 == 0 else contender.kinds[::-1]
         for kind in kinds:
             contender.use(kind)
-            settle(0.0, device)
+            # A vLLM start finds no memory just freed: without the pause, allocate's first
+            # cuMemCreate waits for the driver's scrub of the last run's ~137 GiB (36-48 ms on
+            # the H200, for either tensor), which is not what a start pays.
+            settle(args.pause, device)
             log(f"  rep {rep + 1}/{args.reps}: {kind}")
             run = one_run(case, device, capacity, target, budget, args.pause)
             target = run["blocks"]  # every run commits the same blocks
