@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import GIB, KIB, MIB, log, median, settle, sync, timed
+from common import GIB, KIB, MIB, driver_memset, log, median, settle, sync, timed
 from common import environment as common_environment
 
 DEVICE = "cuda:0"
@@ -215,14 +215,11 @@ def _profiled_extend(per_segment: int, pause_s: float) -> dict[str, Any]:
         "extend_ops_ms": {op: (n, ns / 1e6) for op, (n, ns) in extend_ops.items()},
     }
     try:
-        from cuda.bindings import driver as cu
-
         starts = [t.base_ptr + offset for offset in t.segment_offsets]
 
         def memset_again() -> None:
             for start in starts:
-                (err,) = cu.cuMemsetD8Async(start, 0, per_segment, 0)
-                assert err == cu.CUresult.CUDA_SUCCESS, err
+                driver_memset(start, per_segment)
 
         floor_s = timed(memset_again)
         entry["driver_memset_ms"] = floor_s * 1e3

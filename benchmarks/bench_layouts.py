@@ -15,14 +15,21 @@ extend to ~120 GiB (zeroed) per contender:
   (`aligned_powers_of_two`, `whole_runs`) or cap;
 - `vllm`: vLLM 0.34.0's `ExtensibleTensor` (from .vendor/vllm034, git-ignored; carry it);
 - `legacy`: one `torch.zeros` of the same bytes, as engines allocate the cache today;
-- `floor`: `zero_()` over memory allocated beforehand: the device's memset time, no mapping.
+- `floor`: `cuMemsetD8Async` (what ours zeroes with) over memory allocated beforehand: the
+  device's zeroing time, no mapping; torch's `zero_()` of the same buffer is recorded beside
+  it (`torch_zero_ms`: a slower kernel on the H200, so not the floor);
+- `pages`: ours with one handle per run, not zeroed: what getting the pages costs (create,
+  map, access). After a large free `cuMemCreate` waits for the driver's scrub of the freed
+  pages, work on the device that no caller can skip: `pages + floor` is then the floor of a
+  zeroed extend, and the report gives `it / (pages + floor)` beside `it / floor`.
 
 Steady state: each repetition starts after a pause (the driver scrubs released memory in the
 background and cuMemCreate waits for it: docs/design.md §2); `just freed`: one repetition
 right after the contender's own teardown (its last steady one). Also: the teardown (free)
-time, the first read of the committed bytes (TLB warm-up), and with `--profile` the per-call
-host time of ours. Prints markdown tables and writes DIR/bench_layouts.json (rewritten after
-every shape).
+time, the first read of the committed bytes (TLB warm-up), and for ours (built with
+`_profile=True`: a clock read per driver call) the driver calls of every extend, their host
+time and the create time alone (`create_ms`: the scrub wait). Prints markdown tables and
+writes DIR/bench_layouts.json (rewritten after every shape).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import GIB, log, settle
+from common import GIB, driver_memset, log, settle, timed_ms
 from common import median as med
 
 DEVICE = "cuda:0"
@@ -91,6 +98,7 @@ CONTENDERS = ",".join(
         "vllm",
         "legacy",
         "floor",
+        "pages",
     ]
 )
 
@@ -135,7 +143,7 @@ def footprint(geo: Geometry, num_blocks: int, granule: int) -> int:
 class Ours:
     """`ours[:<cut>][@<cap GiB>]`: the default policy, or another cut or cap."""
 
-    def __init__(self, geo: Geometry, variant: str, profile: bool) -> None:
+    def __init__(self, geo: Geometry, variant: str, zero: bool = True) -> None:
         from extensible_kv import ExtensibleTensor, HandleSizing
 
         cut, _, cap_gib = variant.partition("@")
@@ -149,11 +157,12 @@ class Ours:
             DEVICE,
             segment_capacities=list(geo.segment_capacities),
             handle_sizing=sizing,
-            _profile=profile,
+            _profile=True,
         )
+        self.zero = zero
 
     def grow(self, sizes: list[int]) -> None:
-        self.t.resize_per_segment_(sizes, zero_new=True)
+        self.t.resize_per_segment_(sizes, zero_new=self.zero)
 
     def handles(self) -> int:
         return int(self.t.num_handles)
@@ -195,25 +204,29 @@ def read_tbps(tensors: list[Any], num_bytes: int) -> float:
     return num_bytes / (time.perf_counter() - start) / 1e12
 
 
-def one_extend(
-    name: str, geo: Geometry, target: int, pause_s: float, read: bool, profile: bool
-) -> dict[str, Any]:
+def one_extend(name: str, geo: Geometry, target: int, pause_s: float, read: bool) -> dict[str, Any]:
     """Reserve, commit the minimum, pause, extend to `target` blocks (timed), read, free."""
     kind, _, variant = name.partition(":")
-    c: Ours | Vllm = Ours(geo, variant, profile) if kind == "ours" else Vllm(geo)
+    c: Ours | Vllm
+    if kind == "ours":
+        c = Ours(geo, variant)
+    elif kind == "pages":
+        c = Ours(geo, "whole_runs", zero=False)
+    else:
+        c = Vllm(geo)
     c.grow(geo.sizes(geo.min_blocks))
     settle(pause_s)
-    if profile:
-        assert isinstance(c, Ours)
+    if isinstance(c, Ours):
         c.t._op_times(reset=True)
     start = time.perf_counter()
     c.grow(geo.sizes(target))
     torch.cuda.synchronize()
     ms = (time.perf_counter() - start) * 1e3
     out: dict[str, Any] = {"ms": ms, "handles": c.handles()}
-    if profile:
-        assert isinstance(c, Ours)
-        out["ops"] = {op: [n, ns / 1e6] for op, (n, ns) in c.t._op_times(reset=True).items()}
+    if isinstance(c, Ours):
+        ops = {op: [n, ns / 1e6] for op, (n, ns) in c.t._op_times(reset=True).items()}
+        out["ops"] = ops
+        out["create_ms"] = ops.get("create", [0, 0.0])[1]
     if read:
         views = [c.segment(i) for i in range(len(geo.segment_capacities))]
         out["read_tbps"] = read_tbps(views, sum(v.numel() for v in views))
@@ -236,15 +249,19 @@ def legacy_once(num_bytes: int, pause_s: float) -> float:
     return ms
 
 
-def floor_once(num_bytes: int, pause_s: float) -> float:
+def floor_once(num_bytes: int, pause_s: float) -> dict[str, float]:
+    """The driver's memset of a buffer allocated beforehand (torch's `zero_()` where
+    cuda-python is absent), then torch's `zero_()` of it."""
     buf = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     settle(pause_s)
-    start = time.perf_counter()
-    buf.zero_()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) * 1e3
+    ptr, stream = buf.data_ptr(), torch.cuda.current_stream(DEVICE).cuda_stream
+    try:
+        ms, _ = timed_ms(lambda: driver_memset(ptr, num_bytes, stream))
+    except ImportError:
+        ms = float("nan")
+    torch_ms, _ = timed_ms(buf.zero_)
     del buf
-    return ms
+    return {"ms": torch_ms if ms != ms else ms, "torch_zero_ms": torch_ms}
 
 
 def repetition(
@@ -255,8 +272,8 @@ def repetition(
     if name == "legacy":
         return {"ms": legacy_once(num_bytes, pause_s)}
     if name == "floor":
-        return {"ms": floor_once(num_bytes, pause_s)}
-    return one_extend(name, geo, target, pause_s, read, False)
+        return floor_once(num_bytes, pause_s)
+    return one_extend(name, geo, target, pause_s, read and name != "pages")
 
 
 def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
@@ -299,29 +316,26 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
                 entry["steady_ms"].append(run["ms"])
                 if "handles" in run:
                     entry["handles"] = run["handles"]
-                for key in ("teardown_ms", "read_tbps"):
+                for key in ("teardown_ms", "read_tbps", "create_ms", "torch_zero_ms"):
                     if key in run:
                         entry.setdefault(key, []).append(run[key])
                 # Just freed: right after the contender's own teardown, as a stack that
                 # sleeps and wakes sees it (after another's free, the first contender of a
                 # fixed order paid for a 120 GiB cudaFree it did not make: 2026-12-03 run).
+                if "ops" in run:
+                    entry["ops"] = run["ops"]  # the last steady run's
                 if rep == args.reps - 1 and name != "floor":
                     freed = repetition(name, geo, target, num_bytes, 0, False)
                     entry["just_freed_ms"] = freed["ms"]
+                    if "create_ms" in freed:
+                        entry["just_freed_create_ms"] = freed["create_ms"]
             except Exception as exc:  # one contender failing must not lose the others
                 traceback.print_exc()
                 entry["error"] = f"{type(exc).__name__}: {exc}"
                 settle(0)
     for name in names:
         entry = res["contenders"][name]
-        if args.profile and name.startswith("ours") and "error" not in entry:
-            try:
-                entry["profile"] = one_extend(name, geo, target, args.pause, False, True)
-            except Exception as exc:
-                traceback.print_exc()
-                entry["error"] = f"{type(exc).__name__}: {exc}"
-                settle(0)
-        log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'profile'})}")
+        log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'ops'})}")
     return res
 
 
@@ -347,9 +361,10 @@ def table(res: dict[str, Any]) -> str:
         f"### {res['shape']['label']}: {res['segments']} segments, "
         f"{num_bytes / GIB:.1f} GiB ({res['target_blocks']} blocks)",
         "",
-        "| contender | handles | steady ms (runs) | TB/s | just freed ms | teardown ms "
-        "| first read TB/s | vLLM / it | legacy / it | it / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| contender | handles | steady ms (runs) | TB/s | create ms | just freed ms "
+        "| teardown ms | first read TB/s | vLLM / it | legacy / it | it / floor "
+        "| it / (pages + floor) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in c.items():
         if "steady_ms" not in e:
@@ -361,24 +376,24 @@ def table(res: dict[str, Any]) -> str:
         ratio_v = ms("vllm") / steady
         ratio_l = ms("legacy") / steady
         ratio_f = steady / ms("floor")
+        ratio_s = steady / (ms("pages") + ms("floor"))
         teardown = med(e.get("teardown_ms", []))
+        create = med(e.get("create_ms", []))
         lines.append(
             f"| {name} | {e.get('handles', '-')} | {steady:.1f} ({runs}) "
-            f"| {num_bytes / steady / 1e9:.2f} | {fmt(fresh)} | {fmt(teardown)} "
+            f"| {num_bytes / steady / 1e9:.2f} | {fmt(create)} | {fmt(fresh)} | {fmt(teardown)} "
             f"| {fmt(med(e.get('read_tbps', [])), 2)} | {fmt(ratio_v, 2)} | {fmt(ratio_l, 2)} "
-            f"| {fmt(ratio_f, 2)} |"
+            f"| {fmt(ratio_f, 2)} | {fmt(ratio_s, 2)} |"
         )
     just_freed = ms("vllm", "just_freed_ms") / ms("ours", "just_freed_ms")
     lines.append(f"\nJust freed: vLLM / ours (default) = {fmt(just_freed, 2)}")
+    torch_zero = c.get("floor", {}).get("torch_zero_ms")
+    if torch_zero:
+        lines.append(f"torch `zero_()` of the floor's buffer: {fmt(med(torch_zero))} ms")
     for name, e in c.items():
-        prof = e.get("profile")
-        if prof and "ops" in prof:
-            ops = ", ".join(
-                f"{op} {n}x {t:.1f} ms" for op, (n, t) in sorted(prof["ops"].items()) if n
-            )
-            lines.append(
-                f"\nProfile of {name} ({prof['ms']:.1f} ms, {prof['handles']} handles): {ops}"
-            )
+        if "ops" in e:
+            ops = ", ".join(f"{op} {n}x {t:.1f} ms" for op, (n, t) in sorted(e["ops"].items()) if n)
+            lines.append(f"\nDriver calls of {name}'s last steady extend: {ops}")
     return "\n".join(lines)
 
 
@@ -392,7 +407,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--no-read", dest="read", action="store_false")
-    parser.add_argument("--profile", action="store_true", help="per-call host time of ours")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes = args.shapes or QUICK_SHAPES

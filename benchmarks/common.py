@@ -86,6 +86,17 @@ def free_bytes(device: Any) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0])
 
 
+def driver_memset(ptr: int, num_bytes: int, stream: int = 0) -> None:
+    """`cuMemsetD8Async(ptr, 0, num_bytes, stream)`: what ours zeroes with, and faster than
+    torch's `zero_()` kernel on the H200 (4.5 against 3.4 TB/s), so the zeroing floor. Needs
+    cuda-python (`cuda.bindings`, installed with torch's CUDA wheels); ImportError without."""
+    from cuda.bindings import driver as cu
+
+    (err,) = cu.cuMemsetD8Async(ptr, 0, num_bytes, stream)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8Async: {err.name}")
+
+
 def median(values: Iterable[float]) -> float:
     """The median, NaN for no values (a contender that failed every repetition)."""
     values = list(values)
