@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,30 @@ def recommit_once(total: int, pause_s: float) -> dict[str, Any]:
     }
 
 
+SCRUB_DELAYS_S = (0.0, 0.01, 0.05, 0.2, 1.0)
+
+
+def scrub_once(num_bytes: int, delay_s: float, pause_s: float) -> dict[str, Any]:
+    """`num_bytes` in 1 GiB handles released, then, `delay_s` later, the same bytes created as
+    one handle (not zeroed): how long `cuMemCreate` waits for the driver's scrub of memory
+    freed just before -- what each step of `consolidate` but the first meets."""
+    from extensible_kv import ExtensibleTensor, HandleSizing
+
+    old = new_tensor(num_bytes, 1)
+    old.resize_(num_bytes, zero_new=False)
+    settle(pause_s, torch.device(DEVICE))
+    release_ms, _ = timed_ms(old.close, torch.device(DEVICE))
+    time.sleep(delay_s)
+    new = ExtensibleTensor(
+        num_bytes, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=True
+    )
+    ms, _ = timed_ms(lambda: new.resize_(num_bytes, zero_new=False), torch.device(DEVICE))
+    calls = {op: [n, ns / 1e6] for op, (n, ns) in new._op_times().items()}
+    new.close()
+    settle(pause_s, torch.device(DEVICE))
+    return {"delay_s": delay_s, "release_ms": release_ms, "ms": ms, "ops": calls}
+
+
 def copy_floor(num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
@@ -157,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--profile", action="store_true", help="driver calls per step")
+    parser.add_argument(
+        "--scrub", action="store_true", help="create right after a release, by delay"
+    )
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (small sizes)")
     args = parser.parse_args(argv)
 
@@ -183,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     res["exact"] = [shrink_once(total, keep, True, args.pause) for _ in range(args.reps)]
     res["consolidate"] = [consolidate_once(per_segment, args.pause) for _ in range(args.reps)]
     res["recommit"] = [recommit_once(total, args.pause) for _ in range(args.reps)]
+    if args.scrub:
+        res["scrub"] = [scrub_once(per_segment, d, args.pause) for d in SCRUB_DELAYS_S]
     settle(args.pause, torch.device(DEVICE))
     res["copy_floor_ms"] = {
         "straddler": copy_floor(straddler),
@@ -234,8 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     if PROFILE:
         print(profile_table(res))
+    if "scrub" in res:
+        print(scrub_table(res["scrub"], per_segment))
     print(f"\nJSON: {args.out / 'bench_shrink.json'}")
     return 0
+
+
+def scrub_table(rows: list[dict[str, Any]], num_bytes: int) -> str:
+    lines = [
+        "",
+        f"### The scrub: {num_bytes / GIB:.1f} GiB released, then created again (one handle)",
+        "",
+        "| delay ms | release ms | create ms | create GB/s |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        create = r["ops"].get("create", [0, float("nan")])[1]
+        lines.append(
+            f"| {r['delay_s'] * 1e3:.0f} | {r['release_ms']:.1f} | {create:.1f} "
+            f"| {num_bytes / create / 1e6:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def profile_table(res: dict[str, Any]) -> str:
