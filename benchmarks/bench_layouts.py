@@ -93,7 +93,6 @@ QUICK_SHAPES = "llama3_70b_tp8,llama3_70b_tp8_blnhc"
 CONTENDERS = ",".join(
     [
         "ours",
-        "ours:aligned_powers_of_two",
         "ours:whole_runs",
         "vllm",
         "legacy",
