@@ -20,26 +20,33 @@ import pytest
 import torch
 from extensible_kv.__main__ import main
 from extensible_kv._demo import demo
+from extensible_kv._demo.config import ModelConfig
 from extensible_kv._demo.model import DecodeInputs
 
+SMALL_MODEL = ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128)
 SMALL = demo.DemoOptions(
     device="cpu",
     num_seqs=3,
     prompt_len=5,
     steps=28,
-    hidden=64,
-    heads=4,
-    kv_heads=2,
-    vocab=128,
+    model=SMALL_MODEL,
     budget_mib=1,
     granularity=4096,
 )
-CASES = {
+CASES: dict[str, dict[str, Any]] = {
     "FLASH_ATTN": {},  # K/V split: 2 segments per buffer
     "FLASHINFER": {"layout": "FLASHINFER"},  # block-major (B, 2, N, H, D): 1 segment
-    "LHBNC": {"layout": "LHBNC", "layers": 3},  # standard vocabulary: L x H segments
-    "hybrid": {"hybrid": True, "layers": 4},  # attention + Mamba-like, pages shared
+    "LHBNC": {"layout": "LHBNC", "num_layers": 3},  # standard vocabulary: L x H segments
+    "hybrid": {"hybrid": True, "num_layers": 4},  # attention + Mamba-like, pages shared
 }
+MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def with_overrides(options: demo.DemoOptions, overrides: dict[str, Any]) -> demo.DemoOptions:
+    """`options` with `overrides`, those naming a `ModelConfig` field applied to its model."""
+    model = {k: v for k, v in overrides.items() if k in MODEL_FIELDS}
+    rest = {k: v for k, v in overrides.items() if k not in MODEL_FIELDS}
+    return dataclasses.replace(options, model=dataclasses.replace(options.model, **model), **rest)
 
 
 def _check(result: demo.DemoResult) -> None:
@@ -60,7 +67,7 @@ def _check(result: demo.DemoResult) -> None:
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
 def test_host_decode_is_identical(overrides: dict[str, Any]) -> None:
-    result = demo.run(dataclasses.replace(SMALL, **overrides))
+    result = demo.run(with_overrides(SMALL, overrides))
     _check(result)
     assert not result.extensible.graph_captured
     if overrides.get("hybrid"):
@@ -146,8 +153,8 @@ GPU_CASES = {k: v for k, v in CASES.items() if k != "LHBNC"}
 @pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 @pytest.mark.parametrize("overrides", GPU_CASES.values(), ids=GPU_CASES.keys())
 def test_cuda_graph_replays_into_extended_blocks(overrides: dict[str, Any]) -> None:
-    options = dataclasses.replace(
-        demo.DemoOptions(device="cuda:0", max_blocks=1 << 16, steps=48), **overrides
+    options = with_overrides(
+        demo.DemoOptions(device="cuda:0", max_blocks=1 << 16, steps=48), overrides
     )
     result = demo.run(options)
     _check(result)

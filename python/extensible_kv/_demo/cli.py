@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from extensible_kv import _torch
+from extensible_kv._demo.config import ModelConfig
 from extensible_kv.layouts import KV_LAYOUTS
 
 
@@ -62,6 +64,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     demo.set_defaults(run=run)
     count = _at_least(1)
     add = demo.add_argument
+    model = ModelConfig()
     add("--device", help="cpu, cuda or cuda:N (default: cuda:0 if usable, else cpu)")
     add(
         "--layout",
@@ -75,6 +78,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add(
         "--hybrid",
         action="store_true",
+        default=model.hybrid,
         help="odd layers Mamba-like, their states in the blocks (default: attention only)",
     )
     add(
@@ -95,12 +99,17 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=40,
         help="tokens generated per sequence (default: %(default)s)",
     )
-    add("--layers", type=count, default=2, help="decoder layers (default: %(default)s)")
-    add("--hidden", type=count, default=128, help="hidden size (default: %(default)s)")
-    add("--heads", type=count, default=4, help="attention heads (default: %(default)s)")
-    add("--kv-heads", type=count, default=2, help="KV heads (default: %(default)s)")
-    add("--vocab", type=_at_least(2), default=512, help="vocabulary size (default: %(default)s)")
-    add("--block-size", type=count, default=16, help="tokens per block (default: %(default)s)")
+    # The model's options are ModelConfig's fields (`dest`), with its defaults.
+    for flag, dest, kind, what in (
+        ("--layers", "num_layers", count, "decoder layers"),
+        ("--hidden", "hidden_size", count, "hidden size"),
+        ("--heads", "num_heads", count, "attention heads"),
+        ("--kv-heads", "num_kv_heads", count, "KV heads"),
+        ("--vocab", "vocab_size", _at_least(2), "vocabulary size"),
+        ("--block-size", "block_size", count, "tokens per block"),
+    ):
+        default = getattr(model, dest)
+        add(flag, dest=dest, type=kind, default=default, help=f"{what} (default: {default})")
     add(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
@@ -125,7 +134,12 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="first estimate of KV memory, which sets the capacity (default: the GPU's memory, "
         "or 1 GiB on the host)",
     )
-    add("--seed", type=_at_least(0), default=0, help="weights and prompts (default: %(default)s)")
+    add(
+        "--seed",
+        type=_at_least(0),
+        default=model.seed,
+        help="weights and prompts (default: %(default)s)",
+    )
 
 
 def run(options: dict[str, Any]) -> int:
@@ -141,7 +155,10 @@ def run(options: dict[str, Any]) -> int:
     from extensible_kv._demo import demo  # torch, at run time only: `--help` needs none
 
     try:
-        result = demo.run(demo.DemoOptions(**options))
+        model = {f.name for f in dataclasses.fields(ModelConfig)}
+        config = ModelConfig(**{k: v for k, v in options.items() if k in model})
+        rest = {k: v for k, v in options.items() if k not in model}
+        result = demo.run(demo.DemoOptions(model=config, **rest))
     except (ValueError, RuntimeError) as error:  # bad options, too small a budget
         print(f"demo: {error}", file=sys.stderr)
         return 2

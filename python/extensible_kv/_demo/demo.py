@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from extensible_kv import sizing, vmm_unavailable_reason
-from extensible_kv._demo.model import DecodeInputs, DecoderModel, LayerCache, ModelConfig
+from extensible_kv._demo.config import ModelConfig
+from extensible_kv._demo.model import DecodeInputs, DecoderModel, LayerCache
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import KVCacheTensorSpec
 
@@ -53,39 +54,20 @@ class DemoOptions:
     host; a capacity estimate of the device's memory (GPU) or 1 GiB (host). `budget_mib` is the
     host backend's budget, in all; `None` measures it as the flow does on a GPU, from
     `host_free_bytes()` (the figure the host backend checks commits against) less the margin.
-    `max_blocks` caps the commit (default: commit the fit)."""
+    `max_blocks` caps the commit (default: commit the fit). `model` is the decoder's shape and
+    seed."""
 
     device: str | None = None
     layout: str = "FLASH_ATTN"
-    hybrid: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
     num_seqs: int = 4
     prompt_len: int = 8
     steps: int = 40
-    layers: int = 2
-    hidden: int = 128
-    heads: int = 4
-    kv_heads: int = 2
-    vocab: int = 512
-    block_size: int = 16
     dtype: str | None = None
     budget_mib: int | None = 64
     max_blocks: int | None = None
     capacity_gib: float | None = None
     granularity: int | None = None
-    seed: int = 0
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            num_layers=self.layers,
-            num_heads=self.heads,
-            num_kv_heads=self.kv_heads,
-            intermediate_size=2 * self.hidden,
-            block_size=self.block_size,
-            hybrid=self.hybrid,
-            seed=self.seed,
-        )
 
 
 @dataclass(frozen=True)
@@ -167,7 +149,7 @@ def run(options: DemoOptions | None = None) -> DemoResult:
     options = options or DemoOptions()
     device = torch.device(pick_device(options.device))
     dtype = DTYPES[options.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    model = DecoderModel(options.model_config(), device, dtype)
+    model = DecoderModel(options.model, device, dtype)
     spec = model.kv_cache_spec(options.layout)
     work = _workload(options, model.block_size, model.config.max_positions)
     granularity = options.granularity if device.type == "cpu" else None
@@ -197,12 +179,13 @@ def _workload(options: DemoOptions, block_size: int, max_positions: int) -> _Wor
         raise ValueError("sequences, prompt length and steps must be positive")
     if options.prompt_len + options.steps + block_size > max_positions:
         raise ValueError(f"sequences must stay under {max_positions - block_size} tokens")
-    generator = torch.Generator().manual_seed(options.seed + 1)
+    config = options.model
+    generator = torch.Generator().manual_seed(config.seed + 1)
     prompts = torch.randint(
-        options.vocab, (options.num_seqs, options.prompt_len), generator=generator
+        config.vocab_size, (options.num_seqs, options.prompt_len), generator=generator
     )
     total_len = options.prompt_len + options.steps
-    return _Workload(prompts.tolist(), total_len, block_size, options.hybrid)
+    return _Workload(prompts.tolist(), total_len, block_size, config.hybrid)
 
 
 def _estimate_bytes(options: DemoOptions, device: torch.device) -> int:
@@ -355,17 +338,17 @@ def _size(num_bytes: int) -> str:
 
 def format_report(result: DemoResult) -> str:
     o, ext, legacy = result.options, result.extensible, result.legacy
-    r = ext.report
-    kinds = "attention + Mamba-like" if o.hybrid else "attention"
+    m, r = o.model, ext.report
+    kinds = "attention + Mamba-like" if m.hybrid else "attention"
     segments = ", ".join(str(n) for n in ext.num_segments)
     reserved = ext.capacity_blocks * result.block_bytes
     lines = [
         "extensible-kv demo: paged decode on an extensible KV cache vs a legacy one",
         f"device:    {_device_line(result)}",
-        f"model:     {o.layers} layers ({kinds}), hidden {o.hidden}, {o.heads} heads / "
-        f"{o.kv_heads} KV heads, vocab {o.vocab}, {str(result.dtype).removeprefix('torch.')}, "
-        f"seed {o.seed}",
-        f"layout:    {o.layout}{_HYBRID_NOTE if o.hybrid else ''}, {len(ext.num_segments)} "
+        f"model:     {m.num_layers} layers ({kinds}), hidden {m.hidden_size}, {m.num_heads} "
+        f"heads / {m.num_kv_heads} KV heads, vocab {m.vocab_size}, "
+        f"{str(result.dtype).removeprefix('torch.')}, seed {m.seed}",
+        f"layout:    {o.layout}{_HYBRID_NOTE if m.hybrid else ''}, {len(ext.num_segments)} "
         f"buffer(s), segments per buffer: {segments}, block size {result.block_size}",
         f"capacity:  {ext.capacity_blocks} blocks ({_size(reserved)} reserved) from an "
         f"estimate of {_size(result.estimate_bytes)}",

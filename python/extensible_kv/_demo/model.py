@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from extensible_kv._demo.config import ModelConfig
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     KVCacheTensorSpec,
@@ -51,47 +52,6 @@ __all__ = [
 ]
 
 _NORM_EPS = 1e-6
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 512
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    block_size: int = 16
-    hybrid: bool = False
-    conv_kernel: int = 4
-    ssm_heads: int = 4
-    d_state: int = 8
-    max_positions: int = 4096
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"hidden size {self.hidden_size} must split into {self.num_heads} heads, "
-                f"and those into groups of {self.num_kv_heads} KV heads"
-            )
-        if self.head_size % 2:
-            raise ValueError(f"head size {self.head_size} must be even (rotary halves)")
-        if self.hidden_size % self.ssm_heads:
-            raise ValueError(f"hidden size {self.hidden_size} must split into {self.ssm_heads}")
-        if min(self.num_layers, self.block_size, self.vocab_size, self.conv_kernel) < 1:
-            raise ValueError("layers, block size, vocabulary and conv kernel must be positive")
-
-    @property
-    def head_size(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def ssm_head_dim(self) -> int:
-        return self.hidden_size // self.ssm_heads
-
-    def is_mamba(self, layer: int) -> bool:
-        return self.hybrid and layer % 2 == 1
 
 
 @dataclass(frozen=True)
