@@ -88,6 +88,15 @@ def test_fp8_ds_mla_is_656_bytes_per_token() -> None:
     assert (layout.num_segments, layout.block_bytes) == (1, N * 656)
 
 
+def test_hnd_presets_swap_tokens_and_heads_of_their_nhd_preset() -> None:
+    """vLLM's HND backends: the NHD shape, stored with heads outside tokens: (0, 1, 3, 2, 4)."""
+    for name in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        nhd, hnd = ATTENTION_BACKEND_PRESETS[name], ATTENTION_BACKEND_PRESETS[f"{name}_HND"]
+        assert hnd.get_kv_cache_shape(B, N, H, D) == nhd.get_kv_cache_shape(B, N, H, D)
+        assert hnd.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
+        assert hnd.__name__.endswith("HNDLayout") and hnd.__doc__
+
+
 def test_strides_follow_the_physical_order() -> None:
     nhd = attention_backend_layout(FlashAttentionLayout, N, H, D, torch.float16)
     hnd = attention_backend_layout(FlashAttentionHNDLayout, N, H, D, torch.float16)

@@ -24,6 +24,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from extensible_kv import _native
@@ -338,12 +339,15 @@ def standard_layout(
 
 
 class _Preset:
-    """A preset's two methods from two class attributes: `DIMS`, the logical shape's dims
-    (`"2"` for K/V, `B` blocks, `N` tokens per block, `H` KV heads, `D` head size), and `ORDER`,
-    the stride order (None: the backend defines none, and the order is the logical one)."""
+    """A preset's two methods from class attributes: `DIMS`, the logical shape's dims (`"2"`
+    for K/V, `B` blocks, `N` tokens per block, `H` KV heads, `D` head size), `ORDER`, the
+    stride order (None: the backend defines none, and the order is the logical one), and
+    `D_BY_CACHE_DTYPE`, a record size that replaces `D` for some `cache_dtype_str`s."""
 
     DIMS: ClassVar[tuple[str, ...]] = ()
     ORDER: ClassVar[tuple[int, ...] | None] = None
+    # `D` for these `cache_dtype_str`s: a packed record per token in place of the head.
+    D_BY_CACHE_DTYPE: ClassVar[Mapping[str, int]] = MappingProxyType({})
 
     @classmethod
     def get_kv_cache_shape(
@@ -354,7 +358,8 @@ class _Preset:
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        sizes = {"2": 2, "B": num_blocks, "N": block_size, "H": num_kv_heads, "D": head_size}
+        head = cls.D_BY_CACHE_DTYPE.get(cache_dtype_str, head_size)
+        sizes = {"2": 2, "B": num_blocks, "N": block_size, "H": num_kv_heads, "D": head}
         return tuple(sizes[dim] for dim in cls.DIMS)
 
     @classmethod
@@ -369,12 +374,6 @@ class FlashAttentionLayout(_Preset):
 
     DIMS = ("2", "B", "N", "H", "D")
     ORDER: ClassVar[tuple[int, ...] | None] = (0, 1, 2, 3, 4)
-
-
-class FlashAttentionHNDLayout(FlashAttentionLayout):
-    """FlashAttention, HND: heads stored outside tokens within a block; 2 segments."""
-
-    ORDER = (0, 1, 3, 2, 4)
 
 
 class KVSplitBlockMajorLayout(FlashAttentionLayout):
@@ -396,22 +395,28 @@ class FlashInferLayout(_Preset):
     ORDER: ClassVar[tuple[int, ...] | None] = (0, 1, 2, 3, 4)
 
 
-class FlashInferHNDLayout(FlashInferLayout):
-    """FlashInfer, HND: `(B, 2, N, H, D)` stored as `(B, 2, H, N, D)`."""
-
-    ORDER = (0, 1, 3, 2, 4)
-
-
 class TritonAttentionLayout(FlashInferLayout):
     """Triton attention, NHD: `(B, 2, N, H, D)` in logical order."""
 
     ORDER = None
 
 
-class TritonAttentionHNDLayout(FlashInferLayout):
-    """Triton attention, HND: `(B, 2, N, H, D)` stored as `(B, 2, H, N, D)`."""
+def _hnd(nhd: type[_Preset], doc: str) -> type[_Preset]:
+    """The HND variant of the preset `nhd`, named after it: heads stored outside tokens within a
+    block, its stride order `nhd`'s with `H` and `N` swapped."""
+    order = list(nhd.ORDER or range(len(nhd.DIMS)))
+    n, h = order.index(nhd.DIMS.index("N")), order.index(nhd.DIMS.index("H"))
+    order[n], order[h] = order[h], order[n]
+    name = nhd.__name__.removesuffix("Layout") + "HNDLayout"
+    attrs = {"__doc__": doc, "__module__": __name__, "__qualname__": name, "ORDER": tuple(order)}
+    return type(name, (nhd,), attrs)
 
-    ORDER = (0, 1, 3, 2, 4)
+
+FlashAttentionHNDLayout = _hnd(FlashAttentionLayout, "FlashAttention, HND: 2 segments.")
+FlashInferHNDLayout = _hnd(FlashInferLayout, "FlashInfer, HND: stored as `(B, 2, H, N, D)`.")
+TritonAttentionHNDLayout = _hnd(
+    TritonAttentionLayout, "Triton attention, HND: stored as `(B, 2, H, N, D)`."
+)
 
 
 class MLALayout(_Preset):
@@ -425,18 +430,7 @@ class FlashMLASparseLayout(MLALayout):
     """FlashMLA sparse: with `cache_dtype_str="fp8_ds_mla"` a 656-byte record per token (512
     fp8 NoPE + 16 fp32 scales + 128 bf16 RoPE), viewed as uint8."""
 
-    @classmethod
-    def get_kv_cache_shape(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        if cache_dtype_str == "fp8_ds_mla":
-            return (num_blocks, block_size, 656)
-        return (num_blocks, block_size, head_size)
+    D_BY_CACHE_DTYPE: ClassVar[Mapping[str, int]] = MappingProxyType({"fp8_ds_mla": 656})
 
 
 ATTENTION_BACKEND_PRESETS: Mapping[str, AttentionBackend] = {
