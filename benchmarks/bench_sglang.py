@@ -15,9 +15,14 @@ call and a `torch.cuda.synchronize()`:
   warmup      `ensure_prefix(4096)`: what capture and warm-up touch;
   finalize    `finalize(n)` for n tokens of about `--gib` GiB (less when the free memory, less a
               2 GiB margin, is smaller), after a pause (the driver scrubs memory freed earlier);
-  release, resume   ours only: give every byte back, then recommit at the same addresses
-              (SGLang's arena cannot; torch_memory_saver paused 64 GiB in 24.6 ms and resumed
-              in 2.5 ms on the H200, docs/design.md);
+  release, resume   give every byte back, then recommit at the same addresses (SGLang's
+              arena cannot): ours, and with `--tms` torch_memory_saver, what SGLang releases
+              its KV cache with under `--enable-memory-saver` -- like for like: the same
+              buffers made at the finalize's size (`torch.empty`, in its `kv_cache` region;
+              that allocation is its `finalize` time), `pause("kv_cache")`, a pause,
+              `resume("kv_cache")` (not zeroed, contents lost, as ours without zeroing). It
+              runs in a child process of its own (its pluggable allocator and pools live as
+              long as the process), from SGLang's vendored wheels;
   close       `close()`.
 Medians over the repetitions; markdown tables on stdout, DIR/bench_sglang.json. SGLang comes
 installed or from `.vendor` (tests/sglang_env.py: `scripts/vendor-sglang`).
@@ -31,6 +36,7 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -51,6 +57,7 @@ SHAPES = {"8b": (32, 8, 128), "70b_tp8": (80, 1, 128)}
 STEPS = ("construct", "warmup", "finalize", "release", "resume", "close")
 LABELS = {
     "sglang": "SGLang 0.5.23 arena",
+    "tms": "torch_memory_saver 0.0.10 (SGLang's memory saver)",
     "ours": "ours (no zeroing, like for like)",
     "ours_zero": "ours (zeroing)",
 }
@@ -115,6 +122,46 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
     made.clear()
     gc.collect()
     time.sleep(args.pause)
+    return times
+
+
+def tms_run(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    """torch_memory_saver's steps (module docstring) in a child process: its last stdout line."""
+    command = [sys.executable, __file__, "--out", str(args.out), "--tms-child", shape]
+    command += ["--gib", str(args.gib), "--pause", str(args.pause), "--device", args.device]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"torch_memory_saver child: exit {done.returncode}: {done.stderr[-2000:]}"
+        )
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def tms_child(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    from torch_memory_saver import torch_memory_saver as saver
+
+    saver.hook_mode = "torch"  # its pluggable allocator: no LD_PRELOAD
+    layers, heads, head_dim = SHAPES[shape]
+    per_token = 2 * layers * heads * head_dim * 2
+    device = torch.device(args.device)
+    torch.zeros(1, device=device)
+    time.sleep(args.pause)
+    target = min(args.gib * GIB, torch.cuda.mem_get_info()[0] - MARGIN)
+    tokens = target // per_token - PAGE
+
+    def make() -> list[Any]:
+        with saver.region(tag="kv_cache"):
+            shape_ = (tokens + PAGE, heads, head_dim)
+            return [
+                torch.empty(shape_, dtype=torch.bfloat16, device=device) for _ in range(2 * layers)
+            ]
+
+    times: dict[str, Any] = {"tokens": tokens, "handles": 2 * layers}
+    times["finalize"], buffers = timed_ms(make, device)
+    times["backed_gib"] = sum(b.numel() * b.element_size() for b in buffers) / GIB
+    times["release"] = timed_ms(lambda: saver.pause("kv_cache"), device)[0]
+    time.sleep(args.pause)
+    times["resume"] = timed_ms(lambda: saver.resume("kv_cache"), device)[0]
     return times
 
 
@@ -185,6 +232,10 @@ def main() -> int:
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--gib", type=int, default=120)
     parser.add_argument(
+        "--tms", action="store_true", help="torch_memory_saver's pause and resume too (GPU)"
+    )
+    parser.add_argument("--tms-child", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--caps",
         default="",
         help="comma-separated handle caps in GiB, or `whole` (one handle per run): one more "
@@ -202,6 +253,9 @@ def main() -> int:
     import torch as _torch
 
     torch = _torch
+    if args.tms_child:
+        print(json.dumps(tms_child(args.tms_child, args)))
+        return 0
     from extensible_kv.sglang import KvVmmBufferOwner as Ours
     from sglang.srt.mem_cache.kv_vmm_backing import KvVmmBufferOwner as Sglangs
 
@@ -218,6 +272,8 @@ def main() -> int:
     results: dict[str, Any] = {"device": args.device, "reps": args.reps, "shapes": {}}
     if args.device != "cpu":
         contenders = {"sglang": (Sglangs, None), **contenders}
+        if args.tms:
+            contenders["tms"] = (None, None)
         results["device_name"] = torch.cuda.get_device_name(0)
         try:
             results["sglang_first_construct_ms"] = first_construct(Sglangs, args)
@@ -234,7 +290,10 @@ def main() -> int:
                 if "error" in entry:
                     continue
                 try:
-                    entry["runs"].append(one_run(cls, shape, args, zero))
+                    if name == "tms":
+                        entry["runs"].append(tms_run(shape, args))
+                    else:
+                        entry["runs"].append(one_run(cls, shape, args, zero))
                     log(shape, rep, name, entry["runs"][-1])
                 except Exception as exc:
                     entry["error"] = f"{type(exc).__name__}: {exc}"

@@ -12,8 +12,9 @@ Writes:
   .vendor/sglang0523-wheels/  wheels, for the machine's Python, of the packages SGLang's pool
                               modules import beyond what the machine has (torch 2.11, numpy,
                               transformers, pytest), at the versions installed in .venv; and
-                              cuda-bindings, which SGLang's own arena drives the driver with
-                              (benchmarks/bench_sglang.py's baseline)
+                              cuda-bindings, which SGLang's own arena drives the driver with,
+                              and torch_memory_saver, its memory saver (the baselines of
+                              benchmarks/bench_sglang.py)
 
 `--check` then runs the `sglang` tests here as the GPU machine would (vendor_common's device-like
 Python: torch, numpy, transformers, pytest, hypothesis and extensible-kv only). The vLLM and
@@ -67,6 +68,7 @@ WHEELS = [
     "requests",
     "sentencepiece",
     "starlette",
+    "torch-memory-saver",
     "traitlets",
     "typing-inspection",
     "urllib3",
