@@ -50,9 +50,9 @@ SIZES: dict[str, tuple[float, float]] = {
     "read_gib": (8, 1),  # first-pass read
     "reps": (3, 2),  # steady-state repetitions (bulk, first pass)
     "pause": (3.0, 0.5),  # seconds before each steady-state repetition (the scrub)
-    "steps": (1024, 128),  # incremental grows
+    "steps": (10_000, 128),  # incremental grows (issue 21: flat over 10,000)
     "calls": (10_000, 1000),  # calls per batch (Python overhead)
-    "incremental_limit_s": (90.0, 30.0),  # give up the incremental run after this long
+    "incremental_limit_s": (60.0, 30.0),  # give up the incremental run after this long
 }
 
 
