@@ -146,10 +146,12 @@ def recommit_once(total: int, pause_s: float) -> dict[str, Any]:
 SCRUB_DELAYS_S = (0.0, 0.01, 0.05, 0.2, 1.0)
 
 
-def scrub_once(num_bytes: int, delay_s: float, pause_s: float) -> dict[str, Any]:
-    """`num_bytes` in 1 GiB handles released, then, `delay_s` later, the same bytes created as
+def scrub_once(num_bytes: int, delay_s: float, pause_s: float, created: int) -> dict[str, Any]:
+    """`num_bytes` in 1 GiB handles released, then, `delay_s` later, `created` bytes created as
     one handle (not zeroed): how long `cuMemCreate` waits for the driver's scrub of memory
-    freed just before -- what each step of `consolidate` but the first meets."""
+    freed just before -- what each step of `consolidate` but the first meets. With `created`
+    below `num_bytes` and that much never-freed memory free besides, it tells whether create
+    waits for the pages it takes or for every pending scrub."""
     from extensible_kv import ExtensibleTensor, HandleSizing
 
     old = new_tensor(num_bytes, 1)
@@ -158,13 +160,19 @@ def scrub_once(num_bytes: int, delay_s: float, pause_s: float) -> dict[str, Any]
     release_ms, _ = timed_ms(old.close, torch.device(DEVICE))
     time.sleep(delay_s)
     new = ExtensibleTensor(
-        num_bytes, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=True
+        created, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=True
     )
-    ms, _ = timed_ms(lambda: new.resize_(num_bytes, zero_new=False), torch.device(DEVICE))
+    ms, _ = timed_ms(lambda: new.resize_(created, zero_new=False), torch.device(DEVICE))
     calls = {op: [n, ns / 1e6] for op, (n, ns) in new._op_times().items()}
     new.close()
     settle(pause_s, torch.device(DEVICE))
-    return {"delay_s": delay_s, "release_ms": release_ms, "ms": ms, "ops": calls}
+    return {
+        "delay_s": delay_s,
+        "created": created,
+        "release_ms": release_ms,
+        "ms": ms,
+        "ops": calls,
+    }
 
 
 def copy_floor(num_bytes: int) -> float:
@@ -212,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     res["consolidate"] = [consolidate_once(per_segment, args.pause) for _ in range(args.reps)]
     res["recommit"] = [recommit_once(total, args.pause) for _ in range(args.reps)]
     if args.scrub:
-        res["scrub"] = [scrub_once(per_segment, d, args.pause) for d in SCRUB_DELAYS_S]
+        half = per_segment // 2 // g * g
+        res["scrub"] = [scrub_once(per_segment, d, args.pause, per_segment) for d in SCRUB_DELAYS_S]
+        res["scrub"].append(scrub_once(per_segment, 0.0, args.pause, half))
     settle(args.pause, torch.device(DEVICE))
     res["copy_floor_ms"] = {
         "straddler": copy_floor(straddler),
@@ -273,16 +283,16 @@ def main(argv: list[str] | None = None) -> int:
 def scrub_table(rows: list[dict[str, Any]], num_bytes: int) -> str:
     lines = [
         "",
-        f"### The scrub: {num_bytes / GIB:.1f} GiB released, then created again (one handle)",
+        f"### The scrub: {num_bytes / GIB:.1f} GiB released, then created (one handle)",
         "",
-        "| delay ms | release ms | create ms | create GB/s |",
-        "|---|---|---|---|",
+        "| delay ms | GiB created | release ms | create ms | create GB/s |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
         create = r["ops"].get("create", [0, float("nan")])[1]
         lines.append(
-            f"| {r['delay_s'] * 1e3:.0f} | {r['release_ms']:.1f} | {create:.1f} "
-            f"| {num_bytes / create / 1e6:.0f} |"
+            f"| {r['delay_s'] * 1e3:.0f} | {r['created'] / GIB:.1f} | {r['release_ms']:.1f} "
+            f"| {create:.1f} | {r['created'] / create / 1e6:.0f} |"
         )
     return "\n".join(lines)
 
