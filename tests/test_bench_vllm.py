@@ -20,7 +20,7 @@ def test_bench_vllm_smoke(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--pause", "0"]
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--pause", "0", "--profile"]
     assert bench.main(argv) == 0
     results = json.loads((tmp_path / "bench_vllm.json").read_text())
     assert len(results["cases"]) == 2
@@ -30,4 +30,8 @@ def test_bench_vllm_smoke(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixtu
             assert entry[kind]["one_chunk_per_segment"] is True
             assert entry[kind]["chunks_after_defragment"] <= entry["segments"]
             assert all(entry[kind][step] > 0 for step in bench.STEPS)
-    assert "| extend |" in capsys.readouterr().out
+        for run in entry["runs"]["ours"]:  # --profile: our driver calls, per step
+            assert {"reserve", "create", "map"} <= set(run["ops"]["allocate"])
+            assert run["ops"]["free"]["release"][0] == entry["ours"]["chunks_after_defragment"]
+    out = capsys.readouterr().out
+    assert "| extend |" in out and "Driver calls (calls/host ms):" in out
