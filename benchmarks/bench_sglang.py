@@ -45,6 +45,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+# common is found next to this file when it runs as a script, not when a test loads it by path.
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import sglang_env  # noqa: E402  (after the path: it lives with the tests)
 from common import GIB, log, timed_ms  # noqa: E402
@@ -222,7 +224,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     global torch
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -241,7 +243,7 @@ def main() -> int:
         help="comma-separated handle caps in GiB, or `whole` (one handle per run): one more "
         "'ours' contender (no zeroing) each",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.reps, args.gib, args.pause = 1, 16, 0.5
     if args.device == "cpu":

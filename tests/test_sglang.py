@@ -10,12 +10,15 @@ skip, or fail where EKV_REQUIRE_SGLANG is set (CI).
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
 import logging
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -666,3 +669,24 @@ def test_a_graph_captured_before_finalize_writes_where_the_grow_committed(plugge
     assert (_uniform(k[slot]), _uniform(v[slot])) == (expected, expected)
     del graph
     pool._clear_buffers()
+
+
+def test_bench_sglang_smoke(
+    sglang: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/bench_sglang.py runs end to end on the host backend (ours alone): it cannot
+    rot between GPU runs. Nothing here is timed."""
+    bench_path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sglang.py"
+    spec = importlib.util.spec_from_file_location("bench_sglang", bench_path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path), "--device", "cpu", "--quick"]) == 0
+    results = json.loads((tmp_path / "bench_sglang.json").read_text())
+    per = results["shapes"]["8b"]
+    assert set(per) == {"ours", "ours_zero"}
+    for entry in per.values():
+        (run,) = entry["runs"]
+        assert run["tokens"] >= bench.WARMUP_TOKENS and run["backed_gib"] > 0
+        assert all(run[step] > 0 for step in bench.STEPS)
+    assert "| ours (no zeroing, like for like) |" in capsys.readouterr().out
