@@ -386,6 +386,10 @@ def table(res: dict[str, Any]) -> str:
         )
     just_freed = ms("vllm", "just_freed_ms") / ms("ours", "just_freed_ms")
     lines.append(f"\nJust freed: vLLM / ours (default) = {fmt(just_freed, 2)}")
+    # The floor right after a free: its pages (their scrub then) and the memset.
+    fresh_floor = ms("pages", "just_freed_ms") + ms("floor")
+    fresh_ours = ms("ours", "just_freed_ms") / fresh_floor
+    lines.append(f"Just freed: ours / (pages just freed + floor) = {fmt(fresh_ours, 2)}")
     torch_zero = c.get("floor", {}).get("torch_zero_ms")
     if torch_zero:
         lines.append(f"torch `zero_()` of the floor's buffer: {fmt(med(torch_zero))} ms")
