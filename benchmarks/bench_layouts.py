@@ -29,12 +29,14 @@ right after the contender's own teardown (its last steady one). Also: the teardo
 time, the first read of the committed bytes (TLB warm-up), and for ours (built with
 `_profile=True`: a clock read per driver call) the driver calls of every extend, their host
 time and the create time alone (`create_ms`: the scrub wait). Prints markdown tables and
-writes DIR/bench_layouts.json (rewritten after every shape).
+writes DIR/bench_layouts.json (rewritten after every shape). `--device cpu` runs it on the host
+backend with a small commit and without vLLM's tensor (a smoke test of this script).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -45,7 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import GIB, driver_memset, log, settle, timed_ms
+import common
+from common import GIB, driver_memset, log, settle, sync, timed_ms
 from common import median as med
 
 DEVICE = "cuda:0"
@@ -194,12 +197,12 @@ class Vllm:
 
 def read_tbps(tensors: list[Any], num_bytes: int) -> float:
     """One read pass over the committed bytes (the first: TLB warm-up included)."""
-    torch.cuda.synchronize()
+    sync(torch.device(DEVICE))
     start = time.perf_counter()
     for t in tensors:
         if t.numel():
             t.view(torch.int64 if t.numel() % 8 == 0 else torch.uint8).max()
-    torch.cuda.synchronize()
+    sync(torch.device(DEVICE))
     return num_bytes / (time.perf_counter() - start) / 1e12
 
 
@@ -214,12 +217,12 @@ def one_extend(name: str, geo: Geometry, target: int, pause_s: float, read: bool
     else:
         c = Vllm(geo)
     c.grow(geo.sizes(geo.min_blocks))
-    settle(pause_s)
+    settle(pause_s, torch.device(DEVICE))
     if isinstance(c, Ours):
         c.t._op_times(reset=True)
     start = time.perf_counter()
     c.grow(geo.sizes(target))
-    torch.cuda.synchronize()
+    sync(torch.device(DEVICE))
     ms = (time.perf_counter() - start) * 1e3
     out: dict[str, Any] = {"ms": ms, "handles": c.handles()}
     if isinstance(c, Ours):
@@ -233,16 +236,16 @@ def one_extend(name: str, geo: Geometry, target: int, pause_s: float, read: bool
     gc.collect()
     start = time.perf_counter()
     c.teardown()
-    torch.cuda.synchronize()
+    sync(torch.device(DEVICE))
     out["teardown_ms"] = (time.perf_counter() - start) * 1e3
     return out
 
 
 def legacy_once(num_bytes: int, pause_s: float) -> float:
-    settle(pause_s)
+    settle(pause_s, torch.device(DEVICE))
     start = time.perf_counter()
     buf = torch.zeros(num_bytes, dtype=torch.uint8, device=DEVICE)
-    torch.cuda.synchronize()
+    sync(torch.device(DEVICE))
     ms = (time.perf_counter() - start) * 1e3
     del buf
     return ms
@@ -252,13 +255,14 @@ def floor_once(num_bytes: int, pause_s: float) -> dict[str, float]:
     """The driver's memset of a buffer allocated beforehand (torch's `zero_()` where
     cuda-python is absent), then torch's `zero_()` of it."""
     buf = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
-    settle(pause_s)
-    ptr, stream = buf.data_ptr(), torch.cuda.current_stream(DEVICE).cuda_stream
-    try:
-        ms, _ = timed_ms(lambda: driver_memset(ptr, num_bytes, stream))
-    except ImportError:
-        ms = float("nan")
-    torch_ms, _ = timed_ms(buf.zero_)
+    settle(pause_s, torch.device(DEVICE))
+    device = torch.device(DEVICE)
+    ms = float("nan")
+    if device.type == "cuda":
+        ptr, stream = buf.data_ptr(), torch.cuda.current_stream(device).cuda_stream
+        with contextlib.suppress(ImportError):
+            ms, _ = timed_ms(lambda: driver_memset(ptr, num_bytes, stream), device)
+    torch_ms, _ = timed_ms(buf.zero_, device)
     del buf
     return {"ms": torch_ms if ms != ms else ms, "torch_zero_ms": torch_ms}
 
@@ -276,10 +280,13 @@ def repetition(
 
 
 def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
+    from extensible_kv import host_free_bytes
+
     strides = shape.block_strides()
-    settle(0)  # what torch cached for the previous shape is free memory too
-    free_bytes = int(torch.cuda.mem_get_info(DEVICE)[0])
-    commit_bytes = min(int(args.commit_gib * GIB), free_bytes - 6 * GIB)
+    settle(0, torch.device(DEVICE))  # what torch cached for the previous shape is free memory too
+    free_bytes = common.free_bytes(torch.device(DEVICE)) or host_free_bytes()
+    margin = 6 * GIB if DEVICE != "cpu" else free_bytes // 2
+    commit_bytes = min(int(args.commit_gib * GIB), free_bytes - margin)
     target = commit_bytes // sum(strides)
     geo = geometry(shape, int(target * 1.05) + 2, granule)
     num_bytes = footprint(geo, target, granule)
@@ -331,7 +338,7 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
             except Exception as exc:  # one contender failing must not lose the others
                 traceback.print_exc()
                 entry["error"] = f"{type(exc).__name__}: {exc}"
-                settle(0)
+                settle(0, torch.device(DEVICE))
     for name in names:
         entry = res["contenders"][name]
         log(f"  {name}: {json.dumps({k: v for k, v in entry.items() if k != 'ops'})}")
@@ -401,6 +408,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global torch, DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_layouts"))
     parser.add_argument("--quick", action="store_true", help="two shapes, small, one rep")
@@ -410,25 +418,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--no-read", dest="read", action="store_false")
+    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (ours alone, small)")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes = args.shapes or QUICK_SHAPES
         args.commit_gib, args.reps, args.pause = min(args.commit_gib, 8.0), 1, 0.5
     shapes = (args.shapes or ",".join(SHAPES)).split(",")
 
-    global torch
     import torch as torch_module
 
     torch = torch_module
     from extensible_kv import ExtensibleTensor, vmm_unavailable_reason
 
-    reason = vmm_unavailable_reason(DEVICE)
-    if reason is not None:
+    DEVICE = args.device
+    if DEVICE == "cpu":  # a smoke run of this script on the host backend
+        args.commit_gib, args.pause = min(args.commit_gib, 0.25), 0.0
+    elif (reason := vmm_unavailable_reason(DEVICE)) is not None:
         log(f"no CUDA VMM device: {reason}")
         return 2
     with ExtensibleTensor(1, 1, DEVICE) as probe:
         granule = probe.granularity
-    if (VENDOR / "extensible_tensor.py").exists():
+    if DEVICE == "cpu":
+        log("vLLM baseline skipped: it drives CUDA")
+    elif (VENDOR / "extensible_tensor.py").exists():
         sys.path.insert(0, str(VENDOR))
         from extensible_tensor import ExtensibleTensor as VllmTensor  # type: ignore
 

@@ -3,23 +3,18 @@ between GPU runs. Nothing here is timed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
+import bench_scripts
 import pytest
 
 pytestmark = pytest.mark.vllm
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vllm.py"
-
 
 def test_bench_vllm_smoke(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_vllm", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_scripts.load("bench_vllm")
     argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--pause", "0", "--profile"]
     assert bench.main(argv) == 0
     results = json.loads((tmp_path / "bench_vllm.json").read_text())

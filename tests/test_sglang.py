@@ -10,7 +10,6 @@ skip, or fail where EKV_REQUIRE_SGLANG is set (CI).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import bench_scripts
 import extensible_kv
 import pytest
 import sglang_env
@@ -676,11 +676,7 @@ def test_bench_sglang_smoke(
 ) -> None:
     """benchmarks/bench_sglang.py runs end to end on the host backend (ours alone): it cannot
     rot between GPU runs. Nothing here is timed."""
-    bench_path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sglang.py"
-    spec = importlib.util.spec_from_file_location("bench_sglang", bench_path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_scripts.load("bench_sglang")
     assert bench.main(["--out", str(tmp_path), "--device", "cpu", "--quick"]) == 0
     results = json.loads((tmp_path / "bench_sglang.json").read_text())
     per = results["shapes"]["8b"]

@@ -1,0 +1,49 @@
+"""benchmarks/bench_shrink.py and bench_layouts.py run end to end on the host backend (small
+sizes): they cannot rot between GPU runs. Nothing here is timed. (bench_vllm's and
+bench_sglang's smoke tests live with their stack's tests: they need the stack.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import bench_scripts
+import pytest
+
+
+def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = bench_scripts.load("bench_shrink")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--profile", "--scrub"]
+    assert bench.main(argv) == 0
+    res = json.loads((tmp_path / "bench_shrink.json").read_text())
+    assert all(run["ok"] for step in ("plain", "exact", "consolidate") for run in res[step])
+    (consolidated,) = res["consolidate"]
+    assert consolidated["handles"][1] == 4 < consolidated["handles"][0]
+    assert consolidated["ops"]["copy"][0] == 4  # one copy per segment, profiled
+    scrub = res["scrub"]
+    assert [row["delay_s"] for row in scrub] == [*bench.SCRUB_DELAYS_S, 0.0]
+    assert scrub[-1]["created"] < scrub[0]["created"] == res["per_segment"]
+    assert all(row["ops"]["create"][0] == 1 for row in scrub)  # one handle each
+    out = capsys.readouterr().out
+    assert "### The scrub:" in out and "### Where the time goes" in out
+
+
+def test_bench_layouts_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = bench_scripts.load("bench_layouts")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--no-read"]
+    argv += ["--shapes", "llama3_70b_tp8", "--contenders", "ours,ours:whole_runs,floor,pages"]
+    assert bench.main(argv) == 0
+    (shape,) = (
+        v
+        for k, v in json.loads((tmp_path / "bench_layouts.json").read_text()).items()
+        if k != "settings"
+    )
+    runs = shape["contenders"]
+    assert shape["segments"] == 80
+    # One handle per segment's run for whole runs and pages; the default cut makes no fewer.
+    assert runs["pages"]["handles"] == runs["ours:whole_runs"]["handles"] <= runs["ours"]["handles"]
+    for name in ("ours", "ours:whole_runs", "pages"):
+        assert runs[name]["create_ms"][0] > 0 and "create" in runs[name]["ops"]
+        assert "memset" in runs[name]["ops"] or name == "pages"  # pages are not zeroed
+    assert runs["floor"]["steady_ms"][0] > 0
+    assert "| it / (pages + floor) |" in capsys.readouterr().out
