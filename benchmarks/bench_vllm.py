@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, help="extend to this much, not the free memory")
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (ours alone)")
     parser.add_argument("--profile", action="store_true", help="driver calls per step of ours")
+    parser.add_argument("--kinds", help=f"a subset of {','.join(LABELS)} (default: all)")
     parser.add_argument("--cpu-bytes", type=int, default=512 << 20, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 2)
@@ -309,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         torch.zeros(1, device=device)
     contender = Contender(device)
+    if args.kinds:
+        wanted = args.kinds.split(",")
+        unknown = sorted(set(wanted) - set(LABELS))
+        if unknown:
+            parser.error(f"--kinds: unknown {', '.join(unknown)} (of {', '.join(LABELS)})")
+        contender.kinds = [k for k in contender.kinds if k in wanted]
     if args.profile:
         import functools
 
