@@ -1,6 +1,7 @@
 //! Mapping benchmarks: bulk commit with the adaptive handle policy against fixed one-granule
-//! handles (what per-granule peers do) in the same run, incremental one-granule grows, and
-//! the cost of planning over a 64 TiB reservation.
+//! handles (what per-granule peers do) in the same run, incremental one-granule grows, the
+//! cost of planning over a 64 TiB reservation, and the orders a teardown could give its
+//! driver calls in (issue 21: a teardown within 1.1x of its `cuMemRelease` calls).
 //!
 //! `EKV_BENCH_DEVICE` picks the backend (`cpu`, the default, or `cuda:N` in a build with the
 //! `cuda` feature); `EKV_BENCH_MIB` the bytes committed per segment in the bulk bench
@@ -8,7 +9,7 @@
 
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use extensible_kv::driver::Stream;
@@ -155,5 +156,93 @@ fn planning(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bulk_commit, incremental_grow, planning);
+/// A teardown of `handles`, each `size` bytes and mapped in turn from `va`.
+type Teardown = fn(&dyn Driver, u64, u64, &[driver::HandleId]);
+
+/// Handles a teardown bench tears down, and their size: 1 GiB handles on CUDA (the default
+/// cut's), one granule on the host (a teardown there is `munmap`s and `close`s).
+fn teardown_handles(driver: &dyn Driver) -> (u64, u64) {
+    if device() == "cpu" {
+        (32, driver.granularity())
+    } else {
+        (32, 1 << 30)
+    }
+}
+
+/// The same mapped handles torn down in four orders, only the teardown timed: what the owner
+/// does (unmap, then release, handle by handle); every release before the unmaps (a mapped
+/// handle's memory goes when its last mapping does); and each with one unmap of the whole
+/// range instead of one per mapping. `release_only` times the releases of unmapped handles
+/// alone: the sum a teardown cannot go below.
+fn teardown(c: &mut Criterion) {
+    let driver = open_driver();
+    let (count, size) = teardown_handles(driver.as_ref());
+    let mut group = c.benchmark_group(format!("teardown/{}", device()));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(3));
+    let orders: [(&str, Teardown); 5] = [
+        ("unmap_then_release_each", |d, va, size, handles| {
+            for (i, &h) in handles.iter().enumerate() {
+                d.unmap(va + i as u64 * size, size).unwrap();
+                d.release(h).unwrap();
+            }
+        }),
+        ("release_all_then_unmap_each", |d, va, size, handles| {
+            for &h in handles {
+                d.release(h).unwrap();
+            }
+            for i in 0..handles.len() as u64 {
+                d.unmap(va + i * size, size).unwrap();
+            }
+        }),
+        ("unmap_range_then_release_all", |d, va, size, handles| {
+            d.unmap(va, size * handles.len() as u64).unwrap();
+            for &h in handles {
+                d.release(h).unwrap();
+            }
+        }),
+        ("release_all_then_unmap_range", |d, va, size, handles| {
+            for &h in handles {
+                d.release(h).unwrap();
+            }
+            d.unmap(va, size * handles.len() as u64).unwrap();
+        }),
+        ("release_only", |d, _va, _size, handles| {
+            for &h in handles {
+                d.release(h).unwrap();
+            }
+        }),
+    ];
+    for (name, order) in orders {
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    let va = driver.reserve(count * size).unwrap();
+                    let handles: Vec<_> = (0..count)
+                        .map(|i| {
+                            let h = driver.create(size, Default::default()).unwrap();
+                            driver.map(va + i * size, size, h).unwrap();
+                            driver.set_access(va + i * size, size).unwrap();
+                            h
+                        })
+                        .collect();
+                    if name == "release_only" {
+                        driver.unmap(va, count * size).unwrap(); // untimed: not a teardown's part
+                    }
+                    driver.synchronize().unwrap();
+                    let start = Instant::now();
+                    order(driver.as_ref(), va, size, &handles);
+                    spent += start.elapsed();
+                    driver.free_reservation(va, count * size).unwrap();
+                }
+                spent
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bulk_commit, incremental_grow, planning, teardown);
 criterion_main!(benches);
