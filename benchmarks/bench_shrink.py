@@ -3,13 +3,15 @@ and the release + recommit that peers do instead (discarding the contents), besi
 copy floor measured in the same run.
 
     python3 benchmarks/bench_shrink.py --out DIR [--gib 120] [--reps 3] [--pause 3] [--profile]
+        [--segments 4] [--scrub]
 
 - shrink: a one-segment cache of `--gib` GiB (default cut, 1 GiB cap) shrunk to a bit over
   half (the frontier inside a handle): `plain` releases the handles past it and keeps the one
   that straddles it; `exact` also replaces that one by a handle of its live granules, copying
   them. Contents are checked after each.
-- consolidate: 4 segments grown to `--gib` * 5/6 GiB in all in 64 steps, then backed by one
-  handle per segment (every byte copied once, one segment at a time).
+- consolidate: `--segments` (4) segments grown to `--gib` * 5/6 GiB in all in 64 steps, then
+  backed by one handle per segment (every byte copied once, one segment at a time); the copy
+  floor is one segment's copy times the segments. 80 segments is a 70B TP8 LBNHC cache's.
 - release + recommit: drop everything and grow back to the same size, zeroed (what vLLM 0.34's
   `commit(shrink=True)` and `commit(defragment=True)` do: the contents are lost).
 - floor: `torch` device copy of the same bytes between two preallocated buffers.
@@ -106,9 +108,9 @@ def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str,
     return out
 
 
-def consolidate_once(per_segment: int, pause_s: float) -> dict[str, Any]:
+def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[str, Any]:
     # Room past each segment's prefix keeps the segments' runs apart: one handle each.
-    t = new_tensor(4 * (per_segment + GIB), 4)
+    t = new_tensor(segments * (per_segment + GIB), segments)
     g = t.granularity
     for step in range(1, 65):
         t.resize_per_segment_(per_segment * step // 64 // g * g or g)
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--profile", action="store_true", help="driver calls per step")
     parser.add_argument(
+        "--segments", type=int, default=4, help="consolidate: segments sharing 5/6 of --gib"
+    )
+    parser.add_argument(
         "--scrub", action="store_true", help="create right after a release, by delay"
     )
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (small sizes)")
@@ -213,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     g = new_tensor(1, 1).granularity
     total = int(args.gib * GIB) // g * g
     keep = total // 2 + straddler  # inside a handle: `straddler` bytes of it still live
-    per_segment = int(args.gib * 5 / 6 / 4 * GIB) // g * g
+    n = args.segments
+    per_segment = int(args.gib * 5 / 6 / n * GIB) // g * g
     res: dict[str, Any] = {"total_bytes": total, "keep_bytes": keep, "per_segment": per_segment}
     res["plain"] = [shrink_once(total, keep, False, args.pause) for _ in range(args.reps)]
     res["exact"] = [shrink_once(total, keep, True, args.pause) for _ in range(args.reps)]
-    res["consolidate"] = [consolidate_once(per_segment, args.pause) for _ in range(args.reps)]
+    res["segments"] = n
+    res["consolidate"] = [consolidate_once(per_segment, n, args.pause) for _ in range(args.reps)]
     res["recommit"] = [recommit_once(total, args.pause) for _ in range(args.reps)]
     if args.scrub:
         half = per_segment // 2 // g * g
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = res["consolidate"]
     cons_ms = med(rows, "ms")
     print(
-        f"| consolidate, 4 x {per_segment / GIB:.1f} GiB grown in 64 steps | {cons_ms:.1f} "
+        f"| consolidate, {n} x {per_segment / GIB:.2f} GiB grown in 64 steps | {cons_ms:.1f} "
         f"({runs(rows)}) | {rows[0]['handles'][0]} -> "
         f"{rows[0]['handles'][1]} | {cons_bytes / cons_ms / 1e6:.0f} copied "
         f"| {all(r['ok'] for r in rows)} |"
@@ -267,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\nDevice copy floor: {floor_seg:.1f} ms for one segment "
-        f"({per_segment / floor_seg / 1e6:.0f} GB/s), x4 = {4 * floor_seg:.1f} ms; "
-        f"consolidate / floor = {cons_ms / (4 * floor_seg):.2f}. "
+        f"({per_segment / floor_seg / 1e6:.0f} GB/s), x{n} = {n * floor_seg:.1f} ms; "
+        f"consolidate / floor = {cons_ms / (n * floor_seg):.2f}. "
         f"{straddler / (1 << 20):.0f} MiB copy: "
         f"{res['copy_floor_ms']['straddler']:.2f} ms."
     )
