@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import GIB, KIB, MIB, driver_memset, log, median, settle, sync, timed
+from common import GIB, KIB, MIB, driver_calls, driver_memset, log, median, settle, sync, timed
 from common import environment as common_environment
 
 DEVICE = "cuda:0"
@@ -207,12 +207,11 @@ def _profiled_extend(per_segment: int, pause_s: float) -> dict[str, Any]:
     time.sleep(pause_s)
     t._op_times(reset=True)
     extend_s = timed(partial(t.resize_per_segment_, per_segment))
-    extend_ops = t._op_times(reset=True)
     entry: dict[str, Any] = {
         "extend_ms": extend_s * 1e3,
         "tb_per_s": tbps(2 * per_segment, extend_s),
         "handles": t.num_handles,
-        "extend_ops_ms": {op: (n, ns / 1e6) for op, (n, ns) in extend_ops.items()},
+        "extend_ops_ms": driver_calls(t),
     }
     try:
         starts = [t.base_ptr + offset for offset in t.segment_offsets]
@@ -228,7 +227,7 @@ def _profiled_extend(per_segment: int, pause_s: float) -> dict[str, Any]:
         entry["driver_memset_ms"] = f"skipped: {exc}"
     teardown_s = timed(t.close)
     entry["teardown_ms"] = teardown_s * 1e3
-    entry["teardown_ops_ms"] = {op: (n, ns / 1e6) for op, (n, ns) in t._op_times().items()}
+    entry["teardown_ops_ms"] = driver_calls(t, reset=False)
     del t
     gc.collect()
     return entry

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import GIB, driver_memset, log, settle, sync, timed_ms
+from common import GIB, driver_calls, driver_memset, log, settle, sync, timed_ms
 from common import median as med
 
 DEVICE = "cuda:0"
@@ -226,7 +226,7 @@ def one_extend(name: str, geo: Geometry, target: int, pause_s: float, read: bool
     ms = (time.perf_counter() - start) * 1e3
     out: dict[str, Any] = {"ms": ms, "handles": c.handles()}
     if isinstance(c, Ours):
-        ops = {op: [n, ns / 1e6] for op, (n, ns) in c.t._op_times(reset=True).items()}
+        ops = driver_calls(c.t)
         out["ops"] = ops
         out["create_ms"] = ops.get("create", [0, 0.0])[1]
     if read:
@@ -254,9 +254,9 @@ def legacy_once(num_bytes: int, pause_s: float) -> float:
 def floor_once(num_bytes: int, pause_s: float) -> dict[str, float]:
     """The driver's memset of a buffer allocated beforehand (torch's `zero_()` where
     cuda-python is absent), then torch's `zero_()` of it."""
-    buf = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
-    settle(pause_s, torch.device(DEVICE))
     device = torch.device(DEVICE)
+    buf = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    settle(pause_s, device)
     ms = float("nan")
     if device.type == "cuda":
         ptr, stream = buf.data_ptr(), torch.cuda.current_stream(device).cuda_stream

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import GIB, free_bytes, log, settle, timed_ms
+from common import GIB, driver_calls, free_bytes, log, settle, timed_ms
 
 DEVICE = "cuda:0"
 PROFILE = False
@@ -53,7 +53,7 @@ def ops(t: Any) -> dict[str, list[float]]:
     """The driver calls since the last call, `{op: [calls, host ms]}` (empty unless profiling)."""
     if not PROFILE:
         return {}
-    return {op: [n, ns / 1e6] for op, (n, ns) in t._op_times(reset=True).items()}
+    return driver_calls(t)
 
 
 def timed_step(t: Any, fn: Any) -> tuple[float, dict[str, list[float]]]:
@@ -165,7 +165,7 @@ def scrub_once(num_bytes: int, delay_s: float, pause_s: float, created: int) -> 
         created, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=True
     )
     ms, _ = timed_ms(lambda: new.resize_(created, zero_new=False), torch.device(DEVICE))
-    calls = {op: [n, ns / 1e6] for op, (n, ns) in new._op_times().items()}
+    calls = driver_calls(new, reset=False)
     new.close()
     settle(pause_s, torch.device(DEVICE))
     return {

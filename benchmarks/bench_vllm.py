@@ -137,7 +137,7 @@ def one_run(
         native = getattr(kv.buffer, "_tensor", None)
         if native is None or not hasattr(native, "_op_times"):
             return {}
-        return {op: [n, ns / 1e6] for op, (n, ns) in native._op_times(reset=True).items()}
+        return common.driver_calls(native)
 
     out["allocate"], made = timed_ms(allocate, device)
     kv, views = made
@@ -169,9 +169,7 @@ def one_run(
     out["free"], _ = timed_ms(kv.free, device)
     if native is not None and hasattr(native, "_op_times"):
         # free() dropped the buffer's tensor: its teardown calls are on the object we kept.
-        out["ops"]["free"] = {
-            op: [n, ns / 1e6] for op, (n, ns) in native._op_times(reset=True).items()
-        }
+        out["ops"]["free"] = common.driver_calls(native)
     return out
 
 

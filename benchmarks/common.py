@@ -86,6 +86,12 @@ def free_bytes(device: Any) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0])
 
 
+def driver_calls(tensor: Any, reset: bool = True) -> dict[str, list[float]]:
+    """A `_profile=True` tensor's driver calls since its last reset, `{op: [calls, host ms]}`
+    (`_op_times`, which counts nanoseconds); with `reset`, counting starts again."""
+    return {op: [n, ns / 1e6] for op, (n, ns) in tensor._op_times(reset=reset).items()}
+
+
 def driver_memset(ptr: int, num_bytes: int, stream: int = 0) -> None:
     """`cuMemsetD8Async(ptr, 0, num_bytes, stream)`: what ours zeroes with, and faster than
     torch's `zero_()` kernel on the H200 (4.5 against 3.4 TB/s), so the zeroing floor. Needs
