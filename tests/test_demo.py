@@ -39,14 +39,16 @@ CASES: dict[str, dict[str, Any]] = {
     "LHBNC": {"layout": "LHBNC", "num_layers": 3},  # standard vocabulary: L x H segments
     "hybrid": {"hybrid": True, "num_layers": 4},  # attention + Mamba-like, pages shared
 }
-MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 
-def with_overrides(options: demo.DemoOptions, overrides: dict[str, Any]) -> demo.DemoOptions:
-    """`options` with `overrides`, those naming a `ModelConfig` field applied to its model."""
-    model = {k: v for k, v in overrides.items() if k in MODEL_FIELDS}
-    rest = {k: v for k, v in overrides.items() if k not in MODEL_FIELDS}
-    return dataclasses.replace(options, model=dataclasses.replace(options.model, **model), **rest)
+def test_updated_sends_the_models_names_to_the_model() -> None:
+    options = demo.DemoOptions().updated(hidden_size=64, num_layers=3, steps=9, layout="LHBNC")
+    assert (options.steps, options.layout) == (9, "LHBNC")
+    assert (options.model.hidden_size, options.model.num_layers) == (64, 3)
+    assert options.model.ffn_size == 128  # twice the hidden size, as the new hidden size
+    assert SMALL.updated(num_layers=4).model == dataclasses.replace(SMALL_MODEL, num_layers=4)
+    with pytest.raises(TypeError):
+        SMALL.updated(no_such_option=1)
 
 
 def _check(result: demo.DemoResult) -> None:
@@ -67,7 +69,7 @@ def _check(result: demo.DemoResult) -> None:
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
 def test_host_decode_is_identical(overrides: dict[str, Any]) -> None:
-    result = demo.run(with_overrides(SMALL, overrides))
+    result = demo.run(SMALL.updated(**overrides))
     _check(result)
     assert not result.extensible.graph_captured
     if overrides.get("hybrid"):
@@ -153,9 +155,7 @@ GPU_CASES = {k: v for k, v in CASES.items() if k != "LHBNC"}
 @pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 @pytest.mark.parametrize("overrides", GPU_CASES.values(), ids=GPU_CASES.keys())
 def test_cuda_graph_replays_into_extended_blocks(overrides: dict[str, Any]) -> None:
-    options = with_overrides(
-        demo.DemoOptions(device="cuda:0", max_blocks=1 << 16, steps=48), overrides
-    )
+    options = demo.DemoOptions(device="cuda:0", max_blocks=1 << 16, steps=48).updated(**overrides)
     result = demo.run(options)
     _check(result)
     ext, legacy = result.extensible, result.legacy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import sys
@@ -155,10 +154,7 @@ def run(options: dict[str, Any]) -> int:
     from extensible_kv._demo import demo  # torch, at run time only: `--help` needs none
 
     try:
-        model = {f.name for f in dataclasses.fields(ModelConfig)}
-        config = ModelConfig(**{k: v for k, v in options.items() if k in model})
-        rest = {k: v for k, v in options.items() if k not in model}
-        result = demo.run(demo.DemoOptions(model=config, **rest))
+        result = demo.run(demo.DemoOptions().updated(**options))
     except (ValueError, RuntimeError) as error:  # bad options, too small a budget
         print(f"demo: {error}", file=sys.stderr)
         return 2

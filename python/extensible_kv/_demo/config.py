@@ -29,8 +29,6 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.intermediate_size == 0:
-            object.__setattr__(self, "intermediate_size", 2 * self.hidden_size)
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"hidden size {self.hidden_size} must split into {self.num_heads} heads, "
@@ -42,6 +40,12 @@ class ModelConfig:
             raise ValueError(f"hidden size {self.hidden_size} must split into {self.ssm_heads}")
         if min(self.num_layers, self.block_size, self.vocab_size, self.conv_kernel) < 1:
             raise ValueError("layers, block size, vocabulary and conv kernel must be positive")
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's inner width: `intermediate_size`, or twice the hidden size for 0 (kept 0,
+        so that it follows `hidden_size` through `dataclasses.replace`)."""
+        return self.intermediate_size or 2 * self.hidden_size
 
     @property
     def head_size(self) -> int:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -68,6 +69,14 @@ class DemoOptions:
     max_blocks: int | None = None
     capacity_gib: float | None = None
     granularity: int | None = None
+
+    def updated(self, **changes: Any) -> DemoOptions:
+        """These options with `changes`, flat as the command line gives them: a name of a
+        `ModelConfig` field changes the model, any other an option."""
+        names = {f.name for f in fields(ModelConfig)}
+        model = {k: v for k, v in changes.items() if k in names}
+        rest = {k: v for k, v in changes.items() if k not in names}
+        return replace(self, model=replace(self.model, **model), **rest)
 
 
 @dataclass(frozen=True)

@@ -345,10 +345,10 @@ def _init_weights(config: ModelConfig, generator: torch.Generator) -> dict[str, 
             w[f"{i}.wq"], w[f"{i}.wk"], w[f"{i}.wv"] = normal(h, h), normal(kv, h), normal(kv, h)
             w[f"{i}.wo"] = normal(h, h)
         w[f"{i}.w_gate"], w[f"{i}.w_up"] = (
-            normal(c.intermediate_size, h),
-            normal(c.intermediate_size, h),
+            normal(c.ffn_size, h),
+            normal(c.ffn_size, h),
         )
-        w[f"{i}.w_down"] = normal(h, c.intermediate_size)
+        w[f"{i}.w_down"] = normal(h, c.ffn_size)
     w["final_norm"], w["lm_head"] = torch.ones(h), normal(c.vocab_size, h)
     return w
 
