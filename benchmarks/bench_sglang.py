@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -248,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         args.reps, args.gib, args.pause = 1, 16, 0.5
     if args.device == "cpu":
         args.gib, args.pause = min(args.gib, 1), 0.0
-    reason = sglang_env.load()
+    # The memory saver's child needs torch_memory_saver alone, from SGLang's wheels if it is
+    # not installed.
+    tms_alone = args.tms_child and importlib.util.find_spec("torch_memory_saver") is not None
+    reason = None if tms_alone else sglang_env.load()
     if reason is not None:
         log(f"cannot run: {reason}")
         return 1
@@ -256,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch = _torch
     if args.tms_child:
-        print(json.dumps(tms_child(args.tms_child, args)))
-        return 0
+        print(json.dumps(tms_child(args.tms_child, args)), flush=True)
+        # torch_memory_saver's torch hook frees only inside its region, and its pools free
+        # at interpreter exit, outside it (exit 1, "only support interesting region"). SGLang
+        # keeps its KV cache to the end of the process too: leave as it does, without the frees.
+        os._exit(0)
     from extensible_kv.sglang import KvVmmBufferOwner as Ours
     from sglang.srt.mem_cache.kv_vmm_backing import KvVmmBufferOwner as Sglangs
 

@@ -182,7 +182,7 @@ def bench_case(case: Any, device: Any, contender: Contender, args: argparse.Name
     )
     total = int(torch.cuda.mem_get_info(device)[1]) if device.type == "cuda" else args.cpu_bytes
     capacity = max(total // bytes_per_block, 16)
-    budget = args.budget_gib * GIB if args.budget_gib else 0
+    budget = int(args.budget_gib * GIB) if args.budget_gib else 0
     if device.type == "cpu":
         budget = args.cpu_bytes // 2
     entry: dict[str, Any] = {"capacity_blocks": capacity, "runs": {k: [] for k in contender.kinds}}
