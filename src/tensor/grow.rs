@@ -3,9 +3,7 @@
 //! tensor. Any failure drops the locals, whose destructors unmap and release what the call
 //! made: a failed grow changes nothing.
 
-use std::collections::BTreeMap;
-
-use super::{check_state, ExtensibleTensor, GrowOptions, Mapping, PerSegment};
+use super::{check_state, ExtensibleTensor, GrowOptions, Mapping, Mappings, PerSegment};
 use crate::driver::Stream;
 use crate::error::{Error, Result, SizeOp};
 use crate::plan::{self, ByteRange, HandlePolicy, Run};
@@ -94,7 +92,7 @@ impl ExtensibleTensor {
             return Err(err);
         }
         for mapping in fresh {
-            state.mappings.insert(mapping.run.first_granule, mapping);
+            state.mappings.insert(mapping);
         }
         state.segment_bytes.copy_from_slice(segment_bytes);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
@@ -157,7 +155,7 @@ impl ExtensibleTensor {
 }
 
 /// The runs of the mappings that overlap any of `spans` (sorted, disjoint), in order.
-fn mapped_overlapping(mappings: &BTreeMap<u64, Mapping>, spans: &[Run]) -> Vec<Run> {
+fn mapped_overlapping(mappings: &Mappings, spans: &[Run]) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
     for span in spans {
         let before = mappings

@@ -2,6 +2,7 @@
 //! each releasing its resource on drop, and the context (`Ctx`) their destructors share,
 //! which records the errors a destructor cannot return.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -221,5 +222,53 @@ impl Drop for Mapping {
             let (va, num_bytes) = handle.ctx.span(self.run);
             handle.ctx.defer(handle.ctx.driver.unmap(va, num_bytes));
         }
+    }
+}
+
+/// A tensor's mappings, keyed by first granule (so a grow finds its neighbours in
+/// O(log handles)), and the bytes they map, kept as they come and go: the getters' snapshot
+/// is taken after every hold of the tensor's lock, and summing the handles there made each
+/// one-granule grow cost O(handles) (3.6x slower after 10,000 grows on the H200).
+///
+/// Invariant: `bytes` is the sum of the mappings' `num_bytes`. Reads go through `Deref`;
+/// every change goes through the methods below, which keep it.
+#[derive(Default)]
+pub(super) struct Mappings {
+    by_first_granule: BTreeMap<u64, Mapping>,
+    bytes: u64,
+}
+
+impl Mappings {
+    pub(super) fn insert(&mut self, mapping: Mapping) {
+        self.bytes += mapping.num_bytes();
+        let first_granule = mapping.run.first_granule;
+        let replaced = self.by_first_granule.insert(first_granule, mapping);
+        debug_assert!(
+            replaced.is_none(),
+            "granule {first_granule} was mapped twice"
+        );
+    }
+
+    pub(super) fn remove(&mut self, first_granule: u64) -> Option<Mapping> {
+        let mapping = self.by_first_granule.remove(&first_granule)?;
+        self.bytes -= mapping.num_bytes();
+        Some(mapping)
+    }
+
+    /// Drops every mapping, in address order: each unmaps, then releases its handle.
+    pub(super) fn clear(&mut self) {
+        self.by_first_granule.clear();
+        self.bytes = 0;
+    }
+
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl std::ops::Deref for Mappings {
+    type Target = BTreeMap<u64, Mapping>;
+    fn deref(&self) -> &Self::Target {
+        &self.by_first_granule
     }
 }

@@ -45,11 +45,10 @@ pub use options::{
 pub use share::{SharedDescription, SharedExport, SharedHandle};
 pub use view::ViewRegion;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use mapping::{completed_despite, relock, Ctx, Mapping, PhysicalHandle, Reservation};
+use mapping::{completed_despite, relock, Ctx, Mapping, Mappings, PhysicalHandle, Reservation};
 
 use crate::driver::{DeviceKind, Driver, ExportTypes};
 use crate::error::{Error, Result};
@@ -57,9 +56,8 @@ use crate::plan::{self, Geometry, HandlePolicy, Run};
 
 struct State {
     segment_bytes: Vec<u64>,
-    /// Keyed by first granule, so a grow finds and inserts its neighbours in O(log handles)
-    /// however many handles the tensor holds (invariant 2).
-    mappings: BTreeMap<u64, Mapping>,
+    /// Keyed by first granule (invariant 2), with their total bytes.
+    mappings: Mappings,
     /// `None` once closed.
     reservation: Option<Reservation>,
 }
@@ -81,7 +79,7 @@ impl Snapshot {
     fn of(state: &State) -> Snapshot {
         Snapshot {
             segment_bytes: state.segment_bytes.clone(),
-            physical_bytes: state.mappings.values().map(Mapping::num_bytes).sum(),
+            physical_bytes: state.mappings.bytes(),
             num_handles: state.mappings.len(),
             closed: state.reservation.is_none(),
         }
@@ -264,7 +262,7 @@ impl ExtensibleTensor {
         };
         let state = State {
             segment_bytes: vec![0; geometry.num_segments()],
-            mappings: BTreeMap::new(),
+            mappings: Mappings::default(),
             reservation: Some(reservation),
         };
         let inner = Inner {
@@ -550,6 +548,13 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
         .find(|(k, m)| **k != m.run.first_granule)
     {
         return Err(format!("mapping {:?} is filed under granule {key}", m.run));
+    }
+    let summed: u64 = state.mappings.values().map(Mapping::num_bytes).sum();
+    if state.mappings.bytes() != summed {
+        let kept = state.mappings.bytes();
+        return Err(format!(
+            "the mappings hold {summed} bytes, not the {kept} kept"
+        ));
     }
     geometry
         .check_request(&state.segment_bytes)

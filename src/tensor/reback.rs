@@ -153,7 +153,7 @@ impl ExtensibleTensor {
         let swapped = self.swap(state, old, handles, &mut unmapped, &mut added);
         if swapped.is_ok() {
             for mapping in added {
-                state.mappings.insert(mapping.run.first_granule, mapping);
+                state.mappings.insert(mapping);
             }
             drop(unmapped); // releases the old handles
         } else {
@@ -221,12 +221,12 @@ impl ExtensibleTensor {
             let key = run.first_granule;
             let mapping = state
                 .mappings
-                .remove(&key)
+                .remove(key)
                 .expect("planned from the mappings");
             match mapping.unmap() {
                 Ok(handle) => unmapped.push((run, handle)),
                 Err((err, mapping)) => {
-                    state.mappings.insert(key, mapping);
+                    state.mappings.insert(mapping);
                     return Err(err);
                 }
             }
@@ -248,7 +248,7 @@ impl ExtensibleTensor {
             Ok(mapping) => {
                 let (va, num_bytes) = ctx.span(run);
                 ctx.defer(ctx.driver.set_access(va, num_bytes));
-                state.mappings.insert(run.first_granule, mapping);
+                state.mappings.insert(mapping);
             }
             Err(err) => ctx.defer(Err(err)),
         }

@@ -312,7 +312,7 @@ impl ExtensibleTensor {
         let mut state = tensor.lock();
         for (run, handle) in handles {
             let mapping = Mapping::map(handle, run)?;
-            state.mappings.insert(run.first_granule, mapping);
+            state.mappings.insert(mapping);
             let (va, num_bytes) = tensor.inner.ctx.span(run);
             tensor.inner.ctx.driver.set_access(va, num_bytes)?;
         }
