@@ -330,9 +330,10 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     def consolidate(self, *, stream: int | None = None) -> None:
         """Backs every run of committed granules (each segment's prefix, where segments share
         no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
-        valid; RDMA registrations of the old pages must be renewed. One run at a time, largest
-        first: at most the largest new handle is extra memory, and `OutOfMemoryError` on it
-        leaves the tensor as it was. Copies run on `stream` (default torch's current one; one
+        valid; RDMA registrations of the old pages must be renewed. Runs go largest first,
+        `OutOfMemoryError` on the first leaves the tensor as it was; extra memory is the
+        largest new handle, or also the next run's (whose copy then overlaps this run's swap)
+        when that fits in half the free memory. Copies run on `stream` (default torch's current one; one
         given is vouched for by the caller, as for `torch.cuda.ExternalStream`).
 
         Each run is all or nothing, not the whole call: one that fails past the first run keeps

@@ -6,6 +6,11 @@
 //! the tensor's own addresses (`swap`), so views, CUDA graphs and registrations by address stay
 //! valid. The old handles are unmapped but released only once every new one is in: a failure
 //! part-way maps them back, and the tensor is as it was (`reback`).
+//!
+//! A consolidation of several runs is a pipeline when memory allows: the next run's handles are
+//! staged and its copy queued before this run is swapped in, so the device copies the next run
+//! while the host swaps this one and releases its old handles (host calls as long as the copy:
+//! 0.4 ms per GiB released against 0.5 ms per GiB copied on the H200).
 
 use std::sync::Arc;
 
@@ -45,12 +50,23 @@ impl Drop for ScratchReservation {
 }
 
 /// Fresh handles for some runs, each mapped at a scratch reservation and holding a copy of the
-/// bytes at its run. Fields drop in order: the scratch mappings, the handles not taken, then
-/// the scratch reservation.
+/// bytes at its run. Dropping it fences first while its copies may still run (`copying`), so
+/// that no copy writes through a scratch mapping after the unmap; then its fields drop in
+/// order: the scratch mappings, the handles not taken, then the scratch reservation.
 struct Staging {
+    ctx: Arc<Ctx>,
     aliases: Vec<Alias>,
     handles: Vec<(Run, PhysicalHandle)>,
     scratch: Option<ScratchReservation>,
+    copying: bool,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if self.copying {
+            self.ctx.defer(self.ctx.driver.synchronize());
+        }
+    }
 }
 
 impl ExtensibleTensor {
@@ -104,19 +120,51 @@ impl ExtensibleTensor {
     /// Backs every maximal run of committed granules by one handle (each segment's prefix, for
     /// segments that share no granule), keeping every byte and every address: views and CUDA
     /// graphs stay valid, but registrations of the old pages (RDMA) must be renewed. Runs are
-    /// done one at a time, largest first, each built at a scratch address, filled by a copy and
-    /// swapped in, so at most the largest new handle is extra memory; each run is all or
-    /// nothing, and an out-of-memory on the first (largest) leaves the tensor unchanged.
-    /// Handles that hold no committed byte (slack of a shrink) are released too.
+    /// done largest first, each built at a scratch address, filled by a copy and swapped in;
+    /// each run is all or nothing, and an out-of-memory on the first (largest) leaves the
+    /// tensor unchanged. Extra memory: the largest run's new handle, and the next run's too
+    /// while this one is swapped in when it fits in half the free memory (the pipeline of the
+    /// module docs; the other half is left to others). Handles that hold no committed byte
+    /// (slack of a shrink) are released too.
     pub fn consolidate(&self, stream: Stream) -> Result<()> {
         let mut state = self.lock_owned("consolidate")?;
         let needed = self.inner.geometry.needed_runs(&state.segment_bytes);
         let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
-        for step in plan::plan_consolidate(&mapped, &needed) {
-            self.reback(&mut state, &step.old, &step.new, stream)?;
+        let mut steps = plan::plan_consolidate(&mapped, &needed)
+            .into_iter()
+            .peekable();
+        let mut ahead: Option<Staging> = None;
+        while let Some(step) = steps.next() {
+            let mut staging = match ahead.take() {
+                Some(staging) => staging,
+                None => self.stage(&step.new, stream)?,
+            };
+            // The fence: this run's copies have landed, and queued work no longer touches its
+            // old mappings. Work queued after it (the next run's copy) reads other runs only.
+            self.inner.ctx.driver.synchronize()?;
+            staging.copying = false;
+            if let Some(next) = steps.peek() {
+                ahead = self.stage_ahead(&next.new, stream);
+            }
+            let handles = std::mem::take(&mut staging.handles);
+            // On error `ahead` drops, fencing before it unmaps what its copy writes to.
+            self.swap_in(&mut state, &step.old, handles)?;
         }
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
+    }
+
+    /// The next run's staging, made before this run is swapped in, when its new bytes fit in
+    /// half the free memory; `None` otherwise, or if staging fails (the run is then staged in
+    /// its turn, which reports the error if it persists).
+    fn stage_ahead(&self, runs: &[Run], stream: Stream) -> Option<Staging> {
+        let geometry = &self.inner.geometry;
+        let num_bytes: u64 = runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum();
+        let (free_bytes, _) = self.inner.ctx.driver.mem_info().ok()?;
+        if num_bytes > free_bytes / 2 {
+            return None;
+        }
+        self.stage(runs, stream).ok()
     }
 
     /// Replaces the mappings over the `old` runs by fresh handles over the `new` runs (each
@@ -125,21 +173,16 @@ impl ExtensibleTensor {
     /// unmaps the old mappings but releases their handles only once every new one is in, so
     /// a failure maps the old handles back.
     fn reback(&self, state: &mut State, old: &[Run], new: &[Run], stream: Stream) -> Result<()> {
-        let staging = self.stage(new, stream)?;
-        let Staging {
-            aliases,
-            handles,
-            scratch,
-        } = staging;
+        let mut staging = self.stage(new, stream)?;
+        let handles = std::mem::take(&mut staging.handles);
         let replaced = self.replace(state, old, handles);
-        // A tuple drops in order: the scratch mappings go before their reservation.
-        drop((aliases, scratch));
+        // The fence in `replace` has let the copies land, unless it failed.
+        staging.copying = replaced.is_err();
         replaced
     }
 
     /// Replaces the mappings over the `old` runs by `handles` over their runs, all or nothing:
-    /// after the fence, the old mappings are unmapped and the new ones mapped; the old handles
-    /// are released only once every new one is in, so a failure maps them back.
+    /// after the fence, `swap_in`.
     pub(super) fn replace(
         &self,
         state: &mut State,
@@ -148,6 +191,19 @@ impl ExtensibleTensor {
     ) -> Result<()> {
         // The fence: queued work may still touch the old mappings (and copies must land).
         self.inner.ctx.driver.synchronize()?;
+        self.swap_in(state, old, handles)
+    }
+
+    /// `replace` after its fence (which the caller has made since the last work that could
+    /// touch the old mappings was queued): the old mappings are unmapped and the new ones
+    /// mapped; the old handles are released only once every new one is in, so a failure maps
+    /// them back.
+    fn swap_in(
+        &self,
+        state: &mut State,
+        old: &[Run],
+        handles: Vec<(Run, PhysicalHandle)>,
+    ) -> Result<()> {
         let mut unmapped = Vec::with_capacity(old.len());
         let mut added = Vec::with_capacity(handles.len());
         let swapped = self.swap(state, old, handles, &mut unmapped, &mut added);
@@ -169,9 +225,11 @@ impl ExtensibleTensor {
     /// holding a copy of the bytes at each run (ordered on `stream`).
     fn stage(&self, runs: &[Run], stream: Stream) -> Result<Staging> {
         let mut staging = Staging {
+            ctx: Arc::clone(&self.inner.ctx),
             aliases: Vec::with_capacity(runs.len()),
             handles: Vec::with_capacity(runs.len()),
             scratch: None,
+            copying: false,
         };
         if runs.is_empty() {
             return Ok(staging);
@@ -202,6 +260,7 @@ impl ExtensibleTensor {
         ctx.driver.synchronize()?;
         for (alias, (run, _)) in staging.aliases.iter().zip(&staging.handles) {
             let (src, _) = ctx.span(*run);
+            staging.copying = true;
             ctx.driver.copy(alias.va, src, alias.num_bytes, stream)?;
         }
         Ok(staging)
