@@ -333,8 +333,9 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         valid; RDMA registrations of the old pages must be renewed. Runs go largest first,
         `OutOfMemoryError` on the first leaves the tensor as it was; extra memory is the
         largest new handle, or also the next run's (whose copy then overlaps this run's swap)
-        when that fits in half the free memory. Copies run on `stream` (default torch's current one; one
-        given is vouched for by the caller, as for `torch.cuda.ExternalStream`).
+        when that fits in half the free memory. Copies run on `stream` (default torch's
+        current one; one given is vouched for by the caller, as for
+        `torch.cuda.ExternalStream`).
 
         Each run is all or nothing, not the whole call: one that fails past the first run keeps
         every committed byte, segment size and address, but the runs done before it stay
