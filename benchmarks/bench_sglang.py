@@ -2,6 +2,7 @@
 extensible-kv's owner (`extensible_kv.sglang.KvVmmBufferOwner`), side by side in one process.
 
     python3 benchmarks/bench_sglang.py --out DIR [--quick] [--reps 2] [--pause 3] [--gib 120]
+        [--tms] [--contenders ours,tms]
 
 Shapes (the buffers `MHATokenToKVPool` describes with post-capture active: K then V per layer,
 rows of one token, bf16): `8b` (32 layers, 8 KV heads of 128) and `70b_tp8` (80 layers, one KV
@@ -240,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tms-child", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--contenders",
+        help="comma-separated subset of sglang,ours,ours_zero,tms,ours_cap* (default: all)",
+    )
+    parser.add_argument(
         "--caps",
         default="",
         help="comma-separated handle caps in GiB, or `whole` (one handle per run): one more "
@@ -285,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.tms:
             contenders["tms"] = (None, None)
         results["device_name"] = torch.cuda.get_device_name(0)
+    if args.contenders:
+        wanted = args.contenders.split(",")
+        unknown = sorted(set(wanted) - set(contenders))
+        if unknown:
+            parser.error(f"--contenders: unknown {', '.join(unknown)} (of {', '.join(contenders)})")
+        contenders = {name: contenders[name] for name in wanted}
+    if "sglang" in contenders:
         try:
             results["sglang_first_construct_ms"] = first_construct(Sglangs, args)
         except Exception as exc:
