@@ -159,27 +159,37 @@ def test_consolidate_after_a_plain_shrink_drops_the_slack(make_tensor: MakeTenso
     assert torch.equal(t.segment_view(0).cpu(), expected(t, 0, 5 * g, 1))
 
 
+def _two_runs(make_tensor: MakeTensor, g: int, **kw: Any) -> ExtensibleTensor:
+    """Two runs of granules, [0, 6) and [8, 11), each over several handles, filled."""
+    t = make_tensor(2 * 8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g), **kw)
+    for step in (1, 3, 6):
+        t.resize_per_segment_(step * g)
+    t.shrink_per_segment_([6 * g, 3 * g])
+    fill_blocks(t, seed=5)
+    return t
+
+
+def _calls_in_consolidate(make_tensor: MakeTensor, g: int, op: str) -> tuple[int, int]:
+    """How many calls of `op` the two-run setup makes, and then its consolidate."""
+    counter = _two_runs(make_tensor, g, _profile=True)
+    setup = counter._op_times()[op][0]
+    counter.consolidate()
+    total = counter._op_times()[op][0]
+    counter.close()
+    return setup, total - setup
+
+
 def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handles(
     make_tensor: MakeTensor, g: int
 ) -> None:
-    # The README's word: each run is all or nothing, not the whole call. Two runs of
-    # granules, [0, 6) and [8, 11), each over several handles; the second one's create fails.
-    def setup(**kw: Any) -> ExtensibleTensor:
-        t = make_tensor(2 * 8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g), **kw)
-        for step in (1, 3, 6):
-            t.resize_per_segment_(step * g)
-        t.shrink_per_segment_([6 * g, 3 * g])
-        fill_blocks(t, seed=5)
-        return t
-
-    counter = setup(_profile=True)
-    creates = counter._op_times()["create"][0]
-    counter.close()
-    t = setup(_fault=("create", creates + 2, "oom"))
+    # The README's word: each run is all or nothing, not the whole call. The second run's
+    # swap fails: its last map, at the tensor's addresses.
+    setup, maps = _calls_in_consolidate(make_tensor, g, "map")
+    t = _two_runs(make_tensor, g, _fault=("map", setup + maps, "driver"))
     ptr, data, old = t.full_view().data_ptr(), contents(t), t.handle_runs()
     seg1_handles = [run for run in old if run[0] >= 8]
     assert len(seg1_handles) > 1 and len(old) > len(seg1_handles) + 1
-    with pytest.raises(OutOfMemoryError):
+    with pytest.raises(DriverError):
         t.consolidate()
     assert t.segment_bytes == (6 * g, 3 * g)
     assert t.full_view().data_ptr() == ptr
@@ -190,6 +200,23 @@ def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handl
     t.consolidate()  # the fault was one call: again, it finishes
     assert t.handle_runs() == [(0, 6), (8, 3)]
     assert all(torch.equal(a, b) for a, b in zip(contents(t), data, strict=True))
+
+
+def test_a_consolidate_redoes_in_its_turn_a_run_it_could_not_stage_ahead(
+    make_tensor: MakeTensor, g: int
+) -> None:
+    # The second run is staged while the first is swapped in (memory allows, here); its create
+    # then runs out of memory, and the run is staged again once the first has given its old
+    # handles back: the call succeeds (staged in its turn only, the run would have failed).
+    setup, creates = _calls_in_consolidate(make_tensor, g, "create")
+    assert creates == 2
+    t = _two_runs(make_tensor, g, _fault=("create", setup + 2, "oom"))
+    data = contents(t)
+    t.consolidate()
+    assert t.handle_runs() == [(0, 6), (8, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(contents(t), data, strict=True))
+    assert t.take_deferred_errors() == []
+    t._check_invariants()
 
 
 def test_shrink_refuses_what_it_cannot_do(make_tensor: MakeTensor, g: int) -> None:
