@@ -36,14 +36,18 @@ fn build(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor)
     (host, faulty, tensor)
 }
 
-/// How many calls of `op` the second grow makes.
-fn calls_in_second_grow(op: Op) -> u64 {
-    let never = Fault {
+/// A fault on no call of `op`: the driver only counts the calls.
+fn never(op: Op) -> Fault {
+    Fault {
         op,
         nth: u64::MAX,
         kind: FaultKind::Driver,
-    };
-    let (_, faulty, tensor) = build(never);
+    }
+}
+
+/// How many calls of `op` the second grow makes.
+fn calls_in_second_grow(op: Op) -> u64 {
+    let (_, faulty, tensor) = build(never(op));
     let before = faulty.calls(op);
     tensor
         .resize_per_segment(SEGMENT, GrowOptions::zeroed())
@@ -216,6 +220,32 @@ fn consolidate(tensor: &ExtensibleTensor) -> extensible_kv::Result<()> {
 }
 
 type Operation = fn(&ExtensibleTensor) -> extensible_kv::Result<()>;
+/// Closes `tensor` (whatever errors it kept) and drops it and its backend: no memfd of the
+/// backend's may be left open or mapped. Whatever a failed clean-up left, the driver's own
+/// teardown reclaims.
+fn closes_without_a_leak(host: Arc<HostDriver>, tensor: ExtensibleTensor, what: &str) {
+    let name_fd = host.memfd_name().to_string();
+    let _ = tensor.close();
+    let _ = tensor.take_deferred_errors();
+    drop(tensor);
+    drop(host);
+    assert_eq!(common::proc_memfds(&name_fd), (0, 0), "{what}");
+}
+
+type Builder = fn(Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor);
+
+/// Every fault that `operation` on a tensor from `build` can meet at a call of `op`: each of
+/// its calls (counted on a tensor built with no fault), failing as a driver error and as an
+/// out-of-memory. `nth` counts the setup's calls too.
+fn faults_in(op: Op, build: Builder, operation: Operation) -> Vec<Fault> {
+    let (_, counter, tensor) = build(never(op));
+    let setup = counter.calls(op);
+    operation(&tensor).unwrap();
+    let kinds = [FaultKind::Driver, FaultKind::OutOfMemory];
+    (setup + 1..=counter.calls(op))
+        .flat_map(|nth| kinds.map(|kind| Fault { op, nth, kind }))
+        .collect()
+}
 
 /// Two segments of 3.5 granules grown in one-granule handles and filled with a pattern.
 fn build_full(fault: Fault) -> (Arc<HostDriver>, Arc<FaultyDriver>, ExtensibleTensor) {
@@ -241,67 +271,46 @@ fn every_failed_call_of_a_shrink_or_consolidate_leaves_the_tensor_unchanged() {
     let mut injected = 0;
     for (name, operation) in operations {
         for op in Op::ALL {
-            let never = Fault {
-                op,
-                nth: u64::MAX,
-                kind: FaultKind::Driver,
-            };
-            let (_, counter, tensor) = build_full(never);
-            let setup = counter.calls(op);
-            operation(&tensor).unwrap();
-            let calls = counter.calls(op) - setup;
-            for k in 1..=calls {
-                for kind in [FaultKind::Driver, FaultKind::OutOfMemory] {
-                    let fault = Fault {
-                        op,
-                        nth: setup + k,
-                        kind,
-                    };
-                    let (host, _, tensor) = build_full(fault);
-                    let name_fd = host.memfd_name().to_string();
-                    let snapshot = |t: &ExtensibleTensor| {
-                        (
-                            t.segment_bytes(),
-                            t.handle_runs(),
-                            common::read(t, 0, 2 * SEGMENT),
-                        )
-                    };
-                    let before = snapshot(&tensor);
-                    let result = operation(&tensor);
-                    if let Err(err) = &result {
-                        assert_eq!(
-                            snapshot(&tensor),
-                            before,
-                            "{name}: {op} call {k} ({kind:?}) changed the tensor: {err}"
-                        );
-                        assert!(tensor.take_deferred_errors().is_empty());
-                        tensor.check_invariants().unwrap();
-                        operation(&tensor).unwrap();
-                        injected += 1;
-                    } else {
-                        // A clean-up call after the swap (releasing an old handle, unmapping
-                        // the scratch copy): the operation took effect, the error is kept.
-                        assert!(
-                            matches!(op, Op::Release | Op::Unmap | Op::FreeReservation),
-                            "{name}: {op} call {k} did not fail the operation"
-                        );
-                        assert!(!tensor.take_deferred_errors().is_empty());
-                    }
+            for fault in faults_in(op, build_full, operation) {
+                let (k, kind) = (fault.nth, fault.kind);
+                let (host, _, tensor) = build_full(fault);
+                let snapshot = |t: &ExtensibleTensor| {
+                    (
+                        t.segment_bytes(),
+                        t.handle_runs(),
+                        common::read(t, 0, 2 * SEGMENT),
+                    )
+                };
+                let before = snapshot(&tensor);
+                let result = operation(&tensor);
+                if let Err(err) = &result {
+                    assert_eq!(
+                        snapshot(&tensor),
+                        before,
+                        "{name}: {op} call {k} ({kind:?}) changed the tensor: {err}"
+                    );
+                    assert!(tensor.take_deferred_errors().is_empty());
                     tensor.check_invariants().unwrap();
-                    let sizes = tensor.segment_bytes();
-                    for (s, &num_bytes) in sizes.iter().enumerate() {
-                        let offset = s as u64 * SEGMENT;
-                        let all = pattern_of(0, 2 * SEGMENT);
-                        let want = &all[offset as usize..(offset + num_bytes) as usize];
-                        assert_eq!(common::read(&tensor, offset, num_bytes), want);
-                    }
-                    let _ = tensor.close();
-                    let _ = tensor.take_deferred_errors();
-                    drop(tensor);
-                    // Whatever a failed clean-up left, the driver's own teardown reclaims.
-                    drop(host);
-                    assert_eq!(common::proc_memfds(&name_fd), (0, 0), "{name}: {op} {k}");
+                    operation(&tensor).unwrap();
+                    injected += 1;
+                } else {
+                    // A clean-up call after the swap (releasing an old handle, unmapping
+                    // the scratch copy): the operation took effect, the error is kept.
+                    assert!(
+                        matches!(op, Op::Release | Op::Unmap | Op::FreeReservation),
+                        "{name}: {op} call {k} did not fail the operation"
+                    );
+                    assert!(!tensor.take_deferred_errors().is_empty());
                 }
+                tensor.check_invariants().unwrap();
+                let sizes = tensor.segment_bytes();
+                for (s, &num_bytes) in sizes.iter().enumerate() {
+                    let offset = s as u64 * SEGMENT;
+                    let all = pattern_of(0, 2 * SEGMENT);
+                    let want = &all[offset as usize..(offset + num_bytes) as usize];
+                    assert_eq!(common::read(&tensor, offset, num_bytes), want);
+                }
+                closes_without_a_leak(host, tensor, &format!("{name}: {op} {k}"));
             }
         }
     }
@@ -335,12 +344,7 @@ fn two_steps_intact(tensor: &ExtensibleTensor) {
 
 #[test]
 fn a_consolidation_copies_the_next_run_while_it_swaps_this_one_in() {
-    let never = Fault {
-        op: Op::Create,
-        nth: u64::MAX,
-        kind: FaultKind::Driver,
-    };
-    let (_, faulty, tensor) = build_two_steps(never);
+    let (_, faulty, tensor) = build_two_steps(never(Op::Create));
     let skip = faulty.log().len();
     tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
     two_steps_intact(&tensor);
@@ -373,50 +377,30 @@ fn a_consolidation_copies_the_next_run_while_it_swaps_this_one_in() {
 fn every_failed_call_of_a_pipelined_consolidation_keeps_the_bytes_and_leaks_nothing() {
     let mut injected = 0;
     for op in Op::ALL {
-        let never = Fault {
-            op,
-            nth: u64::MAX,
-            kind: FaultKind::Driver,
-        };
-        let (_, counter, tensor) = build_two_steps(never);
-        let setup = counter.calls(op);
-        tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
-        let calls = counter.calls(op) - setup;
-        for k in 1..=calls {
-            for kind in [FaultKind::Driver, FaultKind::OutOfMemory] {
-                let fault = Fault {
-                    op,
-                    nth: setup + k,
-                    kind,
-                };
-                let (host, _, tensor) = build_two_steps(fault);
-                let name_fd = host.memfd_name().to_string();
-                let before = tensor.handle_runs();
-                let result = tensor.consolidate(extensible_kv::Stream::DEFAULT);
-                // A run is all or nothing, whichever call failed: in the staging ahead (the
-                // run is then staged again in its turn), in a run's own staging or swap, or
-                // in a clean-up after the swap (kept for take_deferred_errors).
-                two_steps_intact(&tensor);
-                let after = tensor.handle_runs();
-                match &result {
-                    Err(_) => {
-                        injected += 1;
-                        assert!(after.len() >= 4, "{op} {k} {kind:?}: {after:?}");
-                        assert!(after
-                            .iter()
-                            .all(|r| before.contains(r) || r.num_granules == 3));
-                    }
-                    Ok(()) => assert_eq!(after.len(), 2, "{op} {k} {kind:?}"),
+        for fault in faults_in(op, build_two_steps, consolidate) {
+            let (k, kind) = (fault.nth, fault.kind);
+            let (host, _, tensor) = build_two_steps(fault);
+            let before = tensor.handle_runs();
+            let result = tensor.consolidate(extensible_kv::Stream::DEFAULT);
+            // A run is all or nothing, whichever call failed: in the staging ahead (the
+            // run is then staged again in its turn), in a run's own staging or swap, or
+            // in a clean-up after the swap (kept for take_deferred_errors).
+            two_steps_intact(&tensor);
+            let after = tensor.handle_runs();
+            match &result {
+                Err(_) => {
+                    injected += 1;
+                    assert!(after.len() >= 4, "{op} {k} {kind:?}: {after:?}");
+                    assert!(after
+                        .iter()
+                        .all(|r| before.contains(r) || r.num_granules == 3));
                 }
-                tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
-                two_steps_intact(&tensor);
-                assert_eq!(tensor.num_handles(), 2);
-                let _ = tensor.close();
-                let _ = tensor.take_deferred_errors();
-                drop(tensor);
-                drop(host);
-                assert_eq!(common::proc_memfds(&name_fd), (0, 0), "{op} {k} {kind:?}");
+                Ok(()) => assert_eq!(after.len(), 2, "{op} {k} {kind:?}"),
             }
+            tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
+            two_steps_intact(&tensor);
+            assert_eq!(tensor.num_handles(), 2);
+            closes_without_a_leak(host, tensor, &format!("{op} {k} {kind:?}"));
         }
     }
     assert!(injected >= 20, "only {injected} faults injected");
