@@ -3,18 +3,23 @@ and the release + recommit that peers do instead (discarding the contents), besi
 copy floor measured in the same run.
 
     python3 benchmarks/bench_shrink.py --out DIR [--gib 120] [--reps 3] [--pause 3] [--profile]
-        [--segments 4] [--scrub]
+        [--segments 4] [--scrub] [--steps]
 
 - shrink: a one-segment cache of `--gib` GiB (default cut, 1 GiB cap) shrunk to a bit over
   half (the frontier inside a handle): `plain` releases the handles past it and keeps the one
   that straddles it; `exact` also replaces that one by a handle of its live granules, copying
   them. Contents are checked after each.
 - consolidate: `--segments` (4) segments grown to `--gib` * 5/6 GiB in all in 64 steps, then
-  backed by one handle per segment (every byte copied once, one segment at a time); the copy
-  floor is one segment's copy times the segments. 80 segments is a 70B TP8 LBNHC cache's.
+  backed by one handle per segment (every byte copied once, a segment's copy overlapping the
+  previous segment's swap when there is room); the copy floor is one segment's copy times the
+  segments. 80 segments is a 70B TP8 LBNHC cache's.
 - release + recommit: drop everything and grow back to the same size, zeroed (what vLLM 0.34's
   `commit(shrink=True)` and `commit(defragment=True)` do: the contents are lost).
 - floor: `torch` device copy of the same bytes between two preallocated buffers.
+- `--scrub`: a segment's bytes released, then created as one handle after 0-1000 ms.
+- `--steps`: consolidate's steps one at a time (create a segment's new handle, copy, release
+  the old), back to back and 1 s apart: each create's wait for the scrub of what the step
+  before released.
 
 Steady state: a pause before each repetition (docs/design.md §2: the driver scrubs released
 memory in the background). Prints a markdown table, writes DIR/bench_shrink.json.
@@ -33,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +183,67 @@ def scrub_once(num_bytes: int, delay_s: float, pause_s: float, created: int) -> 
     }
 
 
+STEP_GAPS_S = (0.0, 1.0)
+
+
+def steps_once(per_segment: int, segments: int, gap_s: float, pause_s: float) -> dict[str, Any]:
+    """`consolidate`'s steps by hand, each timed alone: `segments` tensors of `per_segment`
+    bytes grown in 22 steps, then for each, one new handle of `per_segment` bytes created, a
+    copy into it, and the old tensor released; `gap_s` after each release. On a full device
+    every create but the first needs what the step before released: with no gap it waits for
+    the driver's scrub of it, a second later it does not."""
+    from extensible_kv import ExtensibleTensor, HandleSizing
+
+    device = torch.device(DEVICE)
+    g = new_tensor(1, 1).granularity
+    olds = []
+    for _ in range(segments):
+        t = new_tensor(per_segment, 1)
+        for step in range(1, 23):
+            t.resize_(per_segment * step // 22 // g * g or g, zero_new=False)
+        olds.append(t)
+    settle(pause_s, device)
+    rows, news = [], []
+    for old in olds:
+        new = ExtensibleTensor(
+            per_segment, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=PROFILE
+        )
+        row = {"create_ms": timed_ms(partial(new.resize_, per_segment, zero_new=False), device)[0]}
+        # The view after the grow: before it, segment 0 holds no bytes.
+        copy = partial(new.segment_view(0).copy_, old.segment_view(0))
+        row["copy_ms"] = timed_ms(copy, device)[0]
+        del copy  # its views: `close` refuses while any is alive
+        row["release_ms"] = timed_ms(old.close, device)[0]
+        rows.append(row)
+        news.append(new)
+        time.sleep(gap_s)
+    for new in news:
+        new.close()
+    settle(pause_s, device)
+    return {"gap_s": gap_s, "old_handles": segments, "steps": rows}
+
+
+def steps_table(runs: list[dict[str, Any]], per_segment: int) -> str:
+    lines = [
+        "",
+        f"### Consolidate's steps one at a time: {per_segment / GIB:.2f} GiB a step",
+        "",
+        "| gap after each release s | first create ms | later creates ms | copies ms "
+        "| releases ms |",
+        "|---|---|---|---|---|",
+    ]
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+    for run in runs:
+        rows = run["steps"]
+        cells = [f"{rows[0]['create_ms']:.1f}", spread([r["create_ms"] for r in rows[1:]])]
+        cells += [spread([r[k] for r in rows]) for k in ("copy_ms", "release_ms")]
+        lines.append(f"| {run['gap_s']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def copy_floor(num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
@@ -197,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--scrub", action="store_true", help="create right after a release, by delay"
+    )
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="consolidate's steps one at a time, back to back and 1 s apart",
     )
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (small sizes)")
     args = parser.parse_args(argv)
@@ -230,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         half = per_segment // 2 // g * g
         res["scrub"] = [scrub_once(per_segment, d, args.pause, per_segment) for d in SCRUB_DELAYS_S]
         res["scrub"].append(scrub_once(per_segment, 0.0, args.pause, half))
+    if args.steps:
+        gaps = (0.0, 0.01) if DEVICE == "cpu" else STEP_GAPS_S
+        res["steps"] = [steps_once(per_segment, n, gap, args.pause) for gap in gaps]
     settle(args.pause, torch.device(DEVICE))
     res["copy_floor_ms"] = {
         "straddler": copy_floor(straddler),
@@ -283,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_table(res))
     if "scrub" in res:
         print(scrub_table(res["scrub"], per_segment))
+    if "steps" in res:
+        print(steps_table(res["steps"], per_segment))
     print(f"\nJSON: {args.out / 'bench_shrink.json'}")
     return 0
 

@@ -14,6 +14,7 @@ import pytest
 def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = bench_scripts.load("bench_shrink")
     argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--profile", "--scrub"]
+    argv.append("--steps")
     assert bench.main(argv) == 0
     res = json.loads((tmp_path / "bench_shrink.json").read_text())
     assert all(run["ok"] for step in ("plain", "exact", "consolidate") for run in res[step])
@@ -24,8 +25,13 @@ def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert [row["delay_s"] for row in scrub] == [*bench.SCRUB_DELAYS_S, 0.0]
     assert scrub[-1]["created"] < scrub[0]["created"] == res["per_segment"]
     assert all(row["ops"]["create"][0] == 1 for row in scrub)  # one handle each
+    steps = res["steps"]
+    assert [run["gap_s"] for run in steps] == [0.0, 0.01]
+    assert all(len(run["steps"]) == res["segments"] for run in steps)
+    assert all(row["create_ms"] > 0 and row["copy_ms"] > 0 for run in steps for row in run["steps"])
     out = capsys.readouterr().out
     assert "### The scrub:" in out and "### Where the time goes" in out
+    assert "### Consolidate's steps one at a time" in out
 
 
 def test_bench_layouts_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
