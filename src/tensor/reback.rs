@@ -158,13 +158,17 @@ impl ExtensibleTensor {
     /// half the free memory; `None` otherwise, or if staging fails (the run is then staged in
     /// its turn, which reports the error if it persists).
     fn stage_ahead(&self, runs: &[Run], stream: Stream) -> Option<Staging> {
-        let geometry = &self.inner.geometry;
-        let num_bytes: u64 = runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum();
         let (free_bytes, _) = self.inner.ctx.driver.mem_info().ok()?;
-        if num_bytes > free_bytes / 2 {
+        if self.runs_bytes(runs) > free_bytes / 2 {
             return None;
         }
         self.stage(runs, stream).ok()
+    }
+
+    /// The bytes of granule `runs` (what staging them takes).
+    fn runs_bytes(&self, runs: &[Run]) -> u64 {
+        let geometry = &self.inner.geometry;
+        runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum()
     }
 
     /// Replaces the mappings over the `old` runs by fresh handles over the `new` runs (each
@@ -235,7 +239,7 @@ impl ExtensibleTensor {
             return Ok(staging);
         }
         let (ctx, geometry) = (&self.inner.ctx, &self.inner.geometry);
-        let total: u64 = runs.iter().map(|&r| geometry.run_bytes(r).num_bytes).sum();
+        let total = self.runs_bytes(runs);
         let va = ctx.driver.reserve(total)?;
         staging.scratch = Some(ScratchReservation {
             ctx: Arc::clone(ctx),
