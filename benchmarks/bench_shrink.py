@@ -55,6 +55,23 @@ def new_tensor(max_bytes: int, num_segments: int) -> Any:
     return ExtensibleTensor(max_bytes, num_segments, DEVICE, _profile=PROFILE)
 
 
+def grow_in_steps(t: Any, num_bytes: int, steps: int, zero_new: bool) -> None:
+    """Grows every segment of `t` to `num_bytes` in `steps` granule-aligned grows: one handle
+    or more per grow, as a cache that grew with its load holds them."""
+    g = t.granularity
+    for step in range(1, steps + 1):
+        t.resize_per_segment_(num_bytes * step // steps // g * g or g, zero_new=zero_new)
+
+
+def one_handle_tensor(num_bytes: int, profile: bool) -> Any:
+    """A one-segment tensor whose grows make one handle per run: what consolidate creates."""
+    from extensible_kv import ExtensibleTensor, HandleSizing
+
+    return ExtensibleTensor(
+        num_bytes, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=profile
+    )
+
+
 def ops(t: Any) -> dict[str, list[float]]:
     """The driver calls since the last call, `{op: [calls, host ms]}` (empty unless profiling)."""
     if not PROFILE:
@@ -117,9 +134,7 @@ def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str,
 def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[str, Any]:
     # Room past each segment's prefix keeps the segments' runs apart: one handle each.
     t = new_tensor(segments * (per_segment + GIB), segments)
-    g = t.granularity
-    for step in range(1, 65):
-        t.resize_per_segment_(per_segment * step // 64 // g * g or g)
+    grow_in_steps(t, per_segment, 64, zero_new=True)
     stamp(t)
     handles_before = t.num_handles
     settle(pause_s, torch.device(DEVICE))
@@ -160,16 +175,12 @@ def scrub_once(num_bytes: int, delay_s: float, pause_s: float, created: int) -> 
     freed just before -- what each step of `consolidate` but the first meets. With `created`
     below `num_bytes` and that much never-freed memory free besides, it tells whether create
     waits for the pages it takes or for every pending scrub."""
-    from extensible_kv import ExtensibleTensor, HandleSizing
-
     old = new_tensor(num_bytes, 1)
     old.resize_(num_bytes, zero_new=False)
     settle(pause_s, torch.device(DEVICE))
     release_ms, _ = timed_ms(old.close, torch.device(DEVICE))
     time.sleep(delay_s)
-    new = ExtensibleTensor(
-        created, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=True
-    )
+    new = one_handle_tensor(created, profile=True)
     ms, _ = timed_ms(lambda: new.resize_(created, zero_new=False), torch.device(DEVICE))
     calls = driver_calls(new, reset=False)
     new.close()
@@ -192,22 +203,15 @@ def steps_once(per_segment: int, segments: int, gap_s: float, pause_s: float) ->
     copy into it, and the old tensor released; `gap_s` after each release. On a full device
     every create but the first needs what the step before released: with no gap it waits for
     the driver's scrub of it, a second later it does not."""
-    from extensible_kv import ExtensibleTensor, HandleSizing
-
     device = torch.device(DEVICE)
-    g = new_tensor(1, 1).granularity
-    olds = []
-    for _ in range(segments):
-        t = new_tensor(per_segment, 1)
-        for step in range(1, 23):
-            t.resize_(per_segment * step // 22 // g * g or g, zero_new=False)
-        olds.append(t)
+    olds = [new_tensor(per_segment, 1) for _ in range(segments)]
+    for old in olds:
+        grow_in_steps(old, per_segment, 22, zero_new=False)
+    old_handles = olds[0].num_handles
     settle(pause_s, device)
     rows, news = [], []
     for old in olds:
-        new = ExtensibleTensor(
-            per_segment, 1, DEVICE, handle_sizing=HandleSizing("whole_runs"), _profile=PROFILE
-        )
+        new = one_handle_tensor(per_segment, profile=PROFILE)
         row = {"create_ms": timed_ms(partial(new.resize_, per_segment, zero_new=False), device)[0]}
         # The view after the grow: before it, segment 0 holds no bytes.
         copy = partial(new.segment_view(0).copy_, old.segment_view(0))
@@ -220,7 +224,7 @@ def steps_once(per_segment: int, segments: int, gap_s: float, pause_s: float) ->
     for new in news:
         new.close()
     settle(pause_s, device)
-    return {"gap_s": gap_s, "old_handles": segments, "steps": rows}
+    return {"gap_s": gap_s, "old_handles": old_handles, "steps": rows}
 
 
 def steps_table(runs: list[dict[str, Any]], per_segment: int) -> str:
