@@ -9,8 +9,8 @@
 //!
 //! A consolidation of several runs is a pipeline when memory allows: the next run's handles are
 //! staged and its copy queued before this run is swapped in, so the device copies the next run
-//! while the host swaps this one in; this run's old handles are released on a second thread
-//! meanwhile (0.4-0.9 ms per GiB released against 0.5 ms per GiB copied on the H200).
+//! while the host swaps this one and releases its old handles (host calls as long as the copy:
+//! 0.4 ms per GiB released against 0.5 ms per GiB copied on the H200).
 
 use std::sync::Arc;
 
@@ -133,40 +133,23 @@ impl ExtensibleTensor {
         let mut steps = plan::plan_consolidate(&mapped, &needed)
             .into_iter()
             .peekable();
-        // A run's old handles are released on a second thread while this one waits for the
-        // next run's copy (in the fence and in the unmaps, which wait for queued work):
-        // `cuMemRelease` costs about 0.5 ms per GiB on the H200, as much as the copy, and
-        // serially it was half of a consolidation with room. One such thread at a time; all
-        // have ended when this returns, so the memory is back and their errors deferred.
-        std::thread::scope(|scope| {
-            let mut releasing: Option<std::thread::ScopedJoinHandle<'_, ()>> = None;
-            let mut ahead: Option<Staging> = None;
-            while let Some(step) = steps.next() {
-                let mut staging = match ahead.take() {
-                    Some(staging) => staging,
-                    None => {
-                        // Memory was short for staging ahead: this run may need what the
-                        // last one's old handles hold.
-                        join(releasing.take());
-                        self.stage(&step.new, stream)?
-                    }
-                };
-                // The fence: this run's copies have landed, and queued work no longer touches
-                // its old mappings. Work queued after it (the next run's copy) reads other
-                // runs only.
-                self.inner.ctx.driver.synchronize()?;
-                staging.copying = false;
-                if let Some(next) = steps.peek() {
-                    ahead = self.stage_ahead(&next.new, stream);
-                }
-                let handles = std::mem::take(&mut staging.handles);
-                // On error `ahead` drops, fencing before it unmaps what its copy writes to.
-                let old = self.swap_in(&mut state, &step.old, handles)?;
-                join(releasing.take());
-                releasing = Some(scope.spawn(move || drop(old)));
+        let mut ahead: Option<Staging> = None;
+        while let Some(step) = steps.next() {
+            let mut staging = match ahead.take() {
+                Some(staging) => staging,
+                None => self.stage(&step.new, stream)?,
+            };
+            // The fence: this run's copies have landed, and queued work no longer touches its
+            // old mappings. Work queued after it (the next run's copy) reads other runs only.
+            self.inner.ctx.driver.synchronize()?;
+            staging.copying = false;
+            if let Some(next) = steps.peek() {
+                ahead = self.stage_ahead(&next.new, stream);
             }
-            Ok(())
-        })?;
+            let handles = std::mem::take(&mut staging.handles);
+            // On error `ahead` drops, fencing before it unmaps what its copy writes to.
+            self.swap_in(&mut state, &step.old, handles)?;
+        }
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
     }
@@ -199,18 +182,17 @@ impl ExtensibleTensor {
         let replaced = self.replace(state, old, handles);
         // The fence in `replace` has let the copies land, unless it failed.
         staging.copying = replaced.is_err();
-        replaced.map(drop) // releases the old handles
+        replaced
     }
 
     /// Replaces the mappings over the `old` runs by `handles` over their runs, all or nothing:
-    /// after the fence, `swap_in`. Returns the old handles, unmapped: dropping them releases
-    /// them.
+    /// after the fence, `swap_in`.
     pub(super) fn replace(
         &self,
         state: &mut State,
         old: &[Run],
         handles: Vec<(Run, PhysicalHandle)>,
-    ) -> Result<Vec<(Run, PhysicalHandle)>> {
+    ) -> Result<()> {
         // The fence: queued work may still touch the old mappings (and copies must land).
         self.inner.ctx.driver.synchronize()?;
         self.swap_in(state, old, handles)
@@ -218,31 +200,29 @@ impl ExtensibleTensor {
 
     /// `replace` after its fence (which the caller has made since the last work that could
     /// touch the old mappings was queued): the old mappings are unmapped and the new ones
-    /// mapped. On success it returns the old handles, unmapped, for the caller to release (by
-    /// dropping them) once every new one is in; a failure maps them back.
+    /// mapped; the old handles are released only once every new one is in, so a failure maps
+    /// them back.
     fn swap_in(
         &self,
         state: &mut State,
         old: &[Run],
         handles: Vec<(Run, PhysicalHandle)>,
-    ) -> Result<Vec<(Run, PhysicalHandle)>> {
+    ) -> Result<()> {
         let mut unmapped = Vec::with_capacity(old.len());
         let mut added = Vec::with_capacity(handles.len());
-        match self.swap(state, old, handles, &mut unmapped, &mut added) {
-            Ok(()) => {
-                for mapping in added {
-                    state.mappings.insert(mapping);
-                }
-                Ok(unmapped)
+        let swapped = self.swap(state, old, handles, &mut unmapped, &mut added);
+        if swapped.is_ok() {
+            for mapping in added {
+                state.mappings.insert(mapping);
             }
-            Err(err) => {
-                drop(added);
-                for (run, handle) in unmapped {
-                    self.map_back(state, run, handle);
-                }
-                Err(err)
+            drop(unmapped); // releases the old handles
+        } else {
+            drop(added);
+            for (run, handle) in unmapped {
+                self.map_back(state, run, handle);
             }
         }
+        swapped
     }
 
     /// `reback`'s first half: fresh handles for `runs` at a scratch reservation, accessible and
@@ -334,16 +314,6 @@ impl ExtensibleTensor {
                 state.mappings.insert(mapping);
             }
             Err(err) => ctx.defer(Err(err)),
-        }
-    }
-}
-
-/// Waits for a thread that releases handles; a panic there (a destructor never panics) goes on
-/// here.
-fn join(thread: Option<std::thread::ScopedJoinHandle<'_, ()>>) {
-    if let Some(thread) = thread {
-        if let Err(panic) = thread.join() {
-            std::panic::resume_unwind(panic);
         }
     }
 }
