@@ -343,14 +343,12 @@ fn two_steps_intact(tensor: &ExtensibleTensor) {
 }
 
 #[test]
-fn a_consolidation_copies_the_next_run_while_it_releases_this_ones_old_handles() {
-    let (host, faulty, tensor) = build_two_steps(never(Op::Create));
+fn a_consolidation_copies_the_next_run_while_it_swaps_this_one_in() {
+    let (_, faulty, tensor) = build_two_steps(never(Op::Create));
     let skip = faulty.log().len();
     tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
     two_steps_intact(&tensor);
     assert_eq!(tensor.num_handles(), 2);
-    // The old handles and the scratch reservations went before consolidate returned.
-    assert_eq!(host.live_counts(), (2, 2, 1));
     let log = &faulty.log()[skip..];
     let at = |op: Op| -> Vec<usize> { (0..log.len()).filter(|&i| log[i] == op).collect() };
     let (copies, releases) = (at(Op::Copy), at(Op::Release));
@@ -366,12 +364,6 @@ fn a_consolidation_copies_the_next_run_while_it_releases_this_ones_old_handles()
         .filter(|&i| log[i] == Op::Unmap && (i == 0 || log[i - 1] != Op::Unmap))
         .collect();
     assert_eq!(unmap_groups.len(), 4, "{log:?}");
-    // The first run's old mappings were unmapped before the second copy was queued (an unmap
-    // waits for queued work on a device), and released after it.
-    assert!(
-        unmap_groups[0] < copies[1],
-        "the first run was unmapped behind the second copy: {log:?}"
-    );
     for (run, &copy) in copies.iter().enumerate() {
         let first_unmap = unmap_groups[2 * run];
         assert!(

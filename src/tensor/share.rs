@@ -383,7 +383,7 @@ impl ExtensibleTensor {
         gone.sort_unstable();
         let handles = self.import_handles(description, &new, fds)?;
         if !gone.is_empty() || !handles.is_empty() {
-            drop(self.replace(&mut state, &gone, handles)?); // releases the gone handles
+            self.replace(&mut state, &gone, handles)?;
         }
         state.segment_bytes.clone_from(&description.segment_bytes);
         debug_assert_eq!(super::check_state(&self.inner, &state), Ok(()));
