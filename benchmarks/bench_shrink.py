@@ -12,7 +12,9 @@ copy floor measured in the same run.
 - consolidate: `--segments` (4) segments grown to `--gib` * 5/6 GiB in all in 64 steps, then
   backed by one handle per segment (every byte copied once, a segment's copy overlapping the
   previous segment's swap when there is room); the copy floor is one segment's copy times the
-  segments. 80 segments is a 70B TP8 LBNHC cache's.
+  segments. 80 segments is a 70B TP8 LBNHC cache's. Beside it, the teardown of the old handles
+  alone (a tensor grown the same way, `release_physical`): the driver's unmaps and releases,
+  which no order of calls avoids and which the copies cannot hide (the driver serialises them).
 - release + recommit: drop everything and grow back to the same size, zeroed (what vLLM 0.34's
   `commit(shrink=True)` and `commit(defragment=True)` do: the contents are lost).
 - floor: `torch` device copy of the same bytes between two preallocated buffers.
@@ -146,6 +148,14 @@ def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[st
         "handles": [handles_before, t.num_handles],
         "ok": stamped_ok(t),
     }
+    t.close()
+    # The driver's part that no order of calls avoids: unmapping and releasing the old handles
+    # (a tensor grown the same way, released alone). Its cost goes with the handles and bytes,
+    # not the calls (one unmap over adjacent mappings cost as much as one per mapping).
+    t = new_tensor(segments * (per_segment + GIB), segments)
+    grow_in_steps(t, per_segment, 64, zero_new=True)
+    settle(pause_s, torch.device(DEVICE))
+    out["old_teardown_ms"], out["old_teardown_ops"] = timed_step(t, t.release_physical)
     t.close()
     return out
 
@@ -357,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         f"consolidate / floor = {cons_ms / (n * floor_seg):.2f}. "
         f"{straddler / (1 << 20):.0f} MiB copy: "
         f"{res['copy_floor_ms']['straddler']:.2f} ms."
+    )
+    old_runs = [r["old_teardown_ms"] for r in res["consolidate"]]
+    old_ms = statistics.median(old_runs)
+    print(
+        "Teardown of the old handles alone (the same growth, `release_physical`): "
+        f"{old_ms:.1f} ms ({', '.join(f'{v:.1f}' for v in old_runs)}); "
+        f"consolidate / (copy floor + that) = {cons_ms / (n * floor_seg + old_ms):.2f}."
     )
     if PROFILE:
         print(profile_table(res))

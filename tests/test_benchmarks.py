@@ -21,6 +21,10 @@ def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     (consolidated,) = res["consolidate"]
     assert consolidated["handles"][1] == 4 < consolidated["handles"][0]
     assert consolidated["ops"]["copy"][0] == 4  # one copy per segment, profiled
+    # The old handles' teardown alone: every one of them unmapped and released, nothing copied.
+    teardown = consolidated["old_teardown_ops"]
+    assert teardown["release"][0] == consolidated["handles"][0] and "copy" not in teardown
+    assert consolidated["old_teardown_ms"] > 0
     scrub = res["scrub"]
     assert [row["delay_s"] for row in scrub] == [*bench.SCRUB_DELAYS_S, 0.0]
     assert scrub[-1]["created"] < scrub[0]["created"] == res["per_segment"]
