@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (ours alone)")
     parser.add_argument("--profile", action="store_true", help="driver calls per step of ours")
     parser.add_argument("--kinds", help=f"a subset of {','.join(LABELS)} (default: all)")
+    parser.add_argument(
+        "--cases", help="only the cases whose name contains one of these (comma-separated)"
+    )
     parser.add_argument("--cpu-bytes", type=int, default=512 << 20, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 2)
@@ -330,7 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(json.dumps(results["environment"]))
     failed = False
-    for case in cases(args.quick):
+    chosen = cases(args.quick)
+    if args.cases:
+        wanted_cases = args.cases.split(",")
+        chosen = [c for c in chosen if any(w in c.name for w in wanted_cases)]
+        if not chosen:
+            parser.error(f"--cases: {args.cases} names none of the cases")
+    for case in chosen:
         log(f"{case.name}")
         try:
             results["cases"][case.name] = bench_case(case, device, contender, args)

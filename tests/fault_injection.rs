@@ -344,11 +344,13 @@ fn two_steps_intact(tensor: &ExtensibleTensor) {
 
 #[test]
 fn a_consolidation_copies_the_next_run_while_it_swaps_this_one_in() {
-    let (_, faulty, tensor) = build_two_steps(never(Op::Create));
+    let (host, faulty, tensor) = build_two_steps(never(Op::Create));
     let skip = faulty.log().len();
     tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
     two_steps_intact(&tensor);
     assert_eq!(tensor.num_handles(), 2);
+    // The old handles and the scratch reservations went before consolidate returned.
+    assert_eq!(host.live_counts(), (2, 2, 1));
     let log = &faulty.log()[skip..];
     let at = |op: Op| -> Vec<usize> { (0..log.len()).filter(|&i| log[i] == op).collect() };
     let (copies, releases) = (at(Op::Copy), at(Op::Release));

@@ -30,3 +30,14 @@ def test_bench_vllm_smoke(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixtu
             assert run["ops"]["free"]["release"][0] == entry["ours"]["chunks_after_defragment"]
     out = capsys.readouterr().out
     assert "| extend |" in out and "Driver calls (calls/host ms):" in out
+
+
+def test_bench_vllm_cases_picks_by_name(vllm: Any, tmp_path: Path) -> None:
+    bench = bench_scripts.load("bench_vllm")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--pause", "0"]
+    argv += ["--budget-gib", "0.25", "--cases", "BLNHC"]
+    assert bench.main(argv) == 0
+    results = json.loads((tmp_path / "bench_vllm.json").read_text())
+    assert list(results["cases"]) == ["Llama-3-8B, BLNHC (block-outermost: one segment)"]
+    with pytest.raises(SystemExit):
+        bench.main([*argv[:-1], "no such case"])
