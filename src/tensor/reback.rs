@@ -11,6 +11,11 @@
 //! staged and its copy queued before this run is swapped in, so the device copies the next run
 //! while the host swaps this one and releases its old handles (host calls as long as the copy:
 //! 0.4 ms per GiB released against 0.5 ms per GiB copied on the H200).
+//!
+//! Tried on the H200 and dropped (docs/benchmarks.md, "Consolidate's floor"): releasing on a
+//! second thread (the driver serialises its VMM calls: the creates, reserves and unmaps beside
+//! it got 2-50x slower), one unmap over each stretch of old mappings (it costs what one per
+//! mapping does), and queuing the next copy after the swap (an unmap does not wait for it).
 
 use std::sync::Arc;
 
