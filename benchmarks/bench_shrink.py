@@ -14,7 +14,8 @@ copy floor measured in the same run.
   previous segment's swap when there is room); the copy floor is one segment's copy times the
   segments. 80 segments is a 70B TP8 LBNHC cache's. Beside it, the teardown of the old handles
   alone (a tensor grown the same way, `release_physical`): the driver's unmaps and releases,
-  which no order of calls avoids and which the copies cannot hide (the driver serialises them).
+  which no order of calls avoids (the copies run under them; a second thread for them is
+  slower: the driver serialises its calls).
 - release + recommit: drop everything and grow back to the same size, zeroed (what vLLM 0.34's
   `commit(shrink=True)` and `commit(defragment=True)` do: the contents are lost).
 - floor: `torch` device copy of the same bytes between two preallocated buffers.
@@ -133,10 +134,16 @@ def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str,
     return out
 
 
-def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[str, Any]:
-    # Room past each segment's prefix keeps the segments' runs apart: one handle each.
+def fragmented(per_segment: int, segments: int) -> Any:
+    """`segments` segments grown to `per_segment` bytes in 64 steps: what consolidate meets.
+    Room past each segment's prefix keeps the segments' runs apart: one handle each after it."""
     t = new_tensor(segments * (per_segment + GIB), segments)
     grow_in_steps(t, per_segment, 64, zero_new=True)
+    return t
+
+
+def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[str, Any]:
+    t = fragmented(per_segment, segments)
     stamp(t)
     handles_before = t.num_handles
     settle(pause_s, torch.device(DEVICE))
@@ -152,8 +159,7 @@ def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[st
     # The driver's part that no order of calls avoids: unmapping and releasing the old handles
     # (a tensor grown the same way, released alone). Its cost goes with the handles and bytes,
     # not the calls (one unmap over adjacent mappings cost as much as one per mapping).
-    t = new_tensor(segments * (per_segment + GIB), segments)
-    grow_in_steps(t, per_segment, 64, zero_new=True)
+    t = fragmented(per_segment, segments)
     settle(pause_s, torch.device(DEVICE))
     out["old_teardown_ms"], out["old_teardown_ops"] = timed_step(t, t.release_physical)
     t.close()
