@@ -50,6 +50,7 @@ SIZES: dict[str, tuple[float, float]] = {
     "read_gib": (8, 1),  # first-pass read
     "reps": (3, 2),  # steady-state repetitions (bulk, first pass)
     "pause": (3.0, 0.5),  # seconds before each steady-state repetition (the scrub)
+    "pair_reps": (5, 2),  # rotations of the pairs section (ours, vLLM's, pages)
     "steps": (10_000, 128),  # incremental grows (issue 21: flat over 10,000)
     "calls": (10_000, 1000),  # calls per batch (Python overhead)
     "incremental_limit_s": (60.0, 30.0),  # give up the incremental run after this long
@@ -195,6 +196,94 @@ def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
     results["memset_floor"] = memset_floor(args)
     if "tb_per_s" in ours and "tb_per_s" in results["memset_floor"]:
         ours["fraction_of_memset"] = ours["tb_per_s"] / results["memset_floor"]["tb_per_s"]
+    return results
+
+
+def _pair_one(kind: str, per_segment: int, pause_s: float) -> dict[str, float]:
+    """One bulk extend of `kind` after `pause_s` s, with the host time of its creates (ours:
+    `_op_times`; vLLM's: its driver's `create`, wrapped for the call)."""
+    zero = kind != "pages"
+    if kind == "vllm":
+        t = VllmExtensibleTensor(2 * per_segment, device=DEVICE, num_segments=2)
+        driver = t._buffer._driver
+        create_ns = [0]
+        inner = driver.create
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return inner(*a, **kw)
+            finally:
+                create_ns[0] += time.perf_counter_ns() - start
+
+        driver.create = counted  # an instance attribute over the class's method
+        try:
+            t.resize_per_segment_(BLOCK, zero_new=True)
+            sync()
+            time.sleep(pause_s)
+            create_ns[0] = 0
+            extend_s = timed(partial(t.resize_per_segment_, per_segment, zero_new=True))
+        finally:
+            del driver.create
+        create_ms = create_ns[0] / 1e6
+        handles = int(t.num_physical_chunks)
+        teardown = t.free
+    else:
+        t = ExtensibleTensor(2 * per_segment, 2, device=DEVICE, _profile=True)
+        t.resize_per_segment_(BLOCK)
+        sync()
+        time.sleep(pause_s)
+        t._op_times(reset=True)
+        extend_s = timed(partial(t.resize_per_segment_, per_segment, zero_new=zero))
+        create_ms = driver_calls(t).get("create", [0, 0.0])[1]
+        handles = int(t.num_handles)
+        teardown = t.close
+    teardown_s = timed(teardown)
+    del t, teardown
+    gc.collect()
+    return {
+        "extend_ms": extend_s * 1e3,
+        "create_ms": create_ms,
+        "teardown_ms": teardown_s * 1e3,
+        "handles": handles,
+    }
+
+
+def bench_pairs(args: argparse.Namespace) -> dict[str, Any]:
+    """The bulk extend of ours, vLLM's and ours unzeroed ("pages": create, map, access alone),
+    in rotating order, each after the previous contender's 120 GiB teardown and the same pause:
+    every repetition of each meets the driver's scrub in the same state. With the host time of
+    the creates (where the scrub's wait shows) and the device's memset of the same bytes."""
+    per_segment = gib_bytes(args.bulk_gib)
+    kinds = ["ours", "vllm", "pages"] if VllmExtensibleTensor is not None else ["ours", "pages"]
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    for rep in range(args.pair_reps):
+        order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
+        for kind in order:
+            runs[kind].append(_pair_one(kind, per_segment, args.pause))
+            log(f"pairs {rep} {kind}: {json.dumps(runs[kind][-1])}")
+    results: dict[str, Any] = {"gib_per_segment": per_segment / GIB, "runs": runs}
+    for kind, entries in runs.items():
+        results[kind] = {
+            key: median([e[key] for e in entries])
+            for key in ("extend_ms", "create_ms", "teardown_ms")
+        }
+    settle()
+    total = 2 * per_segment
+    buf = torch.empty(total, dtype=torch.uint8, device=DEVICE)
+    results["memset_ms"] = median(
+        [timed(partial(driver_memset, buf.data_ptr(), total)) * 1e3 for _ in range(3)]
+    )
+    results["zero_ms"] = median([timed(buf.zero_) * 1e3 for _ in range(3)])
+    del buf
+    settle()
+    if "vllm" in runs:
+        ratios = [
+            v["extend_ms"] / o["extend_ms"] for v, o in zip(runs["vllm"], runs["ours"], strict=True)
+        ]
+        results["vllm_over_ours"] = ratios
+        results["vllm_over_ours_median"] = median(ratios)
+    log(f"pairs: {json.dumps({k: v for k, v in results.items() if k != 'runs'})}")
     return results
 
 
@@ -702,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "profile": bench_profile,
         "bulk": bench_bulk,
+        "pairs": bench_pairs,
         "incremental": bench_incremental,
         "first_pass": bench_first_pass,
         "overhead": bench_overhead,
