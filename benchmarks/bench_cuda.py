@@ -51,6 +51,7 @@ SIZES: dict[str, tuple[float, float]] = {
     "reps": (3, 2),  # steady-state repetitions (bulk, first pass)
     "pause": (3.0, 0.5),  # seconds before each steady-state repetition (the scrub)
     "pair_reps": (5, 2),  # rotations of the pairs section (ours, vLLM's, pages)
+    "start_reps": (3, 1),  # fresh processes per contender (the starts section)
     "steps": (10_000, 128),  # incremental grows (issue 21: flat over 10,000)
     "calls": (10_000, 1000),  # calls per batch (Python overhead)
     "incremental_limit_s": (60.0, 30.0),  # give up the incremental run after this long
@@ -284,6 +285,37 @@ def bench_pairs(args: argparse.Namespace) -> dict[str, Any]:
         results["vllm_over_ours"] = ratios
         results["vllm_over_ours_median"] = median(ratios)
     log(f"pairs: {json.dumps({k: v for k, v in results.items() if k != 'runs'})}")
+    return results
+
+
+def bench_starts(args: argparse.Namespace) -> dict[str, Any]:
+    """The bulk extend as a serving stack's start meets it: each repetition in a fresh process
+    (after the same warm-up as this one's), ours and vLLM's in rotating order, so that neither
+    follows a free of the size it asks for in its own process."""
+    import subprocess
+
+    kinds = ["ours", "vllm"] if VllmExtensibleTensor is not None else ["ours"]
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    for rep in range(args.start_reps):
+        for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
+            command = [sys.executable, __file__, "--out", str(args.out), "--one-start", kind]
+            command += ["--bulk-gib", str(args.bulk_gib), "--pause", str(args.pause)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{kind} start failed: {done.stderr[-2000:]}")
+            runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            log(f"starts {rep} {kind}: {json.dumps(runs[kind][-1])}")
+            time.sleep(args.pause)
+    results: dict[str, Any] = {"gib_per_segment": args.bulk_gib, "runs": runs}
+    for kind, entries in runs.items():
+        results[kind] = {
+            key: median([e[key] for e in entries]) for key in ("extend_ms", "create_ms")
+        }
+    if "vllm" in runs:
+        results["vllm_over_ours_median"] = (
+            results["vllm"]["extend_ms"] / results["ours"]["extend_ms"]
+        )
+    log(f"starts: {json.dumps({k: v for k, v in results.items() if k != 'runs'})}")
     return results
 
 
@@ -737,6 +769,11 @@ def main(argv: list[str] | None = None) -> int:
             type=kind,
             help=f"default {full}, {quick} with --quick",
         )
+    parser.add_argument(
+        "--one-start",
+        choices=["ours", "vllm"],
+        help="(the starts section's child) one bulk extend of this kind; JSON on stdout",
+    )
     args = parser.parse_args(argv)
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:
@@ -788,10 +825,16 @@ def main(argv: list[str] | None = None) -> int:
         del t
     settle()
 
+    if args.one_start:
+        entry = _pair_one(args.one_start, gib_bytes(args.bulk_gib), args.pause)
+        print(json.dumps(entry))
+        return 0
+
     sections = {
         "profile": bench_profile,
         "bulk": bench_bulk,
         "pairs": bench_pairs,
+        "starts": bench_starts,
         "incremental": bench_incremental,
         "first_pass": bench_first_pass,
         "overhead": bench_overhead,
