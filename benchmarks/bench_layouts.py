@@ -25,12 +25,15 @@ extend to ~120 GiB (zeroed) per contender:
 
 Steady state: each repetition starts after a pause (the driver scrubs released memory in the
 background and cuMemCreate waits for it: docs/design.md §2); `just freed`: one repetition
-right after the contender's own teardown (its last steady one). Also: the teardown (free)
-time, the first read of the committed bytes (TLB warm-up), and for ours (built with
-`_profile=True`: a clock read per driver call) the driver calls of every extend, their host
-time and the create time alone (`create_ms`: the scrub wait). Prints markdown tables and
-writes DIR/bench_layouts.json (rewritten after every shape). `--device cpu` runs it on the host
-backend with a small commit and without vLLM's tensor (a smoke test of this script).
+right after the contender's own teardown (its last steady one). `--fresh`: each repetition
+in a fresh process instead (a serving stack's start: nothing of this size was freed in the
+process before it, and the pause follows the previous process's exit), no just-freed one.
+Also: the teardown (free) time, the first read of the committed bytes (TLB warm-up), and for
+ours (built with `_profile=True`: a clock read per driver call) the driver calls of every
+extend, their host time and the create time alone (`create_ms`: the scrub wait). Prints
+markdown tables and writes DIR/bench_layouts.json (rewritten after every shape). `--device
+cpu` runs it on the host backend with a small commit and without vLLM's tensor (a smoke test
+of this script).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import contextlib
 import gc
 import json
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -279,19 +283,54 @@ def repetition(
     return one_extend(name, geo, target, pause_s, read and name != "pages")
 
 
-def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[str, Any]:
+def fresh_repetition(
+    args: argparse.Namespace, key: str, capacity: int, target: int, name: str
+) -> dict[str, Any]:
+    """One repetition of contender `name` in a child process of its own (`--one-fresh`)."""
+    command = [sys.executable, __file__, "--device", DEVICE, "--pause", str(args.pause)]
+    command += ["--one-fresh", f"{key}:{capacity}:{target}:{name}"]
+    command += [] if args.read else ["--no-read"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}'s fresh process failed: {done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def one_fresh(spec: str, args: argparse.Namespace, granule: int) -> dict[str, Any]:
+    """The child of `fresh_repetition`: the same geometry as its parent's, a warm-up of the
+    contender's code paths on a small tensor (libcuda's and the memset's first calls), then
+    one repetition."""
+    key, capacity, target, name = spec.split(":", 3)
+    geo = geometry(SHAPES[key], int(capacity), granule)
+    num_bytes = footprint(geo, int(target), granule)
+    kind = name.partition(":")[0]
+    if kind in ("ours", "pages", "vllm"):
+        small = Geometry((2 * granule,), (granule,), 1)
+        warm = Vllm(small) if kind == "vllm" else Ours(small, "")
+        warm.grow([granule])
+        warm.teardown()
+    else:
+        torch.zeros(granule, dtype=torch.uint8, device=DEVICE).zero_()
+    settle(0, torch.device(DEVICE))
+    return repetition(name, geo, int(target), num_bytes, args.pause, args.read)
+
+
+def bench_shape(shape_key: str, args: argparse.Namespace, granule: int) -> dict[str, Any]:
     from extensible_kv import host_free_bytes
 
+    shape = SHAPES[shape_key]
     strides = shape.block_strides()
     settle(0, torch.device(DEVICE))  # what torch cached for the previous shape is free memory too
     free_bytes = common.free_bytes(torch.device(DEVICE)) or host_free_bytes()
     margin = 6 * GIB if DEVICE != "cpu" else free_bytes // 2
     commit_bytes = min(int(args.commit_gib * GIB), free_bytes - margin)
     target = commit_bytes // sum(strides)
-    geo = geometry(shape, int(target * 1.05) + 2, granule)
+    capacity = int(target * 1.05) + 2
+    geo = geometry(shape, capacity, granule)
     num_bytes = footprint(geo, target, granule)
     res: dict[str, Any] = {
         "shape": asdict(shape),
+        "fresh": args.fresh,
         "segments": len(geo.segment_capacities),
         "target_blocks": target,
         "committed_bytes": num_bytes,
@@ -318,7 +357,10 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
             if "error" in entry:
                 continue
             try:
-                run = repetition(name, geo, target, num_bytes, args.pause, args.read)
+                if args.fresh:
+                    run = fresh_repetition(args, shape_key, capacity, target, name)
+                else:
+                    run = repetition(name, geo, target, num_bytes, args.pause, args.read)
                 entry["steady_ms"].append(run["ms"])
                 if "handles" in run:
                     entry["handles"] = run["handles"]
@@ -330,7 +372,7 @@ def bench_shape(shape: Shape, args: argparse.Namespace, granule: int) -> dict[st
                 # fixed order paid for a 120 GiB cudaFree it did not make: 2026-12-03 run).
                 if "ops" in run:
                     entry["ops"] = run["ops"]  # the last steady run's
-                if rep == args.reps - 1 and name != "floor":
+                if rep == args.reps - 1 and name != "floor" and not args.fresh:
                     freed = repetition(name, geo, target, num_bytes, 0, False)
                     entry["just_freed_ms"] = freed["ms"]
                     if "create_ms" in freed:
@@ -365,7 +407,8 @@ def table(res: dict[str, Any]) -> str:
 
     lines = [
         f"### {res['shape']['label']}: {res['segments']} segments, "
-        f"{num_bytes / GIB:.1f} GiB ({res['target_blocks']} blocks)",
+        f"{num_bytes / GIB:.1f} GiB ({res['target_blocks']} blocks)"
+        + ("; a fresh process per repetition" if res.get("fresh") else ""),
         "",
         "| contender | handles | steady ms (runs) | TB/s | create ms | just freed ms "
         "| teardown ms | first read TB/s | vLLM / it | legacy / it | it / floor "
@@ -419,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--no-read", dest="read", action="store_false")
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (ours alone, small)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="each repetition in a fresh process (a start)"
+    )
+    parser.add_argument("--one-fresh", help="(--fresh's child) SHAPE:CAPACITY:TARGET:CONTENDER")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes = args.shapes or QUICK_SHAPES
@@ -448,12 +495,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log(f"vLLM baseline skipped: {VENDOR} is absent")
     torch.zeros(1, device=DEVICE)
+    if args.one_fresh:
+        print(json.dumps(one_fresh(args.one_fresh, args, granule)))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_layouts.json"
     results: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}}
     for key in shapes:
         try:
-            results[key] = bench_shape(SHAPES[key], args, granule)
+            results[key] = bench_shape(key, args, granule)
         except Exception as exc:
             traceback.print_exc()
             results[key] = {"error": f"{type(exc).__name__}: {exc}"}

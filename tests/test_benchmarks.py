@@ -57,3 +57,43 @@ def test_bench_layouts_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert "memset" in runs[name]["ops"] or name == "pages"  # pages are not zeroed
     assert runs["floor"]["steady_ms"][0] > 0
     assert "| it / (pages + floor) |" in capsys.readouterr().out
+
+
+def test_bench_layouts_fresh_runs_each_repetition_in_a_child(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--fresh`: every repetition comes back from a process of its own (its driver calls
+    counted there), with the parent's geometry, and no just-freed repetition follows."""
+    bench = bench_scripts.load("bench_layouts")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "2", "--no-read", "--fresh"]
+    argv += ["--shapes", "llama3_70b_tp8_blnhc", "--contenders", "ours,floor,pages"]
+    assert bench.main(argv) == 0
+    (shape,) = (
+        v
+        for k, v in json.loads((tmp_path / "bench_layouts.json").read_text()).items()
+        if k != "settings"
+    )
+    assert shape["fresh"] is True
+    runs = shape["contenders"]
+    for name in ("ours", "pages"):
+        assert len(runs[name]["steady_ms"]) == 2 and "just_freed_ms" not in runs[name]
+        assert 0 < runs[name]["ops"]["create"][0] <= runs[name]["handles"]  # the extend's
+    assert "memset" in runs["ours"]["ops"] and "memset" not in runs["pages"]["ops"]
+    assert len(runs["floor"]["steady_ms"]) == 2
+    assert "; a fresh process per repetition" in capsys.readouterr().out
+
+
+def test_bench_layouts_fresh_child_reports_its_failure(tmp_path: Path) -> None:
+    """A child that fails is that contender's error in the report, not a lost run."""
+    bench = bench_scripts.load("bench_layouts")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--no-read", "--fresh"]
+    argv += ["--shapes", "llama3_70b_tp8_blnhc", "--contenders", "ours:no_such_cut"]
+    assert bench.main(argv) == 0
+    (shape,) = (
+        v
+        for k, v in json.loads((tmp_path / "bench_layouts.json").read_text()).items()
+        if k != "settings"
+    )
+    error = shape["contenders"]["ours:no_such_cut"]["error"]
+    assert error.startswith("RuntimeError: ours:no_such_cut's fresh process failed")
+    assert "no_such_cut" in error.partition("failed")[2]
