@@ -256,19 +256,25 @@ def legacy_once(num_bytes: int, pause_s: float) -> float:
 
 
 def floor_once(num_bytes: int, pause_s: float) -> dict[str, float]:
-    """The driver's memset of a buffer allocated beforehand (torch's `zero_()` where
-    cuda-python is absent), then torch's `zero_()` of it."""
+    """The driver's memset of a buffer allocated beforehand and written once already (torch's
+    `zero_()` where cuda-python is absent), then torch's `zero_()` of it. The first write
+    (`first_touch_ms`) is not the floor: in a fresh process, after another process's free of
+    this size, it took 44-53 ms where the second took 28 (2026-12-04, `--fresh`)."""
     device = torch.device(DEVICE)
     buf = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     settle(pause_s, device)
-    ms = float("nan")
+    out: dict[str, float] = {}
     if device.type == "cuda":
         ptr, stream = buf.data_ptr(), torch.cuda.current_stream(device).cuda_stream
         with contextlib.suppress(ImportError):
-            ms, _ = timed_ms(lambda: driver_memset(ptr, num_bytes, stream), device)
-    torch_ms, _ = timed_ms(buf.zero_, device)
+            out["first_touch_ms"], _ = timed_ms(
+                lambda: driver_memset(ptr, num_bytes, stream), device
+            )
+            out["ms"], _ = timed_ms(lambda: driver_memset(ptr, num_bytes, stream), device)
+    out["torch_zero_ms"], _ = timed_ms(buf.zero_, device)
+    out.setdefault("ms", out["torch_zero_ms"])
     del buf
-    return {"ms": torch_ms if ms != ms else ms, "torch_zero_ms": torch_ms}
+    return out
 
 
 def repetition(
@@ -364,7 +370,13 @@ def bench_shape(shape_key: str, args: argparse.Namespace, granule: int) -> dict[
                 entry["steady_ms"].append(run["ms"])
                 if "handles" in run:
                     entry["handles"] = run["handles"]
-                for key in ("teardown_ms", "read_tbps", "create_ms", "torch_zero_ms"):
+                for key in (
+                    "teardown_ms",
+                    "read_tbps",
+                    "create_ms",
+                    "torch_zero_ms",
+                    "first_touch_ms",
+                ):
                     if key in run:
                         entry.setdefault(key, []).append(run[key])
                 # Just freed: right after the contender's own teardown, as a stack that
@@ -443,6 +455,8 @@ def table(res: dict[str, Any]) -> str:
     torch_zero = c.get("floor", {}).get("torch_zero_ms")
     if torch_zero:
         lines.append(f"torch `zero_()` of the floor's buffer: {fmt(med(torch_zero))} ms")
+    if first_touch := c.get("floor", {}).get("first_touch_ms"):
+        lines.append(f"The floor buffer's first memset (not the floor): {fmt(med(first_touch))} ms")
     for name, e in c.items():
         if "ops" in e:
             ops = ", ".join(f"{op} {n}x {t:.1f} ms" for op, (n, t) in sorted(e["ops"].items()) if n)
