@@ -28,7 +28,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import GIB, KIB, MIB, driver_calls, driver_memset, log, median, settle, sync, timed
+from common import (
+    GIB,
+    KIB,
+    MIB,
+    child_json,
+    driver_calls,
+    driver_memset,
+    log,
+    median,
+    settle,
+    sync,
+    timed,
+)
 from common import environment as common_environment
 
 DEVICE = "cuda:0"
@@ -292,18 +304,13 @@ def bench_starts(args: argparse.Namespace) -> dict[str, Any]:
     """The bulk extend as a serving stack's start meets it: each repetition in a fresh process
     (after the same warm-up as this one's), ours and vLLM's in rotating order, so that neither
     follows a free of the size it asks for in its own process."""
-    import subprocess
-
     kinds = ["ours", "vllm"] if VllmExtensibleTensor is not None else ["ours"]
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for rep in range(args.start_reps):
         for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
             command = [sys.executable, __file__, "--out", str(args.out), "--one-start", kind]
             command += ["--bulk-gib", str(args.bulk_gib), "--pause", str(args.pause)]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"{kind} start failed: {done.stderr[-2000:]}")
-            runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            runs[kind].append(child_json(command, f"{kind} start"))
             log(f"starts {rep} {kind}: {json.dumps(runs[kind][-1])}")
             time.sleep(args.pause)
     results: dict[str, Any] = {"gib_per_segment": args.bulk_gib, "runs": runs}

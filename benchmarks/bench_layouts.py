@@ -43,7 +43,6 @@ import contextlib
 import gc
 import json
 import random
-import subprocess
 import sys
 import time
 import traceback
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import GIB, driver_calls, driver_memset, log, settle, sync, timed_ms
+from common import GIB, child_json, driver_calls, driver_memset, log, settle, sync, timed_ms
 from common import median as med
 
 DEVICE = "cuda:0"
@@ -290,25 +289,25 @@ def repetition(
     return one_extend(name, geo, target, pause_s, read and name != "pages")
 
 
-def fresh_repetition(
-    args: argparse.Namespace, key: str, capacity: int, target: int, name: str
-) -> dict[str, Any]:
+def capacity_for(target: int) -> int:
+    """The blocks a shape's allocation is reserved for: some room above the extend's target."""
+    return int(target * 1.05) + 2
+
+
+def fresh_repetition(args: argparse.Namespace, key: str, target: int, name: str) -> dict[str, Any]:
     """One repetition of contender `name` in a child process of its own (`--one-fresh`)."""
     command = [sys.executable, __file__, "--device", DEVICE, "--pause", str(args.pause)]
-    command += ["--one-fresh", f"{key}:{capacity}:{target}:{name}"]
+    command += ["--one-fresh", f"{key}:{target}:{name}"]
     command += [] if args.read else ["--no-read"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name}'s fresh process failed: {done.stderr[-2000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return child_json(command, f"{name}'s fresh process")
 
 
 def one_fresh(spec: str, args: argparse.Namespace, granule: int) -> dict[str, Any]:
     """The child of `fresh_repetition`: the same geometry as its parent's, a warm-up of the
     contender's code paths on a small tensor (libcuda's and the memset's first calls), then
     one repetition."""
-    key, capacity, target, name = spec.split(":", 3)
-    geo = geometry(SHAPES[key], int(capacity), granule)
+    key, target, name = spec.split(":", 2)
+    geo = geometry(SHAPES[key], capacity_for(int(target)), granule)
     num_bytes = footprint(geo, int(target), granule)
     kind = name.partition(":")[0]
     if kind in ("ours", "pages", "vllm"):
@@ -332,8 +331,7 @@ def bench_shape(shape_key: str, args: argparse.Namespace, granule: int) -> dict[
     margin = 6 * GIB if DEVICE != "cpu" else free_bytes // 2
     commit_bytes = min(int(args.commit_gib * GIB), free_bytes - margin)
     target = commit_bytes // sum(strides)
-    capacity = int(target * 1.05) + 2
-    geo = geometry(shape, capacity, granule)
+    geo = geometry(shape, capacity_for(target), granule)
     num_bytes = footprint(geo, target, granule)
     res: dict[str, Any] = {
         "shape": asdict(shape),
@@ -365,7 +363,7 @@ def bench_shape(shape_key: str, args: argparse.Namespace, granule: int) -> dict[
                 continue
             try:
                 if args.fresh:
-                    run = fresh_repetition(args, shape_key, capacity, target, name)
+                    run = fresh_repetition(args, shape_key, target, name)
                 else:
                     run = repetition(name, geo, target, num_bytes, args.pause, args.read)
                 entry["steady_ms"].append(run["ms"])
@@ -480,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fresh", action="store_true", help="each repetition in a fresh process (a start)"
     )
-    parser.add_argument("--one-fresh", help="(--fresh's child) SHAPE:CAPACITY:TARGET:CONTENDER")
+    parser.add_argument("--one-fresh", help="(--fresh's child) SHAPE:TARGET:CONTENDER")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes = args.shapes or QUICK_SHAPES

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import statistics
 import sys
 import time
@@ -101,6 +102,18 @@ def driver_memset(ptr: int, num_bytes: int, stream: int = 0) -> None:
     (err,) = cu.cuMemsetD8Async(ptr, 0, num_bytes, stream)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemsetD8Async: {err.name}")
+
+
+def child_json(command: list[str], what: str) -> dict[str, Any]:
+    """Runs a bench's child process (a fresh process per repetition) and returns the JSON
+    object on the last line of its stdout; `RuntimeError("<what> failed: <stderr tail>")` when
+    it exits non-zero."""
+    import subprocess
+
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed: {done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def median(values: Iterable[float]) -> float:

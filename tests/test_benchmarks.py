@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import bench_scripts
 import pytest
@@ -38,16 +39,22 @@ def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "### Consolidate's steps one at a time" in out
 
 
+def only_shape(out: Path) -> dict[str, Any]:
+    """The one shape's results bench_layouts wrote to `out`."""
+    (shape,) = (
+        v
+        for k, v in json.loads((out / "bench_layouts.json").read_text()).items()
+        if k != "settings"
+    )
+    return dict(shape)
+
+
 def test_bench_layouts_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = bench_scripts.load("bench_layouts")
     argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--no-read"]
     argv += ["--shapes", "llama3_70b_tp8", "--contenders", "ours,ours:whole_runs,floor,pages"]
     assert bench.main(argv) == 0
-    (shape,) = (
-        v
-        for k, v in json.loads((tmp_path / "bench_layouts.json").read_text()).items()
-        if k != "settings"
-    )
+    shape = only_shape(tmp_path)
     runs = shape["contenders"]
     assert shape["segments"] == 80
     # One handle per segment's run for whole runs and pages; the default cut makes no fewer.
@@ -68,11 +75,7 @@ def test_bench_layouts_fresh_runs_each_repetition_in_a_child(
     argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "2", "--no-read", "--fresh"]
     argv += ["--shapes", "llama3_70b_tp8_blnhc", "--contenders", "ours,floor,pages"]
     assert bench.main(argv) == 0
-    (shape,) = (
-        v
-        for k, v in json.loads((tmp_path / "bench_layouts.json").read_text()).items()
-        if k != "settings"
-    )
+    shape = only_shape(tmp_path)
     assert shape["fresh"] is True
     runs = shape["contenders"]
     for name in ("ours", "pages"):
@@ -89,11 +92,7 @@ def test_bench_layouts_fresh_child_reports_its_failure(tmp_path: Path) -> None:
     argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--no-read", "--fresh"]
     argv += ["--shapes", "llama3_70b_tp8_blnhc", "--contenders", "ours:no_such_cut"]
     assert bench.main(argv) == 0
-    (shape,) = (
-        v
-        for k, v in json.loads((tmp_path / "bench_layouts.json").read_text()).items()
-        if k != "settings"
-    )
+    shape = only_shape(tmp_path)
     error = shape["contenders"]["ours:no_such_cut"]["error"]
     assert error.startswith("RuntimeError: ours:no_such_cut's fresh process failed")
     assert "no_such_cut" in error.partition("failed")[2]
