@@ -258,8 +258,9 @@ def floor_once(num_bytes: int, pause_s: float) -> dict[str, float]:
     """The driver's memset of a buffer allocated beforehand and written once already (torch's
     `zero_()` where cuda-python is absent), then torch's `zero_()` of it. The first memset
     (`first_touch_ms`) is not the floor: in a fresh process it took 43.5-53.6 ms for 120 GiB
-    where the second took 27.9-28.1 (2026-12-04, `--fresh`): the process's first driver memset
-    or the buffer's first write, not told apart."""
+    where the second took 27.9-28.1, and 23.8-30.5 ms for 8 GiB where the second took 1.9
+    (2026-12-04, `--fresh`): a fixed cost of the process's first driver memset, not of the
+    pages."""
     device = torch.device(DEVICE)
     buf = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     settle(pause_s, device)
