@@ -21,6 +21,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -293,14 +294,39 @@ def run(manager: Any) -> list[list[int]]:
     return [results[i] for i in ids]
 
 
+def in_thread(call: Any) -> None:
+    """`call()` on a thread that then ends (as a worker or an executor would run it); its
+    exception, if any, raised here."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            call()
+        except BaseException as error:  # handed to the caller
+            errors.append(error)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the call did not return in 60 s"
+    if errors:
+        raise errors[0]
+
+
+def stop_within(manager: Any, seconds: float = 60, **kwargs: Any) -> None:
+    """`manager.stop(block=True, **kwargs)`, failing (not hanging) when it takes too long."""
+    in_thread(lambda: manager.stop(block=True, **kwargs))
+    assert not manager.is_running()
+
+
+@pytest.mark.timeout(120)
 def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
     """Leaving `continuous_batching_context_manager` while the cache is released stops the
     manager (transformers refuses to stop inside a pause: release's pause ends first), even
     after `disable()`; the cache stays released, and a kept manager resumes and serves again.
-    `resume` from another thread than `release`'s is refused (transformers counts pauses per
-    thread)."""
-    import threading
-
+    The pause is not the releasing thread's: `resume` from another thread works."""
     from extensible_kv import transformers as ekt
 
     model = build_model(tf, "llama", "sdpa", "cpu")
@@ -313,33 +339,167 @@ def test_stopping_a_released_manager_ends_the_pause(tf: Any) -> None:
         ) as manager:
             assert run(manager) == own
             ekt.release(manager)
-            errors: list[BaseException] = []
-
-            def resume_elsewhere() -> None:
-                try:
-                    ekt.resume(manager)
-                except BaseException as error:  # recorded for the assertion
-                    errors.append(error)
-
-            thread = threading.Thread(target=resume_elsewhere)
-            thread.start()
-            thread.join(timeout=30)
-            assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
-            assert "from that thread" in str(errors[0])
+            in_thread(lambda: ekt.resume(manager))  # another thread than release's
+            assert run(manager) == own
+            ekt.release(manager)
             # The guard is the manager's own, not transformers' class's: it outlives disable().
             assert "stop" in vars(manager)
             ekt.disable()
         assert not manager.is_running()
         state = manager.batch_processor.cache._ekv
         assert state.released and state.pause is None
-        assert "stop" not in vars(manager)
+        with pytest.raises(RuntimeError, match=r"resume\(manager\) before starting"):
+            manager.start()
         ekt.resume(manager)
+        assert "stop" not in vars(manager) and "start" not in vars(manager)
         manager.start()
         try:
             assert run(manager) == own
         finally:
             manager.stop(block=True)
             manager.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_a_release_from_an_ended_thread_never_strands_the_manager(tf: Any) -> None:
+    """`release` in a thread that then ends (a `threading.Thread`, an executor's worker): the
+    pause it holds is not that thread's, so `resume` and `stop` from any other thread work, and
+    the loop does not stay parked."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        )
+        manager.warmup()
+        manager.start()
+        try:
+            assert run(manager) == own
+            in_thread(lambda: ekt.release(manager))
+            ekt.resume(manager)
+            assert run(manager) == own
+            in_thread(lambda: ekt.release(manager))
+            stop_within(manager, keep_for_next_session=True)
+            in_thread(lambda: ekt.resume(manager))
+            manager.start()
+            assert run(manager) == own
+        finally:
+            stop_within(manager)
+            manager.destroy()
+
+
+def test_a_released_interpreter_exits(tf: Any, tmp_path: Any) -> None:
+    """A process whose manager was released from a worker thread and stopped from the main
+    thread (leaving `continuous_batching_context_manager`) exits: nothing is left parked."""
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "released.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, threading
+            sys.path[:0] = {[str(Path(__file__).parent)]!r}
+            import transformers as tf
+            import test_transformers as t
+            from extensible_kv import transformers as ekt
+
+            model = t.build_model(tf, "llama", "sdpa", "cpu")
+            with ekt.enabled(**t.enable_options("cpu")):
+                with model.continuous_batching_context_manager(
+                    generation_config=t.gen_config(tf),
+                    continuous_batching_config=t.cb_config(tf, "cpu"),
+                ) as manager:
+                    t.run(manager)
+                    worker = threading.Thread(target=ekt.release, args=(manager,))
+                    worker.start()
+                    worker.join()
+            print("left the context")
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "left the context" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_stop_without_keep_while_released_drops_the_cache(tf: Any) -> None:
+    """transformers' default `stop` drops the batch processor, and with it the released cache:
+    `resume` says there is nothing to resume, and the next start builds a new cache that
+    serves."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        )
+        manager.warmup()
+        manager.start()
+        try:
+            assert run(manager) == own
+            ekt.release(manager)
+            stop_within(manager)
+            assert manager.batch_processor is None
+            with pytest.raises(RuntimeError, match="nothing to resume"):
+                ekt.resume(manager)
+            manager.start()  # not guarded any more: a new cache is built
+            assert run(manager) == own
+        finally:
+            stop_within(manager)
+            manager.destroy()
+
+
+def test_a_released_manager_that_was_not_running_refuses_to_start(tf: Any) -> None:
+    """Released after its warm-up but before `start` (no pause to hold): its pool is empty, so
+    starting it would serve from a cache of no block; `start` refuses until `resume`."""
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        )
+        manager.warmup()
+        ekt.release(manager)
+        with pytest.raises(RuntimeError, match=r"resume\(manager\)"):
+            manager.start()
+        assert not manager.is_running()
+        ekt.resume(manager)
+        manager.start()
+        try:
+            assert run(manager) == own
+        finally:
+            stop_within(manager)
+            manager.destroy()
+
+
+def test_each_mistake_gets_its_own_message(tf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from extensible_kv import transformers as ekt
+
+    for wrong in (None, "manager", 3):
+        with pytest.raises(TypeError, match="ContinuousBatchingManager"):
+            ekt.release(wrong)
+        with pytest.raises(TypeError, match="ContinuousBatchingManager"):
+            ekt.resume(wrong)
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    with ekt.enabled(**enable_options("cpu")):
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        )
+        with pytest.raises(RuntimeError, match="no KV cache yet: warm it up"):
+            ekt.release(manager)
+        # Just after start(), before the loop's thread has built its batch processor.
+        monkeypatch.setattr(manager, "is_running", lambda: True)
+        with pytest.raises(RuntimeError, match="loop's own thread after start"):
+            ekt.release(manager)
 
 
 def test_release_refuses_what_it_cannot_do(tf: Any) -> None:
@@ -459,6 +619,141 @@ def test_options_are_checked_before_anything_changes(tf: Any) -> None:
     with pytest.raises(TypeError):
         ekt.enable(budget=1)  # type: ignore[call-arg]
     assert not ekt.is_enabled()
+
+
+def test_options_take_any_integer_the_core_takes(tf: Any) -> None:
+    """numpy and torch integers are sizes, as the core takes them (`operator.index`); a
+    granularity that is no power of two is refused at `enable`, not inside `generate_batch`."""
+    import numpy as np
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    with ekt.enabled(budget_bytes=np.int64(1 << 24), granularity=torch.tensor(4096)):
+        options = ekt.patch.current_options()
+        assert options is not None
+        assert (type(options.budget_bytes), type(options.granularity)) == (int, int)
+        assert generate(tf, model, "cpu") == own
+        with model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager:
+            ekt.release(manager, keep_blocks=np.int32(3))
+            ekt.resume(manager)
+            assert run(manager) == own
+    with pytest.raises(ValueError, match="granularity 3000 must be a power of two"):
+        ekt.enable(granularity=3000)
+    with pytest.raises(TypeError, match="budget_bytes"):
+        ekt.enable(budget_bytes=True)
+    with pytest.raises(TypeError, match="host_meminfo"):
+        ekt.enable(host_meminfo=1)  # type: ignore[arg-type]
+    assert not ekt.is_enabled()
+
+
+def test_enabled_restores_the_state_before_it(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    ekt.enable(budget_bytes=1 << 20)
+    with ekt.enabled(budget_bytes=2 << 20):
+        ekt.disable()
+    assert ekt.is_enabled()
+    options = ekt.patch.current_options()
+    assert options is not None and options.budget_bytes == 1 << 20
+    with ekt.enabled(budget_bytes=2 << 20):
+        ekt.enable(budget_bytes=3 << 20)
+    options = ekt.patch.current_options()
+    assert options is not None and options.budget_bytes == 1 << 20
+    ekt.disable()
+    with ekt.enabled(budget_bytes=2 << 20):
+        ekt.disable()
+    assert not ekt.is_enabled() and ekt.patch.current_options() is None
+
+
+def generate_with(tf: Any, model: Any, **kwargs: Any) -> Any:
+    return model.generate_batch(
+        prompts(),
+        generation_config=gen_config(tf),
+        continuous_batching_config=cb_config(tf, "cpu"),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 12, (2 << 13) + 100])
+def test_a_budget_of_no_block_is_refused_before_the_warmup(tf: Any, budget: int) -> None:
+    """A budget below the trash sectors and one sector (8 KiB each here) is an
+    `OutOfMemoryError` naming the budget and what one block needs, before the warm-up: never a
+    cache of 0 blocks that fails every request inside transformers' scheduler."""
+    from extensible_kv import OutOfMemoryError
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    with (
+        ekt.enabled(budget_bytes=budget, granularity=4096),
+        pytest.raises(OutOfMemoryError, match=f"budget_bytes={budget}, where one block needs") as e,
+    ):
+        generate_with(tf, model)
+    assert e.value.requested_bytes == 3 * 8192
+
+
+def test_too_little_free_memory_is_refused(tf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured budgets: free memory under the margin is refused before the warm-up; free
+    memory that is gone by the extension is refused there, in `warmup()` (no cache of 0
+    blocks is ever served)."""
+    from extensible_kv import OutOfMemoryError, sizing
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    monkeypatch.setattr(sizing, "host_free_bytes", lambda: 512 << 20)  # under the 1 GiB margin
+    with (
+        ekt.enabled(host_meminfo=True, granularity=4096),
+        pytest.raises(OutOfMemoryError, match="less a margin of at least 1073741824"),
+    ):
+        generate_with(tf, model)
+    figures = iter([64 << 20])  # free at the cache's construction; nothing at the extension
+
+    monkeypatch.setattr(sizing, "host_free_bytes", lambda: next(figures, 0))
+    with (
+        ekt.enabled(host_meminfo=True, margin_bytes=0, granularity=4096),
+        pytest.raises(OutOfMemoryError, match=r"0 bytes free \(host_free_bytes\)"),
+    ):
+        generate_with(tf, model)
+
+
+def test_a_budget_beyond_free_memory_is_refused_before_the_warmup(tf: Any) -> None:
+    """`budget_bytes=1 << 50` with no `num_blocks` cap: refused at once, naming the free memory,
+    rather than failing with out of memory after the warm-up."""
+    import time
+
+    from extensible_kv import OutOfMemoryError
+    from extensible_kv import transformers as ekt
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    config = cb_config(tf, "cpu")
+    uncapped = ContinuousBatchingConfig(
+        **{**{k: getattr(config, k) for k in ("max_batch_tokens", "page_size")}, "num_blocks": None}
+    )
+    start = time.perf_counter()
+    with (
+        ekt.enabled(budget_bytes=1 << 50),
+        pytest.raises(OutOfMemoryError, match=r"more than the \d+ bytes free"),
+    ):
+        model.generate_batch(
+            prompts(), generation_config=gen_config(tf), continuous_batching_config=uncapped
+        )
+    assert time.perf_counter() - start < 10
+
+
+def test_the_report_shows_the_budget_asked_and_used(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    model = build_model(tf, "llama", "sdpa", "cpu")
+    with ekt.enabled(budget_bytes=1 << 24, granularity=4096):
+        generate_with(tf, model)
+    report = ekt.last_report()
+    assert report is not None
+    assert report.budget_asked_bytes == 1 << 24
+    assert report.budget_bytes == (1 << 24) - report.bytes_before
+    assert report.bytes_after <= report.budget_asked_bytes
 
 
 def test_host_backend_needs_a_budget(tf: Any) -> None:

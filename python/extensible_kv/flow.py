@@ -48,8 +48,10 @@ class ExtendReport:
     """What one `extend_to_fit` did. Bytes are physical (whole granules, every buffer).
 
     `fit_blocks` is what this rank's budget fits; `blocks_after` is that after the cap and the
-    minimum over ranks. `budget_bytes` is what this call could commit: the measured free
-    memory less the margin, or a given budget less what the cache already held. `free_bytes`
+    minimum over ranks. `budget_asked_bytes` is the budget the caller gave (what the cache may
+    hold in all; `None` when measured), `budget_bytes` what this call could still commit: the
+    measured free memory less the margin, or the given budget less what the cache already held
+    (so a given 64 MiB shows as 62 MiB when 2 MiB were committed before). `free_bytes`
     is the measured free memory (`None` when the caller gave the budget), `budget_source`
     names where the budget came from. `commit_ms` times the
     commit alone (mapping and zeroing, synchronised on a GPU), `total_ms` the whole call.
@@ -72,6 +74,7 @@ class ExtendReport:
     non_kv_used_bytes: int | None
     budget_source: str
     legacy: bool
+    budget_asked_bytes: int | None = None
 
     @property
     def gib_after(self) -> float:
@@ -182,6 +185,7 @@ class KVCacheFlow:
             fit_blocks=fit,
             commit_ms=commit_ms,
             legacy=self.cache.legacy,
+            budget_asked_bytes=budget_bytes,
         )
 
     def _commit_timed(self, num_blocks: int) -> tuple[tuple[int, int, int], float]:
@@ -340,6 +344,7 @@ def report_extension(
     fit_blocks: int,
     commit_ms: float,
     legacy: bool,
+    budget_asked_bytes: int | None = None,
 ) -> ExtendReport:
     """The `ExtendReport` of one extension, logged: `before` and `after` are (blocks, physical
     bytes, handles), `budget` and `source` what `measure_budget_now` returned, `start` the
@@ -361,6 +366,7 @@ def report_extension(
         non_kv_used_bytes=budget.non_kv_used_bytes,
         budget_source=source,
         legacy=legacy,
+        budget_asked_bytes=budget_asked_bytes,
     )
     _log(report)
     return report

@@ -450,7 +450,11 @@ def _graph_line(path: PathResult) -> str:
 
 def _budget(report: ExtendReport, options: DemoOptions) -> str:
     if report.budget_source == "given":
-        text = f"host budget {_size(report.budget_bytes)} (--budget-mib)"
+        asked = report.budget_asked_bytes or 0
+        text = (
+            f"host budget {_size(asked)} (--budget-mib) in all, {_size(report.budget_bytes)} "
+            f"of it left after the {_size(report.bytes_before)} committed before"
+        )
     else:
         text = (
             f"the fit: free {_size(report.free_bytes or 0)} ({report.budget_source}) - margin "

@@ -52,11 +52,12 @@ import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from extensible_kv import _native, flow, sizing
-from extensible_kv._native import UnsupportedError
+from extensible_kv import _args, _native, flow, sizing
+from extensible_kv._native import OutOfMemoryError, UnsupportedError
 from extensible_kv.flow import ExtendReport
 from extensible_kv.layouts import round_up
 from extensible_kv.tensor import ExtensibleTensor
@@ -73,11 +74,22 @@ logger = logging.getLogger("extensible_kv")
 
 @dataclass(frozen=True)
 class Options:
-    """What `enable(**options)` takes: `budget_bytes` (the physical bytes the cache may hold in
-    all after warm-up, as `KVCacheFlow.extend_to_fit` takes it; required on the host backend
-    unless `host_meminfo`), `host_meminfo` (measure `host_free_bytes()` on the host),
-    `margin_bytes` (instead of the flow's `max(1 GiB, 0.75 *
-    transient peak)`), `granularity` (the reservation's granule; the device's by default)."""
+    """What `enable(**options)` takes, checked at `enable` as the core checks sizes (any
+    integer `operator.index` takes; `TypeError` or `ValueError` naming the option).
+
+    - `budget_bytes`: the physical bytes the KV cache may hold in all once it is extended: its
+      two trash sectors, what the warm-up committed and the blocks the extension adds, in whole
+      granules. It replaces the measurement (no margin is kept from it). Required on the host
+      backend unless `host_meminfo`. A budget that cannot hold one block, or that is more than
+      the free memory when the cache is built, is refused then (`OutOfMemoryError`), before the
+      warm-up. `last_report()` shows it as `budget_asked_bytes`, and what the extension could
+      still commit from it as `budget_bytes`.
+    - `host_meminfo`: on the host backend, measure `host_free_bytes()` instead.
+    - `margin_bytes`: kept free from a measured budget, instead of the flow's `max(1 GiB, 0.75 *
+      transient peak)`.
+    - `granularity`: the reservation's granule, a power of two (a power-of-two multiple of the
+      device's; the device's by default).
+    """
 
     budget_bytes: int | None = None
     host_meminfo: bool = False
@@ -86,15 +98,15 @@ class Options:
 
     def __post_init__(self) -> None:
         for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int or None, not {type(value).__name__}")
-            if value < least:
-                raise ValueError(f"{name} {value} must be at least {least}")
-        if not isinstance(self.host_meminfo, bool):
-            raise TypeError(f"host_meminfo must be a bool, not {type(self.host_meminfo).__name__}")
+            value = _args.optional_size(getattr(self, name), name, minimum=least)
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "host_meminfo", _args.flag(self.host_meminfo, "host_meminfo"))
+        granularity = self.granularity
+        if granularity is not None and granularity & (granularity - 1):
+            raise ValueError(
+                f"granularity {granularity} must be a power of two (a power-of-two multiple "
+                "of the device's granule: 2 MiB on CUDA, the page size on the host)"
+            )
 
 
 @dataclass
@@ -127,11 +139,8 @@ class _State:
     committed_sectors: int = 0  # data sectors, past the trash
     final_sectors: int | None = None  # set by `extend`
     released: bool = False
-    pause: Any = None  # the manager's entered `pause()` context while released
-    pause_thread: int | None = None  # the thread that entered it (transformers counts per thread)
-    paused_manager: Any = (
-        None  # the manager whose `stop` leaves that pause first (an instance attribute)
-    )
+    pause: _PauseHolder | None = None  # the manager's pause while released (a running loop)
+    guarded: Any = None  # the manager whose `start` and `stop` are guarded while released
     report: ExtendReport | None = field(default=None, repr=False)
 
     def blocks(self, sectors: int) -> int:
@@ -305,6 +314,7 @@ def _cache_class(base: Any, pool_class: type) -> type:
                 read_sectors=read_sectors,
                 free_at_init_bytes=free_at_init,
             )
+            _refuse_impossible_budget(state)
             state.commit(0)  # the trash sectors
             view = tensor.full_view()[:num_bytes]
             pool = pool_class(read_sectors, len(cache.cache_allocators), state)
@@ -328,6 +338,42 @@ def _cache_class(base: Any, pool_class: type) -> type:
         )
 
     return ExtensiblePagedAttentionCache
+
+
+def _refuse_impossible_budget(state: _State) -> None:
+    """Before the warm-up, what no measurement after it could change: a given budget that cannot
+    hold one block or that asks for more than is free (the budget capped by the reservation), or
+    free memory that cannot hold one block beside the least margin."""
+    options, free = state.options, state.free_at_init_bytes
+    need = _one_block_bytes(state)
+    if options.budget_bytes is not None:
+        if options.budget_bytes < need:
+            raise _no_block(state, f"budget_bytes={options.budget_bytes}")
+        reservation = round_up(
+            (TRASH_SECTORS + state.capacity_sectors) * state.bytes_per_sector,
+            state.tensor.granularity,
+        )
+        wanted = min(options.budget_bytes, reservation)
+        if free is not None and wanted > free:
+            error = OutOfMemoryError(
+                f"budget_bytes={options.budget_bytes} asks for {wanted} bytes of KV cache (the "
+                f"budget, capped by the reservation of {reservation}), more than the {free} "
+                f"bytes free on {state.device} now: give a budget of at most the free memory, "
+                "or cap the cache with num_blocks"
+            )
+            error.op, error.code = "extend", "budget"
+            error.requested_bytes, error.free_bytes = wanted, free
+            raise error
+    elif free is not None:
+        margin = options.margin_bytes
+        if margin is None:
+            margin = sizing.default_margin_bytes(0)
+        if free - margin < need:
+            raise _no_block(
+                state,
+                f"{free} bytes free on {state.device} before the warm-up, less a margin of at "
+                f"least {margin} bytes",
+            )
 
 
 def _current_options() -> Options:
@@ -408,6 +454,8 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
         transient_peak_bytes=transient_peak_bytes,
     )
     fit = sizing.blocks_within(budget.budget_bytes, _footprint(state)) - TRASH_SECTORS
+    if max(fit, state.committed_sectors) < 1:
+        raise _no_block(state, _budget_words(state.options, budget, source))
     before = (state.committed_sectors, tensor.physical_bytes, tensor.num_handles)
     state._synchronize()  # the warm-up's work is not the commit's
     commit_start = time.perf_counter()
@@ -425,8 +473,41 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
         fit_blocks=state.blocks(max(fit, 0)),
         commit_ms=commit_ms,
         legacy=False,
+        budget_asked_bytes=state.options.budget_bytes,
     )
     return state.report
+
+
+def _one_block_bytes(state: _State) -> int:
+    """The physical bytes of a cache of one data sector: the trash and that sector, in whole
+    granules (what the smallest cache that can serve holds)."""
+    return round_up((TRASH_SECTORS + 1) * state.bytes_per_sector, state.tensor.granularity)
+
+
+def _budget_words(options: Options, budget: sizing.MemoryBudget | None, source: str) -> str:
+    if options.budget_bytes is not None:
+        return f"budget_bytes={options.budget_bytes}"
+    assert budget is not None
+    return (
+        f"{budget.free_now_bytes} bytes free ({source}) less a margin of "
+        f"{budget.margin_bytes} bytes leave {budget.budget_bytes} for the cache"
+    )
+
+
+def _no_block(state: _State, budget: str) -> OutOfMemoryError:
+    """The error of a cache that would hold no data block: transformers' scheduler divides by
+    the block count (a cache of none fails every request), and its own sizing refuses too."""
+    need = _one_block_bytes(state)
+    error = OutOfMemoryError(
+        f"the KV cache would hold no block: {budget}, where one block needs {need} bytes in all "
+        f"(the {TRASH_SECTORS} trash sectors and one sector of {state.bytes_per_sector} bytes, "
+        "in whole granules of "
+        f"{state.tensor.granularity}); give a larger budget_bytes, a smaller margin_bytes or "
+        "free memory"
+    )
+    error.op, error.code = "extend", "budget"
+    error.requested_bytes, error.free_bytes = need, None
+    return error
 
 
 def _footprint(state: _State) -> sizing.CacheFootprint:
@@ -455,10 +536,7 @@ def _busy_requests(cache: Any) -> list[str]:
 def release(manager: Any, cache: Any, keep_blocks: int) -> None:
     """See `extensible_kv.transformers.release`."""
     state = _state(cache)
-    if isinstance(keep_blocks, bool) or not isinstance(keep_blocks, int):
-        raise TypeError(f"keep_blocks must be an int, not {type(keep_blocks).__name__}")
-    if keep_blocks < 0:
-        raise ValueError(f"keep_blocks {keep_blocks} must be non-negative")
+    keep_blocks = _args.size(keep_blocks, "keep_blocks")
     if state.final_sectors is None:
         raise RuntimeError(
             "the KV cache is not sized yet: release it after the manager's warm-up or start"
@@ -468,7 +546,7 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
     keep = min(
         math.ceil(keep_blocks * state.bytes_per_block / state.bytes_per_sector), state.final_sectors
     )
-    pause = _enter_pause(manager)
+    pause = _PauseHolder(manager) if manager.is_running() else None
     try:
         busy = _busy_requests(cache)
         if busy:
@@ -486,12 +564,11 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
         state._synchronize()
         _hand_to_pool(cache, keep)
     except BaseException:
-        _exit_pause(pause)
+        if pause is not None:
+            pause.leave()
         raise
     state.released, state.pause = True, pause
-    if pause is not None:
-        state.pause_thread = threading.get_ident()
-        _guard_stop(manager, state)
+    _guard(manager, state)
     logger.info(
         "Released KV cache: %d blocks kept (%.2f GiB)",
         state.blocks(keep),
@@ -504,11 +581,11 @@ def resume(cache: Any) -> None:
     state = _state(cache)
     if not state.released or state.final_sectors is None:
         raise RuntimeError("the KV cache is not released: nothing to resume")
-    _check_pause_thread(state, "resume(manager)")
     state.commit(state.final_sectors)  # all or nothing: on OutOfMemoryError it stays released
     _hand_to_pool(cache, state.final_sectors)
     state.released = False
-    leave_pause(state)
+    _unguard(state)
+    _leave_pause(state)
     logger.info(
         "Resumed KV cache at %d blocks (%.2f GiB)",
         state.blocks(state.final_sectors),
@@ -516,55 +593,99 @@ def resume(cache: Any) -> None:
     )
 
 
-def _enter_pause(manager: Any) -> Any:
-    """transformers' own pause of a running manager's loop (entered), or None when no loop
-    runs: then no step can touch the cache meanwhile anyway."""
-    if not manager.is_running():
-        return None
-    pause = manager.pause()
-    pause.__enter__()
-    return pause
+class _PauseHolder:
+    """transformers' `manager.pause()`, entered and left by a thread of its own.
+
+    transformers counts a pause per thread: only the thread that entered it may leave it, and
+    `stop` refuses to run on a thread that holds one. Held by the thread that called `release`,
+    a pause would outlive that thread when it ends (a worker, an executor): no other thread
+    could end it, `stop` would wait forever for the parked loop, and the loop's thread (not a
+    daemon) would keep the interpreter from exiting. Held here, any thread ends it (`leave`)."""
+
+    def __init__(self, manager: Any) -> None:
+        self._entered = threading.Event()
+        self._leave = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._hold, args=(manager,), name="extensible-kv-pause", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._entered.wait()
+        except BaseException:  # interrupted while the loop finishes its step: no pause kept
+            self.leave()
+            raise
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def _hold(self, manager: Any) -> None:
+        try:
+            with manager.pause():
+                self._entered.set()
+                self._leave.wait()
+        except BaseException as error:  # handed to the thread that asked for the pause
+            self._error = error
+        finally:
+            self._entered.set()
+
+    def leave(self) -> None:
+        """Ends the pause (the loop runs on) and waits until it is left; idempotent."""
+        self._leave.set()
+        self._thread.join()
 
 
-def _exit_pause(pause: Any) -> None:
+def _leave_pause(state: _State) -> None:
+    pause, state.pause = state.pause, None
     if pause is not None:
-        pause.__exit__(None, None, None)
+        pause.leave()
 
 
-def _check_pause_thread(state: _State, what: str) -> None:
-    """transformers counts a pause per thread: only the thread that entered it may leave it
-    (another's exit would break its counters, and its `stop` would wait forever)."""
-    if state.pause is not None and state.pause_thread != threading.get_ident():
+# Managers stopped without `keep_for_next_session` while released: their cache went with the
+# batch processor, so `resume` has nothing to resume (`_cache_of` says so).
+DROPPED_WHILE_RELEASED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _guard(manager: Any, state: _State) -> None:
+    """While the cache is released, this manager's `start` refuses (its pool holds no block to
+    serve from) and its `stop` first ends the pause that `release` holds (transformers' `stop`
+    would wait forever for a paused loop). Instance attributes, on this manager for the release's
+    duration only: transformers' class is never patched for them, so `disable()` cannot leave
+    them stale."""
+    original_stop = manager.stop
+
+    @functools.wraps(original_stop)
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        _leave_pause(state)
+        result = original_stop(*args, **kwargs)
+        if getattr(getattr(manager.batch_processor, "cache", None), "_ekv", None) is not state:
+            _unguard(state)
+            DROPPED_WHILE_RELEASED.add(manager)
+            logger.info(
+                "Manager stopped while its KV cache is released, without "
+                "keep_for_next_session: the cache went with its batch processor, and the next "
+                "start builds a new one"
+            )
+        else:
+            logger.info(
+                "Manager stopped while its KV cache is released: resume(manager) before "
+                "starting it again"
+            )
+        return result
+
+    @functools.wraps(manager.start)
+    def start(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            f"the KV cache was released from another thread, which holds the manager's pause: "
-            f"call {what} from that thread"
+            "this manager's KV cache is released (it holds no block to serve from): call "
+            "extensible_kv.transformers.resume(manager) before starting it"
         )
 
+    manager.stop, manager.start = stop, start
+    state.guarded = manager
 
-def leave_pause(state: _State, what: str = "resume(manager)") -> None:
-    """Ends the pause `release` entered, if it still holds one, and takes its `stop` guard off
-    the manager (the cache's state unchanged)."""
-    _check_pause_thread(state, what)
-    pause, state.pause, state.pause_thread = state.pause, None, None
-    manager, state.paused_manager = state.paused_manager, None
+
+def _unguard(state: _State) -> None:
+    manager, state.guarded = state.guarded, None
     if manager is not None:
-        vars(manager).pop("stop", None)
-    _exit_pause(pause)
-
-
-def _guard_stop(manager: Any, state: _State) -> None:
-    """While `release` holds the loop's pause, the manager's `stop` leaves it first:
-    transformers refuses to stop from inside a pause (the loop could never exit), and
-    `continuous_batching_context_manager` stops on exit. The cache stays released (the pool
-    empty) until `resume`. An instance attribute, on this manager for the pause's duration
-    only: transformers' class is never patched for it, so `disable()` cannot leave it stale."""
-    original = manager.stop
-
-    @functools.wraps(original)
-    def stop(*args: Any, **kwargs: Any) -> Any:
-        leave_pause(state, "manager.stop()")
-        logger.info("Manager stopped while its KV cache is released: resume(manager) to use it")
-        return original(*args, **kwargs)
-
-    manager.stop = stop
-    state.paused_manager = manager
+        for name in ("start", "stop"):
+            vars(manager).pop(name, None)

@@ -10,9 +10,9 @@
 - `ContinuousBatchingManager.warmup` and `._create_batch_processor` wrappers: the cache is
   extended right after the manager's warm-up (graphs captured), or right after the batch
   processor is built when no warm-up runs (the generation loop builds it itself);
-- nothing for `stop`: a released cache holds the loop's pause, which transformers' `stop`
-  refuses to run inside, so `release` guards that one manager's `stop` (an instance
-  attribute, gone at `resume`) rather than transformers' class.
+- nothing for `start` and `stop`: while a cache is released, `release` guards that one
+  manager's `start` and `stop` (instance attributes, gone at `resume`) rather than
+  transformers' class.
 
 `disable` puts every original object back where it was; nothing of transformers' code changes.
 """
@@ -145,15 +145,15 @@ def enable(
 ) -> None:
     """Every continuous-batching manager transformers creates from now on gets an extensible
     KV cache, sized after its warm-up (see `extensible_kv.transformers`). Calling it again
-    replaces the options. `UnsupportedError` (nothing patched) on an unsupported transformers.
-
-    `budget_bytes`: the bytes the cache may still commit after warm-up (skips the measurement;
-    required on the host backend unless `host_meminfo=True` measures `/proc/meminfo`).
-    `margin_bytes`: instead of the flow's `max(1 GiB, 0.75 * transient peak)`.
-    `granularity`: the reservation's granule (the device's by default).
-    """
+    replaces the options. The options are `Options`' (each described there once), checked
+    before anything changes; `UnsupportedError` (nothing patched) on an unsupported
+    transformers."""
     _torch.require("extensible_kv.transformers")
     options = _cache.Options(budget_bytes, host_meminfo, margin_bytes, granularity)
+    _apply(options)
+
+
+def _apply(options: _cache.Options) -> None:
     found = _check_version()
     if not _patches:
         _install(found)
@@ -190,17 +190,18 @@ def disable() -> None:
 
 @contextmanager
 def enabled(**options: Any) -> Iterator[None]:
-    """`enable(**options)` for the block, then the state before it (disabled, or enabled with
-    the options it had)."""
-    was_enabled, previous = is_enabled(), current_options()
+    """`enable(**options)` for the block, then the state before it, whatever the block did
+    (`disable()` or `enable` inside it included): disabled, or enabled with the options it
+    had."""
+    previous = current_options() if is_enabled() else None
     enable(**options)
     try:
         yield
     finally:
-        if was_enabled and previous is not None:
-            _state["options"] = previous
-        else:
+        if previous is None:
             disable()
+        else:
+            _apply(previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,28 +257,59 @@ def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
 # release / resume
 
 
-def _cache_of(manager: Any) -> Any:
-    batch_processor = getattr(manager, "batch_processor", None)
-    if batch_processor is None:
-        raise ValueError(
-            "this manager has no batch processor yet: warm it up (manager.warmup()) or start it"
+def _cache_of(manager: Any, what: str) -> Any:
+    """The cache of `manager`, or the error that names which mistake this is."""
+    api = sys.modules.get(_API_MODULE)
+    manager_class = getattr(api, "ContinuousBatchingManager", None)
+    if manager_class is None or not isinstance(manager, manager_class):
+        raise TypeError(
+            f"{what} takes a transformers ContinuousBatchingManager (from "
+            "model.init_continuous_batching() or continuous_batching_context_manager()), not "
+            f"{type(manager).__name__}"
         )
-    return batch_processor.cache
+    batch_processor = manager.batch_processor
+    if batch_processor is not None:
+        return batch_processor.cache
+    if manager in _cache.DROPPED_WHILE_RELEASED:
+        raise RuntimeError(
+            "this manager was stopped while its KV cache was released, without "
+            "keep_for_next_session: the cache went with its batch processor, so there is "
+            "nothing to resume, and its next start builds a new cache (stop("
+            "keep_for_next_session=True) or persistent_manager=True keep a released cache)"
+        )
+    if manager.is_running():
+        raise RuntimeError(
+            "this manager's generation loop has not built its KV cache yet: transformers builds "
+            f"it on the loop's own thread after start(); warm the manager up before start() "
+            f"(manager.warmup(), as continuous_batching_context_manager does) or call {what} "
+            "once a request has run"
+        )
+    raise RuntimeError(
+        "this manager has no KV cache yet: warm it up (manager.warmup()) or start it first"
+    )
 
 
 def release(manager: Any, keep_blocks: int = 0) -> None:
-    """Gives the KV cache's memory back while `manager`, its graphs and its buffers live: the
-    loop is paused (transformers' `manager.pause()`, held until `resume`), every block is freed
-    and the prefix cache cleared (the contents are gone, as after a weight update), and the
-    memory past the trash sectors and the first `keep_blocks` blocks is unmapped. Call it when
-    no request is in flight (`RuntimeError` otherwise), and `resume` from the same thread.
-    Stopping the manager meanwhile (leaving `continuous_batching_context_manager`) ends the
-    pause and leaves the cache released: `resume` before it serves again."""
-    _cache.release(manager, _cache_of(manager), keep_blocks)
+    """Gives the KV cache's memory back while `manager`, its graphs and its buffers live: every
+    block is freed and the prefix cache cleared (the contents are gone, as after a weight
+    update), and the memory past the trash sectors and the first `keep_blocks` blocks is
+    unmapped. Call it when no request is in flight (`RuntimeError` otherwise), from any thread.
+
+    While released:
+    - a running loop stays paused (transformers' `manager.pause()`, held by a thread of
+      extensible-kv's own, so the thread that released may end);
+    - `resume(manager)`, from any thread, recommits the memory and ends the pause;
+    - `manager.start()` refuses (`RuntimeError`): resume first;
+    - `manager.stop()` (leaving `continuous_batching_context_manager` too) ends the pause and
+      stops the loop. With `keep_for_next_session=True` (`persistent_manager=True`) the cache
+      stays released for a later `resume`; with transformers' default the cache goes with the
+      batch processor, and the next start builds a new one."""
+    _cache.release(manager, _cache_of(manager, "release(manager)"), keep_blocks)
 
 
 def resume(manager: Any) -> None:
     """Recommits the released memory at the same addresses (zeroed; the graphs stay valid),
-    gives every block back to the pool and ends the pause. On `OutOfMemoryError` the cache stays
-    released and the loop paused: free memory and call it again."""
-    _cache.resume(_cache_of(manager))
+    gives every block back to the pool and ends the pause, from any thread. On
+    `OutOfMemoryError` the cache stays released and the loop paused: free memory and call it
+    again."""
+    _cache.resume(_cache_of(manager, "resume(manager)"))
