@@ -21,209 +21,21 @@ markdown table and writes DIR/bench_transformers.json. transformers must be 5.18
 (on the GPU machine: the wheel `scripts/vendor-transformers` leaves in .vendor/transformers,
 put first on PYTHONPATH by scripts/gpu-check).
 
-`--device cpu` runs a tiny model on the host backend (a smoke test of this script).
+`--device cpu` runs a tiny model on the host backend (a smoke test of this script). The
+contenders are the demo's (`extensible_kv._demo.serve`, `python -m extensible_kv demo`): this
+script runs them on the 8B shape and writes their figures as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import inspect
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import common
-from common import GIB, log, sync, timed_ms
-
-torch: Any = None
-
-
-def free_bytes(device: Any) -> int | None:
-    """The device's free bytes once torch's cache is given back; None on the host."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-    return common.free_bytes(device)
-
-
-def build_model(args: argparse.Namespace, device: Any) -> Any:
-    import transformers
-
-    if device.type == "cuda":
-        shape = {
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 4 if args.quick else 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "max_position_embeddings": 8192,
-        }
-        dtype = torch.bfloat16
-    else:
-        shape = {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 160,
-            "max_position_embeddings": 1024,
-        }
-        dtype = torch.float32
-    config = transformers.LlamaConfig(**shape)
-    torch.manual_seed(0)
-    with torch.device(device):  # random weights made where they run: no 16 GB host copy
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=args.attn, dtype=dtype
-        )
-    return model.eval()
-
-
-def cb_config(args: argparse.Namespace, device: Any) -> Any:
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    options: dict[str, Any] = {"use_cuda_graph": device.type == "cuda"}
-    if "auto_switch_to_flash" in inspect.signature(ContinuousBatchingConfig).parameters:
-        options["auto_switch_to_flash"] = False
-    if args.max_batch_tokens:
-        options["max_batch_tokens"] = args.max_batch_tokens
-    if device.type != "cuda":
-        options.update(num_blocks=64, max_batch_tokens=64, page_size=16)
-    return ContinuousBatchingConfig(**options)
-
-
-def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    lengths = torch.randint(
-        args.min_prompt, args.max_prompt + 1, (args.prompts,), generator=generator
-    )
-    return [torch.randint(1, vocab, (int(n),), generator=generator).tolist() for n in lengths]
-
-
-def new_manager(model: Any, args: argparse.Namespace, device: Any, prompts: list[list[int]]) -> Any:
-    import transformers
-
-    hints: dict[str, Any] = {}
-    api = sys.modules["transformers.generation.continuous_batching.continuous_api"]
-    if hasattr(api, "WorkloadHints"):  # what generate_batch passes
-        hints["workload_hints"] = api.WorkloadHints(
-            max_prompt_length=max(len(p) for p in prompts),
-            max_generated_length=args.new_tokens,
-            num_requests=len(prompts),
-        )
-    gen = transformers.GenerationConfig(
-        max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
-    )
-    return model.init_continuous_batching(
-        generation_config=gen, continuous_batching_config=cb_config(args, device), **hints
-    )
-
-
-def start_up(manager: Any, device: Any, extensible: bool) -> dict[str, Any]:
-    """Batch processor, then warm-up (with our extension after it), timed apart."""
-    from extensible_kv.transformers import last_report, patch
-
-    # The manager's own warmup() builds the batch processor under this flag: set it here too,
-    # so that ours is extended after the warm-up, not when the processor is built.
-    token = patch._IN_WARMUP.set(True)
-    try:
-        cache_ms, processor = timed_ms(manager._create_batch_processor, device)
-    finally:
-        patch._IN_WARMUP.reset(token)
-    manager.batch_processor = processor
-    warmup_ms, _ = timed_ms(manager.warmup, device)
-    extend_ms = 0.0
-    if extensible:
-        report = last_report()
-        assert report is not None, "the extensible cache was not extended"
-        extend_ms = report.total_ms
-    cache = processor.cache
-    state = getattr(cache, "_ekv", None)
-    committed = state.tensor.physical_bytes if state is not None else cache.cache_tensor.numel()
-    return {
-        "cache_ms": cache_ms,
-        "warmup_ms": warmup_ms - extend_ms,
-        "extend_ms": extend_ms,
-        "startup_ms": cache_ms + warmup_ms,
-        "blocks": int(cache.num_blocks),
-        "gib": committed / GIB,
-        "free_after_gib": (free_bytes(device) or 0) / GIB,
-        "max_tokens_read": int(cache.max_tokens_read),
-    }
-
-
-def generate(manager: Any, prompts: list[list[int]], args: argparse.Namespace, device: Any):
-    start = time.perf_counter()
-    ids = manager.add_requests(prompts, max_new_tokens=args.new_tokens)
-    results: dict[str, list[int]] = {}
-    while len(results) < len(ids):
-        result = manager.get_result(timeout=60)
-        if result is None:
-            raise RuntimeError(f"no result in 60 s ({len(results)} of {len(ids)} done)")
-        if result.is_finished():
-            if result.error is not None:
-                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-            results[result.request_id] = result.generated_tokens
-    sync(device)
-    seconds = time.perf_counter() - start
-    tokens = [results[i] for i in ids]
-    return tokens, {"generate_s": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds}
-
-
-def run_own(model: Any, args: argparse.Namespace, device: Any, prompts: list[list[int]]):
-    manager = new_manager(model, args, device, prompts)
-    row = start_up(manager, device, extensible=False)
-    manager.start()
-    tokens, gen = generate(manager, prompts, args, device)
-    row.update(gen)
-
-    def restart() -> Any:
-        manager.stop(block=True)
-        manager.destroy()
-        fresh = new_manager(model, args, device, prompts)
-        fresh.warmup()
-        fresh.start()
-        return fresh
-
-    row["restart_ms"], fresh = timed_ms(restart, device)
-    fresh.stop(block=True)
-    fresh.destroy()
-    return row, tokens
-
-
-def run_extensible(model: Any, args: argparse.Namespace, device: Any, prompts: list[list[int]]):
-    import extensible_kv.transformers as ekt
-
-    options = {} if device.type == "cuda" else {"budget_bytes": 1 << 20, "granularity": 4096}
-    with ekt.enabled(**options):
-        manager = new_manager(model, args, device, prompts)
-        row = start_up(manager, device, extensible=True)
-        report = ekt.last_report()
-        assert report is not None
-        row.update(
-            blocks_before=report.blocks_before,
-            margin_gib=report.margin_bytes / GIB,
-            handles=report.handles_after,
-            commit_ms=report.commit_ms,
-        )
-        manager.start()
-        tokens, gen = generate(manager, prompts, args, device)
-        row.update(gen)
-        row["release_ms"], _ = timed_ms(lambda: ekt.release(manager), device)
-        row["released_gib"] = manager.batch_processor.cache._ekv.tensor.physical_bytes / GIB
-        row["free_released_gib"] = (free_bytes(device) or 0) / GIB
-        row["resume_ms"], _ = timed_ms(lambda: ekt.resume(manager), device)
-        row["restart_ms"] = row["release_ms"] + row["resume_ms"]
-        again, _ = generate(manager, prompts, args, device)
-        manager.stop(block=True)
-        manager.destroy()
-    row["identical_after_resume"] = sum(a == b for a, b in zip(tokens, again, strict=True))
-    return row, tokens
-
+from common import log
 
 ROWS = [
     ("blocks", "blocks", "{:.0f}"),
@@ -268,6 +80,11 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def same(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many outputs of `a` and `b` are identical, in order."""
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON")
@@ -283,20 +100,29 @@ def main(argv: list[str] | None = None) -> int:
     args.prompts = args.prompts or (16 if args.quick else 64)
     args.new_tokens = args.new_tokens or (32 if args.quick else 128)
 
-    global torch
-    import torch as torch_module
-
-    torch = torch_module
+    import torch
     import transformers
+    from extensible_kv._demo import serve
 
-    device = torch.device(args.device)
-    if device.type == "cpu":
+    if torch.device(args.device).type == "cpu":
         args.min_prompt, args.max_prompt = min(args.min_prompt, 8), min(args.max_prompt, 40)
         args.new_tokens = min(args.new_tokens, 8)
+    options = serve.DemoOptions(
+        device=args.device,
+        layers=4 if args.quick else None,
+        attn=args.attn,
+        prompts=args.prompts,
+        min_prompt=args.min_prompt,
+        max_prompt=args.max_prompt,
+        new_tokens=args.new_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        progress=False,
+    ).resolved()
+    device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_transformers.json"
     start = time.perf_counter()
-    model = build_model(args, device)
+    model = serve.build_model(options)
     layers = model.config.num_hidden_layers
     results: dict[str, Any] = {
         "environment": {
@@ -311,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     log(json.dumps(results["environment"]))
-    prompts = make_prompts(args, model.config.vocab_size)
-    results["own"], own_tokens = run_own(model, args, device, prompts)
+    prompts = serve.make_prompts(options, model.config.vocab_size)
+    own = serve.run_own(model, options, prompts)
+    results["own"] = own.row()
     log("own:", json.dumps(results["own"]))
     path.write_text(json.dumps(results, indent=2, default=str))
-    results["extensible"], ext_tokens = run_extensible(model, args, device, prompts)
+    ours = serve.run_extensible(model, options, prompts)
+    results["extensible"] = ours.row()
+    results["extensible"]["identical_after_resume"] = same(ours.tokens, ours.tokens_after_restart)
     log("extensible:", json.dumps(results["extensible"]))
-    results["identical"] = sum(a == b for a, b in zip(own_tokens, ext_tokens, strict=True))
+    results["identical"] = same(own.tokens, ours.tokens)
     path.write_text(json.dumps(results, indent=2, default=str))
     print(report(results))
     print(f"\nJSON: {path}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
@@ -23,6 +24,10 @@ from extensible_kv import ExtensibleTensor
 
 CPU_GRANULARITY = 4096
 MEMFD_TAG = "memfd:extensible-kv"
+# The examples (`examples/decoder`) are the top-level packages their tests import.
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
 
 
 @pytest.hookimpl(wrapper=True)

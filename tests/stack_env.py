@@ -112,3 +112,23 @@ def skip_or_fail(reason: str | None, env_var: str) -> None:
     if required(env_var):
         pytest.fail(f"{env_var} is set, but {reason}")
     pytest.skip(reason)
+
+
+def transformers_reason() -> str | None:
+    """Why transformers' continuous batching cannot run on extensible_kv.transformers here
+    (absent, or outside the supported range), or None."""
+    try:
+        import transformers
+    except ImportError as error:
+        return f"transformers is not installed ({error}); scripts/setup installs it"
+    from extensible_kv.transformers import SUPPORTED, patch
+
+    if not patch._supports(transformers.__version__):
+        return f"transformers {transformers.__version__} is installed; these tests need {SUPPORTED}"
+    return None
+
+
+def require_transformers() -> None:
+    """Skips (fails where CI set EKV_REQUIRE_TRANSFORMERS) unless `transformers_reason()` is
+    None."""
+    skip_or_fail(transformers_reason(), "EKV_REQUIRE_TRANSFORMERS")

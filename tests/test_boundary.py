@@ -395,12 +395,12 @@ def test_the_flow_and_the_demo_measure_host_free_bytes(monkeypatch: pytest.Monke
     with _flow() as flow:
         report = flow.extend_to_fit(host_meminfo=True)
     assert (report.budget_source, report.free_bytes) == ("host_free_bytes", (1 << 30) + (1 << 20))
-    from extensible_kv._demo import demo
+    from decoder import demo
 
     options = demo.DemoOptions(device="cpu", steps=4, num_seqs=2, budget_mib=None, max_blocks=40)
     result = demo.run(options)
     assert result.extensible.report.budget_source == "host_free_bytes"
-    from extensible_kv._demo import cli
+    from decoder import cli
 
     assert (cli._budget_mib("free"), cli._budget_mib("8")) == (None, 8)
 

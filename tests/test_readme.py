@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import stack_env
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -37,8 +40,10 @@ def test_the_torch_extra_is_documented_and_exists() -> None:
     assert not any(dep.startswith("torch") for dep in pyproject["project"]["dependencies"])
 
 
+@pytest.mark.transformers
 def test_demo_command_runs() -> None:
     # The README's command as is: defaults, a fresh process (on the GPU when there is one).
+    stack_env.require_transformers()
     result = subprocess.run(
         [sys.executable, "-m", "extensible_kv", "demo"],
         capture_output=True,
@@ -48,6 +53,22 @@ def test_demo_command_runs() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("identical: yes")
     assert "Extended KV cache to " in result.stdout
+    for row in ("KV cache blocks", "free memory after start-up", "start-up (ms)", "tokens/s"):
+        assert row in result.stdout
+    assert re.search(r"release [\d.]+ ms .* \+ resume [\d.]+ ms", result.stdout)
+
+
+def test_the_seed_decoder_example_runs() -> None:
+    # The seed's own path (KVCacheFlow on our layouts), an example outside the package.
+    result = subprocess.run(
+        [sys.executable, "-m", "decoder", "--num-seqs", "2", "--steps", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT / "examples",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("identical: yes")
     assert "of them in memory the extension mapped" in result.stdout
 
 
@@ -81,3 +102,15 @@ def test_what_a_failed_consolidate_keeps_is_stated() -> None:
     assert "leaves the runs it did before the failure consolidated" in text
     racing = "A write issued meanwhile, from another thread or on any stream, may be lost"
     assert racing in text
+
+
+@pytest.mark.transformers
+def test_transformers_example_runs() -> None:
+    # As written, in a process of its own: it builds its model, prompts and configs itself.
+    stack_env.require_transformers()
+    (example,) = _blocks("py transformers")
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ExtendReport(blocks_before=0, blocks_after=64," in result.stdout

@@ -42,23 +42,11 @@ CUDA_NUM_BLOCKS = 4096
 PROMPT_LENGTHS = (5, 17, 33, 9, 40)
 
 
-def _transformers_reason() -> str | None:
-    try:
-        import transformers
-    except ImportError as error:
-        return f"transformers is not installed ({error}); scripts/setup installs it"
-    from extensible_kv.transformers import SUPPORTED, patch
-
-    if not patch._supports(transformers.__version__):
-        return f"transformers {transformers.__version__} is installed; these tests need {SUPPORTED}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def tf() -> Any:
     """transformers, supported by extensible_kv.transformers; a skip (a failure where
     EKV_REQUIRE_TRANSFORMERS is set) otherwise."""
-    stack_env.skip_or_fail(_transformers_reason(), "EKV_REQUIRE_TRANSFORMERS")
+    stack_env.require_transformers()
     import transformers
 
     return transformers
@@ -766,27 +754,6 @@ def test_host_backend_needs_a_budget(tf: Any) -> None:
             generation_config=gen_config(tf),
             continuous_batching_config=cb_config(tf, "cpu"),
         )
-
-
-def test_readme_example_runs(tf: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's "Use with transformers" block, on the CPU (where `enable` needs a budget)."""
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Use with transformers", 1)[1]
-    (block,) = re.findall(r"```py\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
-    assert "ekt.enable()" in block
-    model = build_model(tf, "llama", "sdpa", "cpu")
-    namespace = {
-        "model": model,
-        "prompts": prompts(),
-        "gen": gen_config(tf),
-        "cb": cb_config(tf, "cpu"),
-    }
-    exec(block.replace("ekt.enable()", "ekt.enable(budget_bytes=1 << 24)"), namespace)
-    assert len(namespace["outputs"]) == len(PROMPT_LENGTHS)
-    assert "ExtendReport(blocks_before=0, blocks_after=" in capsys.readouterr().out
 
 
 def test_without_warmup_the_generation_loop_extends(tf: Any) -> None:

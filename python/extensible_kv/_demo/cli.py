@@ -1,22 +1,17 @@
-"""The `demo` command of `python -m extensible_kv`: its options, and running it."""
+"""The `demo` command of `python -m extensible_kv`: its options, and running it. Imports
+neither torch nor transformers, so that `--help` works without them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from extensible_kv import _torch
-from extensible_kv._demo.config import ModelConfig
-from extensible_kv.layouts import KV_LAYOUTS
 
-
-def _budget_mib(text: str) -> int | None:
-    """`--budget-mib`: an integer >= 0, or `free` (None: measure `host_free_bytes()`)."""
-    return None if text.strip().lower() == "free" else _at_least(0)(text)
+DEMO_EXTRA = "pip install '.[demo]'"
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -34,133 +29,85 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_number(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-def _layout(text: str) -> str:
-    """`--layout` in any case: the names are upper case."""
-    return text.upper()
+def _budget_mib(text: str) -> int | None:
+    """`--budget-mib`: an integer >= 1, or `free` (None: measure `host_free_bytes()`)."""
+    return None if text.strip().lower() == "free" else _at_least(1)(text)
 
 
 def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds `demo` and its options to the subcommands of `python -m extensible_kv`."""
     demo = commands.add_parser(
         "demo",
-        help="decode on an extensible KV cache extended after graph capture; compare to legacy",
-        description="Decodes on an extensible KV cache extended after the decode step was "
-        "captured, and on a legacy one; exits 0 when the tokens are identical and the decode "
-        "used memory the extension mapped, else says why on stderr (1: the check failed, "
-        "2: the options cannot work).",
+        help="serve a model with transformers' continuous batching on its own KV cache and on "
+        "extensible-kv's; compare",
+        description="Serves the same greedy requests with transformers' continuous batching "
+        "on its own KV cache and on extensible-kv's (sized after the warm-up, released and "
+        "resumed in place), prints blocks, memory, start-up, tokens/s and release + resume "
+        "against re-creating the manager; exits 0 when the tokens are identical (1: they are "
+        "not, 2: the options or the environment cannot work). A model built from a config "
+        "with random weights: an 8B shape on a GPU (CUDA graphs), a tiny one on the host "
+        "backend.",
     )
     demo.set_defaults(run=run)
     count = _at_least(1)
     add = demo.add_argument
-    model = ModelConfig()
     add("--device", help="cpu, cuda or cuda:N (default: cuda:0 if usable, else cpu)")
+    add("--model", choices=["llama", "qwen3"], default="llama", help="shape (default: llama)")
     add(
-        "--layout",
-        default="FLASH_ATTN",
-        type=_layout,
-        choices=KV_LAYOUTS,
-        metavar="LAYOUT",
-        help=f"KV cache layout, any case: one of {', '.join(KV_LAYOUTS)} (default: "
-        "%(default)s, K/V split)",
-    )
-    add(
-        "--hybrid",
-        action="store_true",
-        default=model.hybrid,
-        help="odd layers Mamba-like, their states in the blocks (default: attention only)",
-    )
-    add(
-        "--num-seqs",
+        "--sliding-window",
         type=count,
-        default=4,
-        help="sequences decoded together (default: %(default)s)",
+        metavar="TOKENS",
+        help="every other layer a sliding window of this many tokens (default: none)",
     )
+    add("--layers", type=count, help="decoder layers (default: the shape's; 2 on the host)")
+    add("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention (default: sdpa)")
+    add("--prompts", type=count, help="requests (default: 64 on a GPU, 8 on the host)")
+    add("--new-tokens", type=count, help="greedy tokens per request (default: 128 / 16)")
+    add("--min-prompt", type=count, help="shortest prompt, tokens (default: 64 / 5)")
+    add("--max-prompt", type=count, help="longest prompt, tokens (default: 512 / 40)")
+    add("--max-batch-tokens", type=count, help="transformers' (default: its own / 64)")
     add(
-        "--prompt-len",
+        "--num-blocks",
         type=count,
-        default=8,
-        help="prompt tokens per sequence (default: %(default)s)",
-    )
-    add(
-        "--steps",
-        type=count,
-        default=40,
-        help="tokens generated per sequence (default: %(default)s)",
-    )
-    # The model's options are ModelConfig's fields (`dest`), with its defaults.
-    for flag, dest, kind, what in (
-        ("--layers", "num_layers", count, "decoder layers"),
-        ("--hidden", "hidden_size", count, "hidden size"),
-        ("--heads", "num_heads", count, "attention heads"),
-        ("--kv-heads", "num_kv_heads", count, "KV heads"),
-        ("--vocab", "vocab_size", _at_least(2), "vocabulary size"),
-        ("--block-size", "block_size", count, "tokens per block"),
-    ):
-        default = getattr(model, dest)
-        add(flag, dest=dest, type=kind, default=default, help=f"{what} (default: {default})")
-    add(
-        "--dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="model and cache dtype (default: bfloat16 on a GPU, float32 on the host)",
+        help="cap both caches at this many blocks (default: none on a GPU, 64 on the host, "
+        "where transformers' own sizing would take 60%% of the host's memory)",
     )
     add(
         "--budget-mib",
         type=_budget_mib,
         default=64,
-        help="host backend: the MiB the KV cache may hold in all, or 'free' for the host's free "
-        "memory (MemAvailable and the memory cgroup's room) less the margin "
-        "(default: %(default)s)",
+        help="host backend: the MiB extensible-kv's cache may hold in all, or 'free' for the "
+        "host's free memory less the margin (default: %(default)s)",
     )
-    add(
-        "--max-blocks",
-        type=count,
-        help="cap the commit at this many blocks (default: no cap, commit the fit)",
-    )
-    add(
-        "--capacity-gib",
-        type=_positive_number,
-        help="first estimate of KV memory, which sets the capacity (default: the GPU's memory, "
-        "or 1 GiB on the host)",
-    )
-    add(
-        "--seed",
-        type=_at_least(0),
-        default=model.seed,
-        help="weights and prompts (default: %(default)s)",
-    )
+    add("--seed", type=_at_least(0), default=0, help="weights and prompts (default: 0)")
+    add("--no-progress", dest="progress", action="store_false", help="no progress line")
 
 
 def run(options: dict[str, Any]) -> int:
     """Runs the demo with the parsed options; the exit status: 0 when the tokens match."""
-    # The flow logs `Extended KV cache to N blocks (X GiB)`: show it with the report.
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stdout)
-
+    # Our integration logs `Extended KV cache to N blocks (X GiB)`: show it with the report
+    # (ours alone: transformers' INFO lines are its own). Only in a program that configured no
+    # logging, as `python -m` is: one that did (pytest, an application) keeps its settings.
+    if not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        ours = logging.getLogger("extensible_kv")
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
     try:
         _torch.require("the demo")
+        import transformers  # noqa: F401
     except ModuleNotFoundError as error:
-        print(f"demo: {error}", file=sys.stderr)
+        needs = f"the demo needs torch and transformers: {DEMO_EXTRA}"
+        print(f"demo: {error}; {needs}", file=sys.stderr)
         return 2
-    from extensible_kv._demo import demo  # torch, at run time only: `--help` needs none
+    from extensible_kv._demo import serve  # torch and transformers, at run time only
 
     try:
-        result = demo.run(demo.DemoOptions().updated(**options))
-    except (ValueError, RuntimeError) as error:  # bad options, too small a budget
+        result = serve.run(serve.DemoOptions(**options))
+    except (ValueError, RuntimeError, MemoryError) as error:  # bad options, too small a budget
         print(f"demo: {error}", file=sys.stderr)
         return 2
-    print(demo.format_report(result))
-    failure = demo.failure_reason(result)
-    if failure is not None:
-        print(f"demo: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    print(serve.format_report(result))
+    return 0 if result.identical else 1

@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-
-from extensible_kv._demo.config import ModelConfig
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     KVCacheTensorSpec,
@@ -39,6 +37,8 @@ from extensible_kv.kv_cache import (
 )
 from extensible_kv.layouts import KV_LAYOUTS, STANDARD_LAYOUTS, itemsize
 from extensible_kv.mamba import MambaStateSpec, mamba2_state_spec
+
+from decoder.config import ModelConfig
 
 if TYPE_CHECKING:
     from extensible_kv.kv_cache import ExtensibleKVCache

@@ -1,6 +1,7 @@
-"""The main job, `python -m extensible_kv demo`: the extensible flow end to end, checked.
+"""The seed's main job, now an example (`python -m decoder` from `examples/`): the extensible
+flow end to end, checked.
 
-A small decoder-only transformer (`extensible_kv._demo.model`, seeded random weights, paged
+A small decoder-only transformer (`decoder.model`, seeded random weights, paged
 attention in plain torch) greedy-decodes a few sequences twice, with the same inputs:
 
 1. on an extensible cache: reserve a capacity from an estimate, commit one block, warm up and
@@ -26,12 +27,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
-
 from extensible_kv import sizing, vmm_unavailable_reason
-from extensible_kv._demo.config import ModelConfig
-from extensible_kv._demo.model import DecodeInputs, DecoderModel, LayerCache
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import KVCacheTensorSpec
+
+from decoder.config import ModelConfig
+from decoder.model import DecodeInputs, DecoderModel, LayerCache
 
 __all__ = [
     "DemoOptions",
