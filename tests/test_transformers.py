@@ -20,6 +20,7 @@ import importlib
 import inspect
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -773,3 +774,127 @@ def test_without_warmup_the_generation_loop_extends(tf: Any) -> None:
     assert [o.generated_tokens for o in outputs.values()] == own
     report = ekt.last_report()
     assert report is not None and report.blocks_before == 0 < report.blocks_after
+
+
+# ---------------------------------------------------------------------------------------------
+# resize while requests run
+
+
+def resizable(tf: Any, kind: str) -> tuple[Any, list[list[int]], dict[str, Any]]:
+    """A model, its tokens on transformers' own cache, and `enable` options that extend the
+    cache to 16 of its 48 blocks of capacity (8 KiB each on the llama: 2 trash + 16)."""
+    model = build_model(tf, kind, "sdpa", "cpu")
+    own = generate(tf, model, "cpu")
+    sector = 8192 if kind == "llama" else None
+    if sector is None:
+        with model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager:
+            sector = int(manager.batch_processor.cache.bytes_per_sector)
+    return model, own, {"budget_bytes": 18 * sector, "granularity": 4096}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", KINDS)
+def test_resize_a_live_manager_keeps_the_tokens(tf: Any, kind: str) -> None:
+    """Grow and shrink while the prompts are in flight: the same tokens as transformers' own
+    cache; the pool, the committed bytes and the reports follow."""
+    from extensible_kv import transformers as ekt
+
+    model, own, options = resizable(tf, kind)
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        state = cache._ekv
+        first = cache.num_blocks
+        assert 0 < first < NUM_BLOCKS
+        for size in (NUM_BLOCKS, 4, first):
+            ids = manager.add_requests(prompts(), max_new_tokens=MAX_NEW_TOKENS)
+            physical = state.tensor.physical_bytes
+            report = ekt.resize(manager, size, timeout=60)  # the prompts run meanwhile
+            assert ekt.last_report() is report and report.budget_source == "resize"
+            assert report.blocks_after == cache.num_blocks >= size
+            assert cache.num_sectors == cache.pool.num_sectors == state.final_sectors
+            bigger = size > report.blocks_before
+            assert (state.tensor.physical_bytes > physical) == bigger, (size, report)
+            results: dict[str, list[int]] = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=30)
+                assert result is not None
+                if result.is_finished():
+                    results[result.request_id] = result.generated_tokens
+            assert [results[i] for i in ids] == own, size
+        assert manager.continuous_batching_config.num_blocks == cache.num_blocks
+
+
+@pytest.mark.timeout(120)
+def test_a_shrink_past_live_blocks_waits_then_names_them(tf: Any) -> None:
+    """Blocks requests hold are not taken: past the timeout the shrink names the requests and
+    changes nothing; once they finish it goes through, and the smaller cache serves."""
+    from extensible_kv import transformers as ekt
+
+    model, own, options = resizable(tf, "llama")
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        state = cache._ekv
+        ekt.resize(manager, NUM_BLOCKS)
+        # Two long requests: admitted, they hold blocks for a few hundred steps.
+        long_ids = manager.add_requests(prompts()[:2], max_new_tokens=400)
+        deadline = time.monotonic() + 30
+        while not _requests_holding_blocks(cache) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        before = (cache.num_blocks, state.tensor.physical_bytes)
+        with pytest.raises(TimeoutError, match=r"requests hold blocks past block 1 \(") as error:
+            ekt.resize(manager, 1, timeout=0)
+        assert "nothing changed" in str(error.value)
+        assert any(request_id in str(error.value) for request_id in long_ids)
+        assert (cache.num_blocks, state.tensor.physical_bytes) == before
+        finished = 0
+        while finished < len(long_ids):
+            result = manager.get_result(timeout=30)
+            assert result is not None
+            finished += result.is_finished()
+        report = ekt.resize(manager, 8, timeout=0)  # free now (prefix-cached blocks evicted)
+        assert report.blocks_after == cache.num_blocks == 8
+        assert state.tensor.physical_bytes < before[1]
+        assert run(manager) == own  # eight blocks serve the prompts, a few at a time
+
+
+def _requests_holding_blocks(cache: Any) -> bool:
+    return any(a.block_table for a in cache.cache_allocators.values())
+
+
+def test_resize_refuses_bad_sizes_before_anything_changes(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    model, _, options = resizable(tf, "llama")
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        before = (cache.num_blocks, cache._ekv.tensor.physical_bytes)
+        with pytest.raises(TypeError, match="num_blocks"):
+            ekt.resize(manager, 2.5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="num_blocks must be at least 1"):
+            ekt.resize(manager, 0)
+        with pytest.raises(ValueError, match=r"more than the reservation holds \(48 blocks"):
+            ekt.resize(manager, NUM_BLOCKS + 1)
+        with pytest.raises(ValueError, match="timeout"):
+            ekt.resize(manager, 4, timeout=-1)
+        ekt.release(manager)
+        with pytest.raises(RuntimeError, match="resume"):
+            ekt.resize(manager, 4)
+        ekt.resume(manager)
+        assert (cache.num_blocks, cache._ekv.tensor.physical_bytes) == before

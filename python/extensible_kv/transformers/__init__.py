@@ -10,7 +10,8 @@ cache: transformers' `PagedAttentionCache` (same API, same tensors) placed in on
 graphs, from the memory really left (`Extended KV cache to N blocks (X GiB)` on the
 `extensible_kv` logger; `last_report()`). A `num_blocks` in the `ContinuousBatchingConfig`
 caps it. `release(manager)` / `resume(manager)` give the memory back and take it again while
-the manager and its graphs live (RL loops). transformers' code is not changed; `disable()`
+the manager and its graphs live (RL loops); `resize(manager, num_blocks)` grows or shrinks it
+while requests run. transformers' code is not changed; `disable()`
 puts back every object it replaced. Not supported: tensor parallelism, transformers < 5.18
 (per-layer tensors) and versions past the tested range (refused with the range named).
 """
@@ -24,6 +25,7 @@ from extensible_kv.transformers.patch import (
     is_enabled,
     last_report,
     release,
+    resize,
     resume,
 )
 
@@ -36,5 +38,6 @@ __all__ = [
     "is_enabled",
     "last_report",
     "release",
+    "resize",
     "resume",
 ]

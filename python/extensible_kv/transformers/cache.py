@@ -45,6 +45,7 @@ stream captures a graph.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -53,6 +54,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -208,22 +210,20 @@ def _pool_class(base: Any) -> type:
     class ExtensiblePool(base):  # type: ignore[misc]
         """`CachePool` whose sectors are committed before they are handed out. Until the cache
         is extended the pool counts transformers' own sizing (so the warm-up runs at the sizes
-        transformers' own cache would) and hands out its lowest sectors first (so it commits
-        only what the warm-up requests touch)."""
+        transformers' own cache would). It always hands out its lowest free sector: the
+        warm-up commits only what its requests touch, and live blocks gather at the bottom,
+        so that a shrink (`resize`) finds the sectors at the top free."""
 
         def __init__(self, num_sectors: int, num_allocators: int, state: _State) -> None:
             self._ekv_state = state
-            self.lowest_first = True
             super().__init__(num_sectors, num_allocators)
 
-        def reset(self) -> None:
-            super().reset()
-            if self.lowest_first:
-                self.free_sectors.reverse()  # transformers pops from the end
-
         def allocate_sector(self, index: int) -> None:
-            if self.free_sectors:
-                self._ekv_state.grow_to_hold(self.free_sectors[-1])
+            free = self.free_sectors
+            if free:
+                lowest = min(range(len(free)), key=free.__getitem__)
+                free[lowest], free[-1] = free[-1], free[lowest]  # transformers pops the end
+                self._ekv_state.grow_to_hold(free[-1])
             super().allocate_sector(index)
 
     return ExtensiblePool
@@ -521,12 +521,10 @@ def _footprint(state: _State) -> sizing.CacheFootprint:
 
 
 def _hand_to_pool(cache: Any, sectors: int) -> None:
-    """The pool holds `sectors` data sectors, handed out in transformers' own order. Only
-    called with no request holding blocks (after warm-up's reset, or release's)."""
-    pool = cache.pool
-    pool.lowest_first = False
+    """The pool holds `sectors` data sectors, all free. Only called with no request holding
+    blocks (after warm-up's reset, or release's)."""
     _set_num_sectors(cache, sectors)
-    pool.reset()
+    cache.pool.reset()
 
 
 def _busy_requests(cache: Any) -> list[str]:
@@ -591,6 +589,171 @@ def resume(cache: Any) -> None:
         state.blocks(state.final_sectors),
         state.tensor.physical_bytes / GIB,
     )
+
+
+def resize(manager: Any, cache: Any, num_blocks: int, timeout: float | None) -> ExtendReport:
+    """See `extensible_kv.transformers.resize`."""
+    state = _state(cache)
+    num_blocks = _args.size(num_blocks, "num_blocks", minimum=1)
+    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, not {timeout!r}")
+    if state.final_sectors is None:
+        raise RuntimeError("the KV cache is not sized yet: resize it after the warm-up or start")
+    if state.released:
+        raise RuntimeError("the KV cache is released: resume(manager) before resizing it")
+    capacity = state.blocks(state.capacity_sectors)
+    if num_blocks > capacity:
+        raise ValueError(
+            f"num_blocks {num_blocks} is more than the reservation holds ({capacity} blocks, "
+            "fixed when the cache was built: a num_blocks in the ContinuousBatchingConfig caps it)"
+        )
+    target = min(
+        math.ceil(num_blocks * state.bytes_per_block / state.bytes_per_sector),
+        state.capacity_sectors,
+    )
+    start = time.perf_counter()
+    tensor, final = state.tensor, state.final_sectors
+    before = (state.blocks(final), tensor.physical_bytes, tensor.num_handles)
+    if target > final:
+        with _paused(manager):
+            _grow_live(cache, state, target)
+    elif target < final:
+        _shrink_live(manager, cache, state, target, timeout)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    state.report = ExtendReport(
+        blocks_before=before[0],
+        blocks_after=state.blocks(target),
+        capacity_blocks=capacity,
+        fit_blocks=state.blocks(target),
+        bytes_before=before[1],
+        bytes_after=tensor.physical_bytes,
+        handles_before=before[2],
+        handles_after=tensor.num_handles,
+        commit_ms=elapsed_ms,
+        total_ms=elapsed_ms,
+        budget_bytes=0,
+        margin_bytes=0,
+        free_bytes=None,
+        non_kv_used_bytes=None,
+        budget_source="resize",
+        legacy=False,
+    )
+    logger.info(
+        "Resized KV cache from %d to %d blocks (%.2f GiB) in %.1f ms",
+        before[0],
+        state.blocks(target),
+        tensor.physical_bytes / GIB,
+        elapsed_ms,
+    )
+    return state.report
+
+
+@contextlib.contextmanager
+def _paused(manager: Any) -> Iterator[None]:
+    """transformers' pause of a running loop, on this thread (entered and left here); nothing
+    when no loop runs."""
+    if manager.is_running():
+        with manager.pause():
+            yield
+    else:
+        yield
+
+
+def _grow_live(cache: Any, state: _State, target: int) -> None:
+    """Commits up to `target` data sectors (zeroed) and gives the new ones to the pool, with
+    requests in flight (the loop paused)."""
+    flow._refuse_while_capturing(state.device, "resize")
+    final = state.final_sectors
+    assert final is not None
+    state.commit(target)
+    cache.pool.free_sectors[:0] = range(TRASH_SECTORS + final, TRASH_SECTORS + target)
+    state.final_sectors = target
+    _set_num_sectors(cache, target)
+
+
+def _shrink_live(
+    manager: Any, cache: Any, state: _State, target: int, timeout: float | None
+) -> None:
+    """Unmaps the sectors at and past `target` once they are all free at the same time (blocks
+    cached only for prefix sharing are evicted first); until then the pool keeps them, so the
+    requests in flight may still grow into them while the loop runs between the tries. Past
+    `timeout`, `TimeoutError` names the requests that hold them, and nothing has changed."""
+    pool, cut = cache.pool, TRASH_SECTORS + target
+    final = state.final_sectors
+    assert final is not None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with _paused(manager):
+            busy = _requests_holding(cache, cut)
+            if not busy:
+                _evict_cached_blocks(cache, cut)
+                pool.try_to_free_sectors()
+                if sum(sector >= cut for sector in pool.free_sectors) == final - target:
+                    pool.free_sectors[:] = [sector for sector in pool.free_sectors if sector < cut]
+                    try:
+                        _unmap_past(cache, state, target)
+                    except BaseException:
+                        pool.free_sectors.extend(range(cut, TRASH_SECTORS + final))
+                        raise
+                    return
+        waiting = manager.is_running() and (deadline is None or time.monotonic() < deadline)
+        if not waiting:
+            raise TimeoutError(_still_held(state, target, busy, timeout))
+        time.sleep(0.005)
+
+
+def _unmap_past(cache: Any, state: _State, target: int) -> None:
+    """Unmaps the data sectors at and past `target`, which the pool no longer holds."""
+    flow._refuse_while_capturing(state.device, "resize")
+    state._synchronize()  # the last steps' kernels may still read them
+    state.tensor.shrink_((TRASH_SECTORS + target) * state.bytes_per_sector, exact=True)
+    state.committed_sectors = state.final_sectors = target
+    _set_num_sectors(cache, target)
+
+
+def _still_held(state: _State, target: int, busy: list[str], timeout: float | None) -> str:
+    held_by = (
+        f"{len(busy)} requests hold blocks past block {state.blocks(target)} "
+        f"({', '.join(busy[:5])}{'...' if len(busy) > 5 else ''})"
+        if busy
+        else "blocks past it are not free yet"
+    )
+    waited = "the manager is not running" if timeout is None else f"waited {timeout} s"
+    return (
+        f"cannot shrink the KV cache to {state.blocks(target)} blocks: {held_by}, and {waited}; "
+        "nothing changed: retry once they finish, or with a longer timeout"
+    )
+
+
+def _requests_holding(cache: Any, cut: int) -> list[str]:
+    """The requests holding a block of a sector at or past `cut` (a sector's blocks are
+    `sector * blocks_per_sector + j` for each allocator)."""
+    busy: set[str] = set()
+    for allocator in cache.cache_allocators.values():
+        per_sector = allocator.blocks_per_sector
+        for request_id, blocks in getattr(allocator, "block_table", {}).items():
+            if any(block // per_sector >= cut for block in blocks):
+                busy.add(request_id)
+    return sorted(busy)
+
+
+def _evict_cached_blocks(cache: Any, cut: int) -> None:
+    """Blocks at or past `cut` that transformers keeps only for prefix sharing (no request
+    holds them) are forgotten and freed, as its own eviction does."""
+    for allocator in cache.cache_allocators.values():
+        ledger: Any = getattr(allocator, "ledger", None)
+        cached = getattr(ledger, "cached_blocks", None)
+        if not cached:
+            continue
+        per_sector = allocator.blocks_per_sector
+        gone = [block for block in cached if block // per_sector >= cut]
+        for block in gone:
+            del cached[block]
+            block_hash = ledger.block_to_hash.pop(block, None)
+            if block_hash is not None:
+                ledger.hash_to_block.pop(block_hash, None)
+        if gone:
+            cache.pool.free_blocks(allocator.index, gone)
 
 
 class _PauseHolder:

@@ -313,3 +313,24 @@ def resume(manager: Any) -> None:
     `OutOfMemoryError` the cache stays released and the loop paused: free memory and call it
     again."""
     _cache.resume(_cache_of(manager, "resume(manager)"))
+
+
+def resize(manager: Any, num_blocks: int, *, timeout: float | None = None) -> ExtendReport:
+    """Resizes a live manager's KV cache to `num_blocks` blocks (rounded up to whole sectors),
+    while requests run, and returns the report (`last_report()` returns it too).
+
+    A grow commits the new memory (zeroed) and hands it to transformers' pool at once. A
+    shrink takes the sectors past the new size out of the pool as they become free, blocks
+    cached only for prefix sharing included, so no request is given them meanwhile, then
+    unmaps them; blocks requests hold are waited for, up to `timeout` seconds (None: until
+    they finish), after which `TimeoutError` names those requests and nothing has changed.
+    Live blocks are not moved down yet. The pool hands out its lowest free sector first, so
+    live blocks gather at the bottom and the top is usually free.
+
+    `TypeError` for a non-int `num_blocks`, `ValueError` below 1 or above the reservation's
+    capacity; `RuntimeError` while released or before the first extension."""
+    cache = _cache_of(manager, "resize(manager, num_blocks)")
+    report = _cache.resize(manager, cache, num_blocks, timeout)
+    _state["report"] = report
+    manager.continuous_batching_config.num_blocks = cache.num_blocks
+    return report
