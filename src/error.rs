@@ -169,6 +169,10 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
 
+    /// A wait (`reclaim`'s for a give-back) ran past its time limit; nothing was changed.
+    #[error("timed out: {0}")]
+    Timeout(String),
+
     /// The tensor was closed; its addresses are gone.
     #[error("the tensor is closed")]
     Closed,

@@ -326,6 +326,321 @@ fn syscall_error(call: &str, pid: i32, fd: Option<i32>) -> Error {
     os_error(Op::Import, errno, format!("{what}{hint}"))
 }
 
+/// The name prefix of loan boards (`/memfd:<prefix><tensor id, 32 hex>:<loan id, 16 hex>`).
+const LOAN_PREFIX: &str = "extensible-kv-loan:";
+/// Words of a loan board before its handles: state, epoch, borrower's start time, count.
+const BOARD_HEADER_WORDS: usize = 4;
+/// Words per lent handle: serial, first granule, granules, fd number, returned flag.
+const BOARD_HANDLE_WORDS: usize = 5;
+const OFFERED: u64 = 1;
+const TAKEN: u64 = 2;
+const CLOSED: u64 = 3;
+
+/// One handle a loan names, as its board records it: the lender's serial and granule run,
+/// and the number of the fd the lender keeps open for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoanEntry {
+    /// The lender's serial for the handle.
+    pub serial: u64,
+    /// The lender's granules the handle backed.
+    pub run: Run,
+    /// The lender's fd number of the exported handle.
+    pub fd: i32,
+}
+
+/// Where a loan stands, as its board says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BoardState {
+    /// Lent, not borrowed: a borrower may claim it, the lender may take it back at once.
+    Offered,
+    /// Claimed by process `pid` (started at `start_time`, in clock ticks since boot, 0 while
+    /// the borrower has not written it yet): only its give-back or its death returns it.
+    Taken {
+        /// The borrower's pid.
+        pid: u32,
+        /// The borrower's start time (`/proc/PID/stat` field 22).
+        start_time: u64,
+    },
+    /// Reclaimed or dropped by the lender: no one may borrow it any more.
+    Closed,
+}
+
+/// The state of one loan, shared by its lender and its borrower: a memfd named after the
+/// tensor and the loan (`extensible-kv-loan:<tensor id>:<loan id>`) holding the loan's epoch
+/// (random), its state word, and per lent handle its serial, run and fd number (what the lender
+/// wrote: a borrower checks the loan it was handed against it, field by field) and a flag the
+/// borrower sets once it has unmapped and released the handle. The state word moves by
+/// compare-and-swap only: `Offered` to `Taken` (one borrower wins; a replay finds it taken),
+/// `Taken` back to `Offered` (a failed borrow), and `Offered` or `Taken` to `Closed` (the
+/// lender's reclaim, after the give-back or the borrower's death).
+pub struct LoanBoard {
+    fd: OwnedFd,
+    words: Words,
+    num_handles: usize,
+}
+
+impl LoanBoard {
+    /// A board for loan `loan_id` (epoch `epoch`) of tensor `tensor_id`, lending `entries`.
+    pub fn create(
+        tensor_id: u128,
+        loan_id: u64,
+        epoch: u64,
+        entries: &[LoanEntry],
+    ) -> Result<LoanBoard> {
+        let name = std::ffi::CString::new(board_name(tensor_id, loan_id))
+            .expect("no NUL in a formatted name");
+        // SAFETY: `name` is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(os_error(Op::Export, errno, "memfd for a loan board".into()));
+        }
+        // SAFETY: memfd_create just returned this fd, owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let num_words = BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * entries.len();
+        // SAFETY: ftruncate on our own fd, to a small size.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), (num_words * 8) as libc::off_t) } != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(os_error(Op::Export, errno, "sizing a loan board".into()));
+        }
+        let board = LoanBoard {
+            words: Words::map(&fd, num_words, true)?,
+            fd,
+            num_handles: entries.len(),
+        };
+        for (i, entry) in entries.iter().enumerate() {
+            let fd = u64::try_from(entry.fd).map_err(|_| Error::invalid("a negative fd"))?;
+            let values = [
+                entry.serial,
+                entry.run.first_granule,
+                entry.run.num_granules,
+                fd,
+            ];
+            for (k, value) in values.into_iter().enumerate() {
+                board
+                    .word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * i + k)
+                    .store(value, SC);
+            }
+        }
+        board.word(1).store(epoch, SC);
+        board.word(3).store(entries.len() as u64, SC);
+        board.word(0).store(OFFERED, SC); // last: a board is offered once complete
+        Ok(board)
+    }
+
+    /// The board of loan `loan_id` of tensor `tensor_id` behind `fd` (taken from the lender),
+    /// checked by name first: anything else is a stale loan.
+    pub fn open(fd: OwnedFd, tensor_id: u128, loan_id: u64) -> Result<LoanBoard> {
+        let expected = format!("/memfd:{} (deleted)", board_name(tensor_id, loan_id));
+        let target = fd_target(fd.as_fd());
+        if target != expected {
+            return Err(stale_loan(format!(
+                "the lender no longer holds loan {loan_id} of tensor {tensor_id:032x} (its \
+                 board fd now names {target})"
+            )));
+        }
+        let len = std::fs::File::from(
+            fd.try_clone()
+                .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?,
+        )
+        .metadata()
+        .map(|m| m.len())
+        .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?;
+        let num_words = usize::try_from(len / 8).unwrap_or(0);
+        if num_words < BOARD_HEADER_WORDS {
+            return Err(stale_loan(format!("its board holds {len} bytes")));
+        }
+        let words = Words::map(&fd, num_words, true)?;
+        let num_handles = (num_words - BOARD_HEADER_WORDS) / BOARD_HANDLE_WORDS;
+        let board = LoanBoard {
+            fd,
+            words,
+            num_handles,
+        };
+        if board.word(3).load(SC) != num_handles as u64 {
+            return Err(stale_loan("its board is not a complete one".into()));
+        }
+        Ok(board)
+    }
+
+    fn word(&self, index: usize) -> &AtomicU64 {
+        self.words
+            .get(index as u64)
+            .expect("board words are inside the board")
+    }
+
+    /// The board's fd number in this process (what a loan names).
+    pub fn raw_fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// The loan's epoch (random, set by the lender).
+    pub fn epoch(&self) -> u64 {
+        self.word(1).load(SC)
+    }
+
+    /// The handles the lender lent, in order.
+    pub fn entries(&self) -> Vec<LoanEntry> {
+        (0..self.num_handles)
+            .map(|i| {
+                let at = |k: usize| self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * i + k);
+                LoanEntry {
+                    serial: at(0).load(SC),
+                    run: Run::new(at(1).load(SC), at(2).load(SC)),
+                    fd: i32::try_from(at(3).load(SC)).unwrap_or(-1),
+                }
+            })
+            .collect()
+    }
+
+    fn returned_flag(&self, index: usize) -> Option<&AtomicU64> {
+        (index < self.num_handles)
+            .then(|| self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * index + 4))
+    }
+
+    /// Where the loan stands.
+    pub fn state(&self) -> BoardState {
+        let word = self.word(0).load(SC);
+        match word & 0xff {
+            OFFERED => BoardState::Offered,
+            TAKEN => BoardState::Taken {
+                pid: (word >> 32) as u32,
+                start_time: self.word(2).load(SC),
+            },
+            _ => BoardState::Closed,
+        }
+    }
+
+    /// Claims the loan for this process: `Offered` becomes `Taken`; else the state found.
+    pub fn claim(&self) -> std::result::Result<(), BoardState> {
+        let pid = std::process::id();
+        let taken = u64::from(pid) << 32 | TAKEN;
+        match self.word(0).compare_exchange(OFFERED, taken, SC, SC) {
+            Ok(_) => {
+                self.word(2).store(process_start_time(pid).unwrap_or(0), SC);
+                Ok(())
+            }
+            Err(_) => Err(self.state()),
+        }
+    }
+
+    /// Undoes this process's `claim` (a borrow that failed, having released every handle it
+    /// imported): the loan is offered again, as before the borrow.
+    pub fn unclaim(&self) {
+        for i in 0..self.num_handles {
+            if let Some(flag) = self.returned_flag(i) {
+                flag.store(0, SC);
+            }
+        }
+        self.word(2).store(0, SC);
+        let taken = u64::from(std::process::id()) << 32 | TAKEN;
+        let _ = self.word(0).compare_exchange(taken, OFFERED, SC, SC);
+    }
+
+    /// Records that the borrower has unmapped and released handle `index`.
+    pub fn mark_returned(&self, index: usize) {
+        if let Some(flag) = self.returned_flag(index) {
+            flag.store(1, SC);
+        }
+    }
+
+    /// How many of the lent handles the borrower has returned.
+    pub fn num_returned(&self) -> usize {
+        (0..self.num_handles)
+            .filter(|&i| self.returned_flag(i).is_some_and(|f| f.load(SC) == 1))
+            .count()
+    }
+
+    /// How many handles the loan names.
+    pub fn num_handles(&self) -> usize {
+        self.num_handles
+    }
+
+    /// Closes an offered loan (the lender takes it back before anyone borrowed it): whether it
+    /// was offered.
+    pub fn close_if_offered(&self) -> bool {
+        self.word(0)
+            .compare_exchange(OFFERED, CLOSED, SC, SC)
+            .is_ok()
+    }
+
+    /// Offers again a loan this lender closed with `close_if_offered` (a reclaim that failed).
+    pub fn reopen(&self) {
+        let _ = self.word(0).compare_exchange(CLOSED, OFFERED, SC, SC);
+    }
+
+    /// Closes the loan whatever its state (the lender has it back).
+    pub fn close(&self) {
+        self.word(0).store(CLOSED, SC);
+    }
+}
+
+const SC: Ordering = Ordering::SeqCst;
+
+fn board_name(tensor_id: u128, loan_id: u64) -> String {
+    format!("{LOAN_PREFIX}{tensor_id:032x}:{loan_id:016x}")
+}
+
+/// The error for a loan that can no longer be borrowed as described.
+pub fn stale_loan(why: String) -> Error {
+    Error::invalid(format!(
+        "stale or foreign loan: {why}; ask the lender for a current loan (lend again)"
+    ))
+}
+
+/// Process `pid`'s start time in clock ticks since boot (`/proc/PID/stat` field 22), which
+/// tells it from a later process given the same pid; `None` when there is no such process.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields follow the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?; // field 3
+    if state == "Z" || state == "X" {
+        return None; // exited: its fds and mappings are gone, only its exit status is left
+    }
+    fields.nth(18)?.parse().ok() // field 22
+}
+
+/// A process this one waits on: held by a pidfd, so that a later process given the same pid
+/// is never taken for it.
+pub struct Watched {
+    pidfd: Option<OwnedFd>,
+}
+
+impl Watched {
+    /// Watches process `pid`, which started at `start_time` (0: unknown); a process that is
+    /// already gone, or whose pid now names a later process, is watched as gone.
+    pub fn new(pid: u32, start_time: u64) -> Watched {
+        let Ok(process) = Process::open(pid as i32) else {
+            return Watched { pidfd: None };
+        };
+        // Checked after the pidfd is open: from here on the pidfd follows this very process.
+        let same = match process_start_time(pid) {
+            None => false,
+            Some(now) => start_time == 0 || now == start_time,
+        };
+        Watched {
+            pidfd: same.then_some(process.pidfd),
+        }
+    }
+
+    /// Waits up to `timeout_ms` for the process to exit: whether it is gone.
+    pub fn wait_gone(&self, timeout_ms: i32) -> bool {
+        let Some(pidfd) = &self.pidfd else {
+            return true;
+        };
+        let mut poll = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd that outlives the call, count 1; the pidfd is open (borrowed).
+        let ready = unsafe { libc::poll(&raw mut poll, 1, timeout_ms) };
+        ready > 0 && poll.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -59,4 +59,7 @@ mod python;
 pub use driver::{DeviceKind, Driver, Stream};
 pub use error::{Error, Op, Result, SizeOp};
 pub use plan::{Geometry, HandlePolicy, Run};
-pub use tensor::{ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions};
+pub use tensor::{
+    ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, LoanHandle, Options, Segments,
+    ShrinkOptions,
+};

@@ -96,3 +96,19 @@ def test_bench_layouts_fresh_child_reports_its_failure(tmp_path: Path) -> None:
     error = shape["contenders"]["ours:no_such_cut"]["error"]
     assert error.startswith("RuntimeError: ours:no_such_cut's fresh process failed")
     assert "no_such_cut" in error.partition("failed")[2]
+
+
+def test_bench_lend_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Process A hands memory to process B five ways (fresh processes per repetition): B
+    reads A's bytes after every hand-off that keeps them, zeros after a zeroed one."""
+    bench = bench_scripts.load("bench_lend")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--sizes-mib", "4", "--reps", "1"]
+    assert bench.main(argv) == 0
+    res = json.loads((tmp_path / "bench_lend.json").read_text())
+    assert list(res["sizes"]) == [str(4 << 20)]
+    for ways in res["sizes"].values():
+        assert list(ways) == bench.WAYS  # no decode loop on the host backend
+        for way in ("handoff_first", "handoff_cached", "handoff_zeroed"):
+            assert ways[way]["checksum_ok"] == [True], way
+        assert all(ways[w]["median_wall_ms"] > 0 for w in bench.WAYS)
+    assert "### " in capsys.readouterr().out

@@ -133,6 +133,10 @@ def _cases() -> list[Case]:
         lambda t, v: ExtensibleTensor(v, device="cpu"))  # fmt: skip
     add("tensor", "export_handle_types", [1.5, {1}, [None], True], TypeError,
         lambda t, v: ExtensibleTensor(G, device="cpu", export_handle_types=v))  # fmt: skip
+    add("tensor", "bytes_per_segment", BAD_INT, TypeError, lambda t, v: t.lend(v))
+    for method in ("borrow", "give_back", "reclaim"):
+        add("tensor", "loan", [None, 5, ("cpu", G)], TypeError,
+            lambda t, v, m=method: getattr(t, m)(v))  # fmt: skip
     add("tensor", "export_handle_types", [-1, 2**40, "bogus"], ValueError,
         lambda t, v: ExtensibleTensor(G, device="cpu", export_handle_types=v))  # fmt: skip
     add("tensor", "device", ["tpu", 3, "cuda:x"], ValueError,

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import memfd_counts
-from extensible_kv import ExtensibleTensor, HandleSizing, SharedHandle, SharedTensor
+from extensible_kv import (
+    ExtensibleTensor,
+    HandleSizing,
+    Loan,
+    LoanHandle,
+    SharedHandle,
+    SharedTensor,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -110,3 +117,109 @@ def test_a_mutated_description_is_refused_or_exact_and_leaves_nothing(
     assert len(os.listdir("/proc/self/fd")) == fds, what
     assert (owner.segment_bytes, owner.handle_runs(), owner.physical_bytes) == before
     owner._check_invariants()
+
+
+LOAN_FIELDS = [f.name for f in dataclasses.fields(Loan) if f.name != "received_fds"]
+LOAN_HANDLE_FIELDS = [f.name for f in dataclasses.fields(LoanHandle)]
+
+
+def _mutate_loan(data: st.DataObject, loan: Loan) -> tuple[Loan, str]:
+    kind = data.draw(st.sampled_from(["field", "handle", "handles"]))
+    if kind == "field":
+        name = data.draw(st.sampled_from(LOAN_FIELDS))
+        value = data.draw(st.one_of(junk, st.integers(0, 64)))
+        return dataclasses.replace(loan, **{name: value}), f"field {name}"
+    handles = list(loan.handles)
+    if kind == "handle":
+        i = data.draw(st.integers(0, len(handles) - 1))
+        name = data.draw(st.sampled_from(LOAN_HANDLE_FIELDS))
+        value = data.draw(st.one_of(junk, st.integers(0, 64)))
+        handles[i] = dataclasses.replace(handles[i], **{name: value})
+        return dataclasses.replace(loan, handles=tuple(handles)), f"handle {name}"
+    op = data.draw(st.sampled_from(["drop", "dup", "shuffle", "junk"]))
+    if op == "drop":
+        handles.pop(data.draw(st.integers(0, len(handles) - 1)))
+    elif op == "dup":
+        handles.append(handles[data.draw(st.integers(0, len(handles) - 1))])
+    elif op == "shuffle":
+        handles = data.draw(st.permutations(handles))
+    else:
+        handles.append(data.draw(junk))
+    return dataclasses.replace(loan, handles=tuple(handles)), f"handles {op}"
+
+
+@pytest.fixture(scope="module")
+def lender_and_borrower() -> Any:
+    def make() -> ExtensibleTensor:
+        return ExtensibleTensor(
+            16 * G,
+            2,
+            "cpu",
+            granularity=G,
+            handle_sizing=HandleSizing(max_bytes=2 * G),
+            export_handle_types="posix_fd",
+        )
+
+    lender, borrower = make(), make()
+    lender.resize_per_segment_(6 * G)
+    for s in range(2):
+        lender.segment_view(s).copy_(torch.arange(6 * G).remainder(251) + s)
+    borrower.resize_per_segment_(2 * G)
+    # Each lent handle is exported once and its fd kept for the handle's life: export first.
+    lender.reclaim(lender.lend(2 * G), zero=False)
+    yield lender, borrower
+    lender.close()
+    borrower.close()
+
+
+def _borrow_mutated(data: st.DataObject, loan: Loan, borrower: ExtensibleTensor) -> str:
+    """Borrows a mutation of `loan`: refused, or exactly the loan."""
+    before = (borrower.segment_bytes, borrower.physical_bytes)
+    wrong, what = _mutate_loan(data, loan)
+    try:
+        borrower.borrow(wrong, zero=False)
+    except (TypeError, ValueError) as error:
+        event(f"{what}: {type(error).__name__}")
+        assert str(error), what
+        assert (borrower.segment_bytes, borrower.physical_bytes) == before, what
+        return what
+    event(f"{what}: accepted")
+    assert borrower.segment_bytes == (6 * G, 6 * G), what
+    for s in range(2):
+        expected = (torch.arange(6 * G).remainder(251) + s).byte()
+        assert torch.equal(borrower.segment_view(s)[2 * G :], expected[2 * G :]), what
+    return what
+
+
+@settings(
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    database=None,
+)
+@given(data=st.data())
+def test_a_mutated_loan_is_refused_or_exact_and_leaves_nothing(
+    lender_and_borrower: tuple[ExtensibleTensor, ExtensibleTensor], data: st.DataObject
+) -> None:
+    """Tampered loans: refused with a `TypeError` or `ValueError` before anything is mapped,
+    unless still exactly the loan; a stale one (already reclaimed) is refused too. Neither
+    side changes, and no fd or mapping is left."""
+    lender, borrower = lender_and_borrower
+    before = (borrower.segment_bytes, borrower.handle_runs(), borrower.physical_bytes)
+    counts = memfd_counts()
+    fds = len(os.listdir("/proc/self/fd"))
+    loan = lender.lend(2 * G)
+    try:
+        what = _borrow_mutated(data, loan, borrower)
+    finally:  # back as before, whatever failed: the next example starts from the same state
+        if borrower.borrowed_bytes:
+            borrower.give_back(loan)
+        lender.reclaim(loan, zero=False, timeout=5)
+    with pytest.raises(ValueError, match="stale"):
+        borrower.borrow(loan)
+    assert (borrower.segment_bytes, borrower.handle_runs(), borrower.physical_bytes) == before
+    assert lender.segment_bytes == (6 * G, 6 * G)
+    assert memfd_counts() == counts, what
+    assert len(os.listdir("/proc/self/fd")) == fds, what
+    lender._check_invariants()
+    borrower._check_invariants()

@@ -10,13 +10,22 @@ such tensors; `KVCacheFlow` runs the flow: reserve, capture graphs, `extend_to_f
 from extensible_kv._native import (
     ClosedError,
     DriverError,
+    LoanTimeoutError,
     OutOfMemoryError,
     UnsupportedError,
     vmm_unavailable_reason,
 )
 from extensible_kv.distributed import min_over_group
 from extensible_kv.flow import ExtendReport, KVCacheFlow
-from extensible_kv.ipc import SharedHandle, SharedTensor, recv_shared, send_shared
+from extensible_kv.ipc import (
+    Loan,
+    LoanHandle,
+    SharedHandle,
+    SharedTensor,
+    recv_loan,
+    recv_shared,
+    send_shared,
+)
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     ExtensibleKVCache,
@@ -48,6 +57,9 @@ __all__ = [
     "KVCacheFlow",
     "KVCacheTensorSpec",
     "LayerSpec",
+    "Loan",
+    "LoanHandle",
+    "LoanTimeoutError",
     "MambaLayerSpec",
     "MambaStateSpec",
     "OutOfMemoryError",
@@ -62,6 +74,7 @@ __all__ = [
     "mamba2_state_spec",
     "measure_budget",
     "min_over_group",
+    "recv_loan",
     "recv_shared",
     "send_shared",
     "vmm_unavailable_reason",

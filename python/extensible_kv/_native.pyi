@@ -11,8 +11,10 @@ __all__ = [
     "ClosedError",
     "DriverError",
     "ExtensibleTensor",
+    "LoanTimeoutError",
     "OutOfMemoryError",
     "UnsupportedError",
+    "_loan_owner_fds",
     "_owner_fds",
     "extent_bytes",
     "footprint_bytes",
@@ -44,11 +46,15 @@ class UnsupportedError(RuntimeError):
 class ClosedError(ValueError):
     """The tensor was closed."""
 
+class LoanTimeoutError(TimeoutError):
+    """A loan was not given back in time; nothing was changed."""
+
 def vmm_unavailable_reason(device: object) -> str | None: ...
 def footprint_bytes(segment_offsets: Sequence[int], prefix_bytes: int, granularity: int) -> int: ...
 def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int: ...
 def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
 def _owner_fds(description: tuple[Any, ...]) -> list[int]: ...
+def _loan_owner_fds(loan: tuple[Any, ...]) -> list[int]: ...
 def host_free_bytes() -> int:
     """The bytes a host commit can take now: MemAvailable, or the memory cgroup's room."""
 
@@ -97,6 +103,28 @@ class ExtensibleTensor:
     def _is_noop_resize(self, bytes_per_segment: int | Sequence[int]) -> bool: ...
     def _share(self) -> tuple[Any, ...]: ...
     def _refresh(self, description: tuple[Any, ...], fds: list[int] | None = None) -> None: ...
+    def _lend(
+        self, bytes_per_segment: int | Sequence[int], stream: int | None = None
+    ) -> tuple[Any, ...]: ...
+    def _borrow(
+        self,
+        loan: tuple[Any, ...],
+        fds: list[int] | None = None,
+        zero: bool = True,
+        stream: int | None = None,
+    ) -> None: ...
+    def _give_back(self, loan: tuple[Any, ...], stream: int | None = None) -> None: ...
+    def _reclaim(
+        self,
+        loan: tuple[Any, ...],
+        zero: bool = True,
+        timeout: float | None = None,
+        stream: int | None = None,
+    ) -> None: ...
+    @property
+    def lent_bytes(self) -> int: ...
+    @property
+    def borrowed_bytes(self) -> int: ...
     @property
     def export_handle_types(self) -> int: ...
     @property

@@ -24,6 +24,16 @@ refuses a description of another tensor.
 
 Each handle is exported once, on the first `share()` that needs it (~0.6 ms a handle on
 CUDA): few, large handles — the default handle policy — make sharing cheap.
+
+Lending moves memory instead of sharing it: `loan = lender.lend(bytes_per_segment)` shrinks
+the lender to that size and makes the whole handles past it a `Loan` (picklable), which one
+other tensor, in this process or another, maps at the ends of its segments with
+`borrower.borrow(loan)`; `borrower.give_back(loan)` returns them and
+`lender.reclaim(loan)` maps them back at the lender's same addresses. A loan names the
+lender's loan board (a memfd named after the tensor and the loan, holding a random epoch,
+the loan's state and what was lent): a tampered, stale or replayed loan is a `ValueError`
+before anything is mapped. Its fds are taken by pid like a description's, or travel over a
+Unix socket: `send_shared(sock, loan)` in the lender, `recv_loan(sock)` in the borrower.
 """
 
 from __future__ import annotations
@@ -35,7 +45,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import socket
 
-__all__ = ["SharedHandle", "SharedTensor", "export_handle_types_bits", "recv_shared", "send_shared"]
+__all__ = [
+    "Loan",
+    "LoanHandle",
+    "SharedHandle",
+    "SharedTensor",
+    "export_handle_types_bits",
+    "recv_loan",
+    "recv_shared",
+    "send_shared",
+]
 
 POSIX_FD = 1
 FABRIC = 8
@@ -149,11 +168,96 @@ class SharedTensor:
         return (type(self), values)
 
 
-def _to_wire(description: SharedTensor) -> bytes:
+@dataclass(frozen=True)
+class LoanHandle:
+    """One lent handle: the lender's granules `[first_granule, +num_granules)`, its `serial`
+    for the handle, and the number of the fd it keeps open for it."""
+
+    first_granule: int
+    num_granules: int
+    serial: int
+    fd: int
+
+
+@dataclass(frozen=True)
+class Loan:
+    """Memory one tensor lends another (from `ExtensibleTensor.lend`): borrowed at most once.
+
+    Picklable. `tensor_id` names the lender's tensor, `loan_id` and `epoch` (random) this
+    loan, `board_fd` the lender's fd of its loan board, which the borrower checks every other
+    field against. `received_fds` is set only by `recv_loan`: fds this process holds (the
+    board's, then one per handle), used and then closed by the next `borrow`; never pickled."""
+
+    device: str
+    granularity: int
+    owner_pid: int
+    tensor_id: int
+    loan_id: int
+    epoch: int
+    board_fd: int
+    handles: tuple[LoanHandle, ...]
+    received_fds: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_bytes(self) -> int:
+        """The physical bytes the loan moves."""
+        return sum(h.num_granules for h in self.handles) * self.granularity
+
+    @classmethod
+    def _from_native(cls, raw: tuple[Any, ...]) -> Loan:
+        device, granularity, owner_pid, tensor_id, loan_id, epoch, board_fd, handles = raw
+        return cls(
+            device,
+            granularity,
+            owner_pid,
+            tensor_id,
+            loan_id,
+            epoch,
+            board_fd,
+            tuple(LoanHandle(*h) for h in handles),
+        )
+
+    def _to_native(self) -> tuple[Any, ...]:
+        """The tuple the native module takes; it checks every field's type and value."""
+        handles: Any = self.handles
+        if isinstance(handles, tuple | list):
+            handles = [
+                (h.first_granule, h.num_granules, h.serial, h.fd)
+                if isinstance(h, LoanHandle)
+                else h  # the native check names what is wrong with it
+                for h in handles
+            ]
+        return (
+            self.device,
+            self.granularity,
+            self.owner_pid,
+            self.tensor_id,
+            self.loan_id,
+            self.epoch,
+            self.board_fd,
+            handles,
+        )
+
+    def _take_fds(self) -> list[int] | None:
+        """The received fds, once (see `SharedTensor._take_fds`)."""
+        fds = self.received_fds
+        if fds is None:
+            return None
+        object.__setattr__(self, "received_fds", ())
+        return list(fds)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        values = tuple(getattr(self, f.name) for f in fields(self) if f.name != "received_fds")
+        return (type(self), values)
+
+
+def _to_wire(description: SharedTensor | Loan) -> bytes:
     """JSON, not pickle: the receiver must not run whatever a peer sends."""
     import json
 
     raw = list(description._to_native())
+    if isinstance(description, Loan):
+        return json.dumps({"loan": raw}).encode()
     raw[-1] = [[*h[:5], None if h[5] is None else bytes(h[5]).hex()] for h in raw[-1]]
     return json.dumps(raw).encode()
 
@@ -163,6 +267,8 @@ def _from_wire(payload: bytes) -> SharedTensor:
 
     try:
         raw = json.loads(payload)
+        if isinstance(raw, dict):
+            raise ValueError("it is a loan: receive it with recv_loan")
         *fields_, handles = raw
         handles = [(*h[:5], None if h[5] is None else bytes.fromhex(h[5])) for h in handles]
         return SharedTensor._from_native((*fields_, handles))
@@ -170,11 +276,24 @@ def _from_wire(payload: bytes) -> SharedTensor:
         raise ValueError(f"received a malformed shared description: {error}") from None
 
 
-def send_shared(sock: socket.socket, description: SharedTensor) -> None:
-    """Sends `description` and the owner's fds over the connected Unix socket `sock`, for a
-    peer that may not take them by pid (`recv_shared` on the other end). Call it from the
-    process that called `share()`: it sends that process's fds, checked current first (a stale
-    description is a `ValueError`), with its credentials, which the kernel vouches for."""
+def _loan_from_wire(payload: bytes) -> Loan:
+    import json
+
+    try:
+        raw = json.loads(payload)
+        if not isinstance(raw, dict) or "loan" not in raw:
+            raise ValueError("it is a shared description: receive it with recv_shared")
+        return Loan._from_native(tuple(raw["loan"]))
+    except (ValueError, TypeError, IndexError) as error:
+        raise ValueError(f"received a malformed loan: {error}") from None
+
+
+def send_shared(sock: socket.socket, description: SharedTensor | Loan) -> None:
+    """Sends `description` (or a `Loan`) and the owner's fds over the connected Unix socket
+    `sock`, for a peer that may not take them by pid (`recv_shared`, or `recv_loan`, on the
+    other end). Call it from the process that called `share()` (or `lend()`): it sends that
+    process's fds, checked current first (a stale description or loan is a `ValueError`), with
+    its credentials, which the kernel vouches for."""
     # Imported here: only the socket path needs them (`import extensible_kv` stays lean).
     import array
     import socket
@@ -188,7 +307,10 @@ def send_shared(sock: socket.socket, description: SharedTensor) -> None:
     from extensible_kv import _native
 
     # Checked current first: a stale description's fd numbers may name other memory by now.
-    fds = _native._owner_fds(description._to_native())
+    if isinstance(description, Loan):
+        fds = _native._loan_owner_fds(description._to_native())
+    else:
+        fds = _native._owner_fds(description._to_native())
     credentials = struct.pack("3i", os.getpid(), os.getuid(), os.getgid())
     try:
         payload = _to_wire(description)
@@ -210,6 +332,28 @@ def recv_shared(sock: socket.socket) -> SharedTensor:
     the next `ExtensibleTensor.from_shared` or `refresh` of it). The fds must come from the
     description's owner, as the kernel-checked credentials of their messages say: else a
     `ValueError`, and they are closed."""
+    payload = _recv_payload(sock)
+    description = _from_wire(payload)
+    expected = sum(h.fd is not None for h in description.handles)
+    if expected and description.registry_fd is not None:
+        expected += 1  # the registry's fd comes first
+    received = _recv_all_fds(sock, expected, description.owner_pid)
+    object.__setattr__(description, "received_fds", tuple(received))
+    return description
+
+
+def recv_loan(sock: socket.socket) -> Loan:
+    """Receives a loan sent by `send_shared`, carrying the received fds (its board's, then one
+    per handle), given up to the next `ExtensibleTensor.borrow` of it. The fds must come from
+    the lender, as the kernel-checked credentials of their messages say: else a `ValueError`,
+    and they are closed."""
+    loan = _loan_from_wire(_recv_payload(sock))
+    received = _recv_all_fds(sock, 1 + len(loan.handles), loan.owner_pid)
+    object.__setattr__(loan, "received_fds", tuple(received))
+    return loan
+
+
+def _recv_payload(sock: socket.socket) -> bytes:
     import socket
     import struct
 
@@ -217,27 +361,27 @@ def recv_shared(sock: socket.socket) -> SharedTensor:
     (length,) = struct.unpack("!Q", _recv_exactly(sock, 8))
     if length > _MAX_DESCRIPTION_BYTES:
         raise ValueError(f"a shared description of {length} bytes is too large")
-    description = _from_wire(_recv_exactly(sock, length))
-    expected = sum(h.fd is not None for h in description.handles)
-    if expected and description.registry_fd is not None:
-        expected += 1  # the registry's fd comes first
+    return _recv_exactly(sock, length)
+
+
+def _recv_all_fds(sock: socket.socket, expected: int, owner_pid: int) -> list[int]:
+    """`expected` fds, each message's checked to come from `owner_pid`; closed on error."""
     received: list[int] = []
     try:
         while len(received) < expected:
             want = min(_MAX_FDS_PER_MESSAGE, expected - len(received))
             fds, sender = _recv_fds(sock, want)
             received.extend(fds)
-            if sender != description.owner_pid:
+            if sender != owner_pid:
                 raise ValueError(
                     f"the fds came from process {sender}, not from the description's owner "
-                    f"({description.owner_pid})"
+                    f"({owner_pid})"
                 )
     except BaseException:
         for fd in received:
             os.close(fd)
         raise
-    object.__setattr__(description, "received_fds", tuple(received))
-    return description
+    return received
 
 
 def _recv_fds(sock: socket.socket, max_fds: int) -> tuple[list[int], int | None]:

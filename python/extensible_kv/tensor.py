@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from extensible_kv import _args, _native, _torch
-from extensible_kv.ipc import FABRIC, SharedTensor, export_handle_types_bits
+from extensible_kv.ipc import FABRIC, Loan, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
 if TYPE_CHECKING:
@@ -82,6 +82,12 @@ def _check_description(description: object) -> None:
             f"description must be a SharedTensor (from ExtensibleTensor.share), not "
             f"{type(description).__name__}"
         )
+
+
+def _check_loan(loan: object) -> None:
+    if not isinstance(loan, Loan):
+        kind = type(loan).__name__
+        raise TypeError(f"loan must be a Loan (from ExtensibleTensor.lend), not {kind}")
 
 
 def _close_all(fds: list[int] | None) -> None:
@@ -257,6 +263,71 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             self._refresh(description._to_native(), fds)
         finally:
             _close_all(fds)
+
+    def lend(self, bytes_per_segment: int | Sequence[int], *, stream: int | None = None) -> Loan:
+        """Lends the memory past `bytes_per_segment` (the size this tensor keeps: an int, or
+        one per segment) to another tensor, in this process or another: a picklable `Loan`.
+
+        The segments shrink to that size, keeping the bytes below; every whole handle past it
+        is exported (once per handle: a later loan reuses the export) and unmapped once the
+        work queued on `stream` is done (an event on it, by default torch's current stream:
+        the device need not be idle; work on other streams is the caller's to order). A handle
+        that straddles the size kept stays here. The addresses stay reserved, so views and
+        CUDA graphs stay valid, and a grow over the lent memory is refused until `reclaim`.
+        Needs `export_handle_types="posix_fd"`. All or nothing: `ValueError` when no whole
+        handle lies past the size kept."""
+        if stream is None:
+            stream = self._current_stream()
+        return Loan._from_native(self._lend(bytes_per_segment, stream))
+
+    def borrow(self, loan: Loan, *, zero: bool = True, stream: int | None = None) -> None:
+        """Maps `loan`'s memory at the ends of this tensor's segments, each growing by the
+        loan's bytes split evenly. The loan must fit: the same device and granularity,
+        segments that end at a granule boundary with nothing mapped past it, room for the
+        loan, and no handle crossing a segment's end; else a `ValueError` says why, before
+        anything is mapped. A tampered, stale or replayed loan is a `ValueError` too (a loan
+        is borrowed at most once). With `zero` (the default) the borrowed bytes are zeroed on
+        `stream`; `zero=False` keeps the lender's bytes, for a trusted pair. All or nothing."""
+        _check_loan(loan)
+        _args.flag(zero, "zero")
+        if stream is None and zero:
+            stream = self._current_stream()
+        fds = loan._take_fds()
+        try:
+            self._borrow(loan._to_native(), fds, zero, stream)
+        finally:
+            _close_all(fds)
+
+    def give_back(self, loan: Loan, *, stream: int | None = None) -> None:
+        """Returns `loan`'s memory to its lender: every segment shrinks to where the loan's
+        memory begins in it (memory this tensor grew past it is released), once the work
+        queued on `stream` is done. A shrink past part of a loan gives back whole handles, as
+        this does. If the lender is gone, the memory goes back to the driver."""
+        _check_loan(loan)
+        if stream is None:
+            stream = self._current_stream()
+        self._give_back(loan._to_native(), stream)
+
+    def reclaim(
+        self,
+        loan: Loan,
+        *,
+        zero: bool = True,
+        timeout: float | None = None,
+        stream: int | None = None,
+    ) -> None:
+        """Takes `loan` back: waits, without the GIL, until the borrower has given it back,
+        or died, or never borrowed it (then no one can any more), up to `timeout` seconds
+        (`None`: for ever), then maps the memory back at its addresses, zeroed on `stream`
+        unless `zero=False`. The segments grow back to their size before the lend if they
+        hold what it kept. Past the timeout, `LoanTimeoutError` and nothing changes."""
+        _check_loan(loan)
+        _args.flag(zero, "zero")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout}")
+        if stream is None and zero:
+            stream = self._current_stream()
+        self._reclaim(loan._to_native(), zero, timeout, stream)
 
     def resize_per_segment_(
         self,

@@ -129,6 +129,11 @@ impl<H: Hook> Driver for Wrap<H> {
         self.hook.around(Op::Synchronize, 0, || inner.synchronize())
     }
 
+    fn fence(&self, stream: Stream) -> Result<()> {
+        let inner = &self.inner;
+        self.hook.around(Op::Synchronize, 0, || inner.fence(stream))
+    }
+
     fn mem_info(&self) -> Result<(u64, u64)> {
         let inner = &self.inner;
         self.hook.around(Op::MemInfo, 0, || inner.mem_info())

@@ -30,6 +30,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     extensible_kv._native,
+    LoanTimeoutError,
+    pyo3::exceptions::PyTimeoutError,
+    "A loan was not given back in time; nothing was changed."
+);
+pyo3::create_exception!(
+    extensible_kv._native,
     ClosedError,
     PyValueError,
     "The tensor was closed."
@@ -95,6 +101,7 @@ impl From<Error> for PyErr {
             }),
             Error::Unsupported(_) => UnsupportedError::new_err(message),
             Error::Closed => ClosedError::new_err(message),
+            Error::Timeout(_) => LoanTimeoutError::new_err(message),
             Error::ViewsAlive { .. } => PyBufferError::new_err(message),
         }
     }
@@ -114,5 +121,6 @@ pub fn add_to(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("OutOfMemoryError", py.get_type::<OutOfMemoryError>())?;
     module.add("DriverError", py.get_type::<DriverError>())?;
     module.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    module.add("LoanTimeoutError", py.get_type::<LoanTimeoutError>())?;
     module.add("ClosedError", py.get_type::<ClosedError>())
 }

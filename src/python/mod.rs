@@ -5,6 +5,7 @@
 
 mod capsule;
 mod errors;
+mod loan;
 mod share;
 
 use std::sync::Arc;
@@ -367,6 +368,76 @@ impl PyExtensibleTensor {
         self.run(py, |core| core.refresh(&description, fds))
     }
 
+    /// Lends the whole handles past `bytes_per_segment` (`extensible_kv.ipc.Loan`).
+    #[pyo3(signature = (bytes_per_segment, stream=None))]
+    fn _lend<'py>(
+        &self,
+        py: Python<'py>,
+        bytes_per_segment: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let (bytes, stream) = (self.segment_targets(bytes_per_segment)?, to_stream(stream)?);
+        let description = self.run(py, |core| core.lend(&bytes[..], stream))?;
+        loan::from_loan(py, &description)
+    }
+
+    /// Maps a loan's handles at the ends of the segments (fds: received, handed over).
+    #[pyo3(signature = (loan, fds=None, zero=true, stream=None))]
+    fn _borrow(
+        &self,
+        py: Python<'_>,
+        loan: &Bound<'_, PyAny>,
+        fds: Option<Vec<i32>>,
+        zero: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (loan, stream) = (loan::to_loan(loan)?, to_stream(stream)?);
+        let fds = share::to_fds(fds)?;
+        self.run(py, |core| core.borrow(&loan, fds, zero, stream))
+    }
+
+    /// Gives a borrowed loan's handles back to their lender.
+    #[pyo3(signature = (loan, stream=None))]
+    fn _give_back(
+        &self,
+        py: Python<'_>,
+        loan: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (loan, stream) = (loan::to_loan(loan)?, to_stream(stream)?);
+        self.run(py, |core| core.give_back(&loan, stream))
+    }
+
+    /// Takes a loan back once given back (or its borrower died), waiting up to `timeout` s.
+    #[pyo3(signature = (loan, zero=true, timeout=None, stream=None))]
+    fn _reclaim(
+        &self,
+        py: Python<'_>,
+        loan: &Bound<'_, PyAny>,
+        zero: bool,
+        timeout: Option<f64>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (loan, stream) = (loan::to_loan(loan)?, to_stream(stream)?);
+        let timeout = timeout
+            .map(|s| std::time::Duration::try_from_secs_f64(s.max(0.0)))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))?;
+        self.run(py, |core| core.reclaim(&loan, zero, timeout, stream))
+    }
+
+    /// Bytes lent out and not reclaimed yet.
+    #[getter]
+    fn lent_bytes(&self) -> u64 {
+        self.core.lent_bytes()
+    }
+
+    /// Bytes of borrowed handles this tensor maps (part of `physical_bytes`).
+    #[getter]
+    fn borrowed_bytes(&self) -> u64 {
+        self.core.borrowed_bytes()
+    }
+
     /// The export handle types new handles are created with (CUDA's bits).
     #[getter]
     fn export_handle_types(&self) -> u32 {
@@ -673,6 +744,14 @@ fn _owner_fds(py: Python<'_>, description: &Bound<'_, PyAny>) -> PyResult<Vec<i3
     py.detach(|| share::owner_fds(&description))
 }
 
+/// The fds a loan names, taken from this (the lender) process and checked current: the
+/// board's, then one per handle. The caller closes them.
+#[pyfunction]
+fn _loan_owner_fds(py: Python<'_>, loan: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    let loan = loan::to_loan(loan)?;
+    py.detach(|| loan::owner_fds(&loan))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExtensibleTensor>()?;
@@ -681,6 +760,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(extent_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(host_mem_info, m)?)?;
     m.add_function(wrap_pyfunction!(_owner_fds, m)?)?;
+    m.add_function(wrap_pyfunction!(_loan_owner_fds, m)?)?;
     m.add_function(wrap_pyfunction!(host_free_bytes, m)?)?;
     errors::add_to(m)?;
     m.add(

@@ -72,6 +72,7 @@ impl ExtensibleTensor {
             false => self.inner.policy,
         };
         let plan = plan::plan_grow(new_ranges, &new_granules, &mapped, policy);
+        self.refuse_lent(&state, &plan.new_handles)?;
         if plan.new_handles.len() > 1 {
             // All the new handles at once: a grow that cannot fit fails before its first create
             // rather than after taking what it could (one handle's create checks itself).

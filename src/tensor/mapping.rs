@@ -124,6 +124,8 @@ pub(super) struct PhysicalHandle {
     pub(super) exported: OnceLock<Exported>,
     /// The first granule under which `share` recorded the exported fd in the registry.
     pub(super) published_at: OnceLock<u64>,
+    /// For a borrowed handle, the lender's board slot to mark once it is released.
+    pub(super) loan: Option<super::loan::LoanSlot>,
 }
 
 impl Drop for PhysicalHandle {
@@ -139,6 +141,10 @@ impl Drop for PhysicalHandle {
             registry.withdraw(granule, self.serial, fd.as_raw_fd());
         }
         self.ctx.defer(self.ctx.driver.release(self.id));
+        // Unmapped (a mapping holds its handle) and released: the lender may map it again.
+        if let Some(slot) = &self.loan {
+            slot.board.mark_returned(slot.index);
+        }
     }
 }
 
@@ -167,6 +173,7 @@ impl PhysicalHandle {
             serial,
             exported: OnceLock::new(),
             published_at: OnceLock::new(),
+            loan: None,
         }
     }
 }
@@ -186,6 +193,22 @@ impl Mapping {
             run,
             handle: Some(handle),
         })
+    }
+
+    /// `map`, handing the handle back with the error when the driver refuses.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn try_map(
+        handle: PhysicalHandle,
+        run: Run,
+    ) -> std::result::Result<Mapping, (Error, PhysicalHandle)> {
+        let (va, num_bytes) = handle.ctx.span(run);
+        match handle.ctx.driver.map(va, num_bytes, handle.id) {
+            Ok(()) => Ok(Mapping {
+                run,
+                handle: Some(handle),
+            }),
+            Err(err) => Err((err, handle)),
+        }
     }
 
     pub(super) fn handle(&self) -> &PhysicalHandle {

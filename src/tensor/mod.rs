@@ -32,12 +32,14 @@
 //! holds the type, its state and locking, construction, release and the getters.
 
 mod grow;
+mod loan;
 mod mapping;
 mod options;
 mod reback;
 mod share;
 mod view;
 
+pub use loan::{LoanDescription, LoanHandle};
 pub use options::{
     GrowOptions, HandleSizing, Options, PerSegment, Segments, ShrinkOptions,
     DEFAULT_MAX_HANDLE_BYTES,
@@ -60,6 +62,10 @@ struct State {
     mappings: Mappings,
     /// `None` once closed.
     reservation: Option<Reservation>,
+    /// Loans out, by loan id (`loan.rs`): their handles are the lender's, unmapped.
+    loans: std::collections::BTreeMap<u64, loan::Lent>,
+    /// The last loan id handed out (ids start at 1).
+    next_loan_id: u64,
 }
 
 /// What the getters report, published at the end of every hold of the state's lock: getters
@@ -264,6 +270,8 @@ impl ExtensibleTensor {
             segment_bytes: vec![0; geometry.num_segments()],
             mappings: Mappings::default(),
             reservation: Some(reservation),
+            loans: Default::default(),
+            next_loan_id: 0,
         };
         let inner = Inner {
             ctx,
@@ -387,6 +395,7 @@ impl ExtensibleTensor {
             ctx.defer(ctx.driver.synchronize());
             state.mappings.clear();
         }
+        state.loans.clear(); // a borrower keeps what it mapped
         state.segment_bytes.fill(0);
         state.reservation = None;
         self.own_errors(mark, "the tensor is closed regardless")
@@ -562,6 +571,13 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
     let unmapped = plan::subtract(&geometry.needed_runs(&state.segment_bytes), &runs);
     if !unmapped.is_empty() {
         return Err(format!("committed granules {unmapped:?} are not mapped"));
+    }
+    for (loan_id, lent) in &state.loans {
+        for run in lent.runs() {
+            if !plan::intersect_run(run, &runs).is_empty() {
+                return Err(format!("granules {run:?} of loan {loan_id} are mapped"));
+            }
+        }
     }
     if state.reservation.is_none() && !state.mappings.is_empty() {
         return Err("a closed tensor still holds mappings".into());

@@ -207,7 +207,7 @@ impl ExtensibleTensor {
     /// touch the old mappings was queued): the old mappings are unmapped and the new ones
     /// mapped; the old handles are released only once every new one is in, so a failure maps
     /// them back.
-    fn swap_in(
+    pub(super) fn swap_in(
         &self,
         state: &mut State,
         old: &[Run],
@@ -310,7 +310,7 @@ impl ExtensibleTensor {
     /// Undoes one unmap of `swap`: the handle, still holding its bytes, goes back over its
     /// run. A failure here (a second fault in one call) is recorded for
     /// `take_deferred_errors`, and the run is left unmapped.
-    fn map_back(&self, state: &mut State, run: Run, handle: PhysicalHandle) {
+    pub(super) fn map_back(&self, state: &mut State, run: Run, handle: PhysicalHandle) {
         let ctx = &self.inner.ctx;
         match Mapping::map(handle, run) {
             Ok(mapping) => {

@@ -375,6 +375,19 @@ impl Driver for CudaDriver {
         result::ctx::synchronize().on(Op::Synchronize, || format!("device {}", self.ordinal))
     }
 
+    fn fence(&self, stream: Stream) -> Result<()> {
+        let _bound = self.bind(Op::Synchronize)?;
+        let raw_stream = stream.as_raw();
+        // SAFETY: `stream` is the legacy default or a live stream of this device's primary
+        // context (bound above), as whoever made it with `Stream::from_raw` vouched.
+        unsafe { vmm::fence(raw_stream as usize as sys::CUstream) }.on(Op::Synchronize, || {
+            format!(
+                "an event on stream {raw_stream:#x} of device {}",
+                self.ordinal
+            )
+        })
+    }
+
     fn mem_info(&self) -> Result<(u64, u64)> {
         let _bound = self.bind(Op::MemInfo)?;
         let (free, total) =

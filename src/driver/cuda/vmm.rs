@@ -134,6 +134,26 @@ pub unsafe fn copy(
     unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, num_bytes, stream) }.result()
 }
 
+/// Waits for the work queued on `stream` so far: an event (no timing) recorded on it, waited
+/// on, then destroyed, whatever the wait returned.
+///
+/// # Safety
+/// `stream` must be null (the legacy default stream) or a live stream of the bound context.
+pub unsafe fn fence(stream: sys::CUstream) -> Result<(), DriverError> {
+    use cudarc::driver::result::event;
+    let event = event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+    // SAFETY: `event` was just created in the bound context; the caller vouches for `stream`.
+    let recorded = unsafe { event::record(event, stream) };
+    let waited = match recorded {
+        // SAFETY: `event` is live and recorded.
+        Ok(()) => unsafe { event::synchronize(event) },
+        Err(err) => Err(err),
+    };
+    // SAFETY: `event` is live and destroyed once; a pending event is released at completion.
+    let destroyed = unsafe { event::destroy(event) };
+    waited.and(destroyed)
+}
+
 /// # Safety
 /// `handle` must be live and created with the POSIX fd handle type.
 pub unsafe fn export_fd(handle: Handle) -> Result<std::os::fd::OwnedFd, DriverError> {

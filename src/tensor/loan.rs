@@ -1,0 +1,851 @@
+//! Lending and borrowing: handing committed memory to another tensor (in this process or
+//! another one) in milliseconds, contents kept, and taking it back at the same addresses.
+//!
+//! Approach. `lend` is a shrink that keeps the whole handles past the new sizes instead of
+//! releasing them: each is exported (once: the export is cached in the handle, so a later
+//! loan of it costs nothing), unmapped after a fence on the caller's stream (an event, never a
+//! context synchronize: a decoding engine can lend), and moved into a `Lent` record of the
+//! lender. The lender's addresses stay reserved. The loan's description names exactly those
+//! handles, with the number of a **loan board** (`crate::ipc::LoanBoard`): a memfd named
+//! after the tensor and the loan, holding the loan's random epoch, its state word and, per
+//! handle, what the lender lent (serial, run, fd number). `borrow` validates the description
+//! field by field, then against the board, claims the board by compare-and-swap (a loan is
+//! borrowed at most once: a replay finds it taken, a stale loan finds no board or a closed
+//! one), imports the handles and maps them at the ends of the borrower's segments, growing
+//! them in lockstep, all or nothing. Each borrowed handle carries a slot of the board
+//! (`LoanSlot`): however the borrower lets go of it (`give_back`, a shrink, a release, a
+//! close, process exit), it is unmapped and released first and then marked returned.
+//! `reclaim` waits, without the tensor's lock, until every handle is returned, or the
+//! borrower is gone (a pidfd, checked against the borrower's start time), or the loan was
+//! never borrowed, then maps the handles back at their addresses.
+//!
+//! Invariants, on top of the owner's (`mod.rs`):
+//! 1. a lent handle is held by exactly one `Lent` record of its lender, never mapped by it,
+//!    and its granules are mapped by nothing of the lender until it is reclaimed (a grow over
+//!    them is refused): the lender's memory is never counted twice, and reclaim finds its
+//!    addresses free;
+//! 2. a handle is mapped by at most one owner at a time: the lender unmaps before the board is
+//!    offered, and maps back only once the borrower has marked the handle returned (after its
+//!    unmap) or is dead;
+//! 3. a borrower maps only handles the board names, as the board names them; anything else is
+//!    refused before anything is mapped;
+//! 4. a failed lend, borrow, give-back or reclaim leaves both sides as they were (a failed
+//!    borrow releases what it imported, then offers the board again).
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{check_state, ExtensibleTensor, Mapping, PerSegment, PhysicalHandle, State};
+use crate::driver::{DeviceKind, ExportTypes, Exported, ImportSource, Stream};
+use crate::error::{Error, Result};
+use crate::ipc::{self, BoardState, LoanBoard, LoanEntry, Process, Watched};
+use crate::plan::{self, Run};
+
+/// One lent handle, as a loan's description names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoanHandle {
+    /// The lender's granules the handle backed (and backs again once reclaimed).
+    pub run: Run,
+    /// The lender's serial for the handle.
+    pub serial: u64,
+    /// The lender's fd number of the exported handle.
+    pub fd: i32,
+}
+
+/// What a borrower needs: `ExtensibleTensor::lend`'s result. Untrusted: checked field by
+/// field, then against the lender's loan board, before anything is mapped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoanDescription {
+    /// The lender's device.
+    pub device: DeviceKind,
+    /// The lender's granularity: runs are in granules of it.
+    pub granularity: u64,
+    /// The lender's process id.
+    pub owner_pid: u32,
+    /// The lender tensor's random id.
+    pub tensor_id: u128,
+    /// The loan's number, unique for the lender tensor's life.
+    pub loan_id: u64,
+    /// The loan's random epoch (never 0), which the board must hold too.
+    pub epoch: u64,
+    /// The lender's fd number of the loan board.
+    pub board_fd: i32,
+    /// The lent handles, in address order.
+    pub handles: Vec<LoanHandle>,
+}
+
+/// A loan as the lender holds it until it is reclaimed.
+pub(super) struct Lent {
+    epoch: u64,
+    board: Arc<LoanBoard>,
+    /// Unmapped, still the lender's: they go back over their runs when reclaimed.
+    handles: Vec<(Run, PhysicalHandle)>,
+    /// The segment sizes right after the lend, and before it.
+    kept_bytes: Vec<u64>,
+    before_bytes: Vec<u64>,
+}
+
+impl Lent {
+    pub(super) fn runs(&self) -> impl Iterator<Item = Run> + '_ {
+        self.handles.iter().map(|(run, _)| *run)
+    }
+}
+
+impl Drop for Lent {
+    /// A loan dropped unreclaimed (the lender closed): no one may borrow it any more. A
+    /// borrower that has it keeps what it mapped.
+    fn drop(&mut self) {
+        self.board.close_if_offered();
+    }
+}
+
+/// The borrower's mark on a borrowed handle: the board slot it sets once the handle is
+/// unmapped and released (`PhysicalHandle`'s drop).
+pub(super) struct LoanSlot {
+    pub(super) board: Arc<LoanBoard>,
+    pub(super) index: usize,
+    pub(super) tensor_id: u128,
+    pub(super) loan_id: u64,
+}
+
+fn bad(why: String) -> Error {
+    Error::invalid(format!("invalid loan: {why}"))
+}
+
+impl LoanDescription {
+    /// Checks the fields and how they fit together (no fd is touched).
+    fn validate(&self) -> Result<()> {
+        if self.tensor_id == 0 || self.epoch == 0 || self.loan_id == 0 {
+            return Err(bad(format!(
+                "tensor_id {:#x}, loan_id {} and epoch {:#x} must all be non-zero (use lend()'s)",
+                self.tensor_id, self.loan_id, self.epoch
+            )));
+        }
+        if !self.granularity.is_power_of_two() {
+            return Err(bad(format!(
+                "granularity {} is not a power of two",
+                self.granularity
+            )));
+        }
+        if self.board_fd < 0 {
+            return Err(bad(format!(
+                "board_fd {} is not an fd number",
+                self.board_fd
+            )));
+        }
+        if self.handles.is_empty() {
+            return Err(bad("it names no handle".into()));
+        }
+        let mut end_of_previous = 0;
+        for (i, h) in self.handles.iter().enumerate() {
+            let Some(end) = h
+                .run
+                .checked_end_granule()
+                .filter(|_| h.run.num_granules > 0)
+            else {
+                return Err(bad(format!(
+                    "handles[{i}] covers no valid range of granules"
+                )));
+            };
+            if h.run.first_granule < end_of_previous {
+                return Err(bad(format!(
+                    "handles[{i}] starts at granule {}, inside the handle before it: handles \
+                     must be sorted and disjoint",
+                    h.run.first_granule
+                )));
+            }
+            if h.fd < 0 {
+                return Err(bad(format!("handles[{i}].fd {} is not an fd number", h.fd)));
+            }
+            end_of_previous = end;
+        }
+        Ok(())
+    }
+
+    /// The physical bytes the loan moves.
+    pub fn num_bytes(&self) -> u64 {
+        let granules: u64 = self.handles.iter().map(|h| h.run.num_granules).sum();
+        granules.saturating_mul(self.granularity)
+    }
+
+    /// What the board must say: one entry per handle.
+    fn entries(&self) -> Vec<LoanEntry> {
+        self.handles
+            .iter()
+            .map(|h| LoanEntry {
+                serial: h.serial,
+                run: h.run,
+                fd: h.fd,
+            })
+            .collect()
+    }
+
+    /// The fds the lender (this process) holds for the loan, checked current: the board's,
+    /// then one per handle, as `send_loan` passes them on. The caller owns them.
+    pub fn owner_fds(&self) -> Result<Vec<OwnedFd>> {
+        self.validate()?;
+        if self.owner_pid != std::process::id() {
+            return Err(Error::invalid(format!(
+                "only the lender process ({}) can pass on its fds, not {}",
+                self.owner_pid,
+                std::process::id()
+            )));
+        }
+        let mut source = LoanFds::new(self, None)?;
+        let board = self.open_board(&mut source)?;
+        if board.state() != BoardState::Offered {
+            return Err(ipc::stale_loan(format!(
+                "loan {} is no longer offered ({:?})",
+                self.loan_id,
+                board.state()
+            )));
+        }
+        let mut fds = vec![source.take(self.board_fd)?];
+        for h in &self.handles {
+            fds.push(source.take(h.fd)?);
+        }
+        Ok(fds)
+    }
+
+    /// The lender's board, checked to be this loan's and to say what the description says.
+    fn open_board(&self, source: &mut LoanFds) -> Result<LoanBoard> {
+        let board = LoanBoard::open(source.take(self.board_fd)?, self.tensor_id, self.loan_id)?;
+        if board.epoch() != self.epoch {
+            return Err(ipc::stale_loan(format!(
+                "loan {} has epoch {:#x} on the lender's board, not {:#x}",
+                self.loan_id,
+                board.epoch(),
+                self.epoch
+            )));
+        }
+        if board.entries() != self.entries() {
+            return Err(ipc::stale_loan(format!(
+                "the handles of loan {} differ from what the lender lent (altered?)",
+                self.loan_id
+            )));
+        }
+        Ok(board)
+    }
+}
+
+/// Where a borrower's fds come from: the lender, by pid (pidfd_getfd), or received ones
+/// (the board's first, then one per handle), by the number the lender had for them.
+enum LoanFds {
+    Owner(u32, Option<Process>),
+    Received(Vec<(i32, OwnedFd)>),
+}
+
+impl LoanFds {
+    fn new(loan: &LoanDescription, fds: Option<Vec<OwnedFd>>) -> Result<LoanFds> {
+        let Some(fds) = fds else {
+            return Ok(LoanFds::Owner(loan.owner_pid, None));
+        };
+        let numbers: Vec<i32> = std::iter::once(loan.board_fd)
+            .chain(loan.handles.iter().map(|h| h.fd))
+            .collect();
+        if numbers.len() != fds.len() {
+            return Err(Error::invalid(format!(
+                "received {} fds, but the loan names {} (its board's, then one per handle)",
+                fds.len(),
+                numbers.len()
+            )));
+        }
+        Ok(LoanFds::Received(numbers.into_iter().zip(fds).collect()))
+    }
+
+    fn take(&mut self, number: i32) -> Result<OwnedFd> {
+        match self {
+            LoanFds::Owner(pid, process) => {
+                let process = match process {
+                    Some(process) => process,
+                    None => process.insert(Process::open(*pid as i32).map_err(|e| {
+                        ipc::stale_loan(format!("the lender, process {pid}, is gone ({e})"))
+                    })?),
+                };
+                // A foreign or stale loan (another process, an fd it no longer holds, a
+                // process this one may not trace) is refused as such, saying why.
+                process.take(number).map_err(|e| {
+                    ipc::stale_loan(format!("cannot take fd {number} of process {pid}: {e}"))
+                })
+            }
+            LoanFds::Received(fds) => {
+                let at = fds.iter().position(|(n, _)| *n == number).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "no received fd stands for the lender's fd {number}"
+                    ))
+                })?;
+                let (_, fd) = fds.remove(at);
+                Ok(fd)
+            }
+        }
+    }
+}
+
+/// Where a borrower maps a loan: per handle (in the loan's order) the borrower's run, and the
+/// segment sizes after the borrow.
+struct Placement {
+    runs: Vec<Run>,
+    segment_bytes: Vec<u64>,
+}
+
+impl ExtensibleTensor {
+    /// Lends the memory past `bytes` of every segment (one size per segment, or one for all):
+    /// the segments shrink to those sizes (keeping the bytes below) and every whole handle past
+    /// them becomes the loan, exported (once per handle: later loans reuse the export) and
+    /// unmapped after a fence on `stream` (an event: the device need not be idle). A handle
+    /// that straddles a new size stays with the lender. The addresses stay reserved: views
+    /// and graphs stay valid, and `reclaim` maps the handles back there. All or nothing.
+    pub fn lend(&self, bytes: impl PerSegment, stream: Stream) -> Result<LoanDescription> {
+        let segment_bytes = &*bytes.per_segment(self.num_segments());
+        let mut state = self.lock_owned("lend")?;
+        let geometry = &self.inner.geometry;
+        geometry.check_request(segment_bytes)?;
+        if let Some(segment) =
+            (0..segment_bytes.len()).find(|&i| segment_bytes[i] > state.segment_bytes[i])
+        {
+            return Err(Error::invalid(format!(
+                "lend keeps {} bytes of segment {segment}, which holds {}: the size kept \
+                 cannot be larger than what is committed",
+                segment_bytes[segment], state.segment_bytes[segment]
+            )));
+        }
+        if !self.export_types().contains(ExportTypes::POSIX_FD) {
+            return Err(Error::Unsupported(
+                "loans travel as POSIX fds: create the lender with \
+                 export_handle_types='posix_fd'"
+                    .into(),
+            ));
+        }
+        let needed = geometry.needed_runs(segment_bytes);
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        let dead = plan::plan_shrink(&mapped, &needed).dead;
+        if dead.is_empty() {
+            return Err(Error::invalid(format!(
+                "nothing to lend: no whole handle lies past {segment_bytes:?} bytes per segment \
+                 (a handle that straddles the size kept stays with the lender)"
+            )));
+        }
+        let entries = self.export_for_loan(&state, &dead)?;
+        state.next_loan_id += 1;
+        let loan_id = state.next_loan_id;
+        let epoch = (super::random_id() as u64).max(1);
+        let board = LoanBoard::create(self.inner.tensor_id, loan_id, epoch, &entries)?;
+        // The fence: work queued on `stream` may still touch the lent memory.
+        self.inner.ctx.driver.fence(stream)?;
+        let handles = self.unmap_all(&mut state, &dead)?;
+        let lent = Lent {
+            epoch,
+            board: Arc::new(board),
+            handles,
+            kept_bytes: segment_bytes.to_vec(),
+            before_bytes: state.segment_bytes.clone(),
+        };
+        let description = self.describe_loan(loan_id, &lent, &entries);
+        state.loans.insert(loan_id, lent);
+        state.segment_bytes.copy_from_slice(segment_bytes);
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(description)
+    }
+
+    /// Exports (once) the handles over `runs` and names them for the board.
+    fn export_for_loan(&self, state: &State, runs: &[Run]) -> Result<Vec<LoanEntry>> {
+        let ctx = &self.inner.ctx;
+        let mut entries = Vec::with_capacity(runs.len());
+        for run in runs {
+            let handle = state.mappings[&run.first_granule].handle();
+            let exported = match handle.exported.get() {
+                Some(exported) => exported,
+                None => {
+                    let exported = ctx.driver.export(handle.id, ExportTypes::POSIX_FD)?;
+                    handle.exported.get_or_init(|| exported)
+                }
+            };
+            let Exported::Fd(fd) = exported else {
+                return Err(Error::Unsupported(
+                    "this handle was exported as a fabric handle; loans travel as POSIX fds".into(),
+                ));
+            };
+            entries.push(LoanEntry {
+                serial: handle.serial,
+                run: *run,
+                fd: fd.as_raw_fd(),
+            });
+        }
+        Ok(entries)
+    }
+
+    /// Unmaps the mappings over `runs` (after the caller's fence), handing their handles
+    /// back; all or nothing: on error the ones unmapped are mapped back.
+    fn unmap_all(&self, state: &mut State, runs: &[Run]) -> Result<Vec<(Run, PhysicalHandle)>> {
+        let mut unmapped = Vec::with_capacity(runs.len());
+        for &run in runs {
+            let mapping = state
+                .mappings
+                .remove(run.first_granule)
+                .expect("planned from the mappings");
+            match mapping.unmap() {
+                Ok(handle) => unmapped.push((run, handle)),
+                Err((err, mapping)) => {
+                    state.mappings.insert(mapping);
+                    for (run, handle) in unmapped {
+                        self.map_back(state, run, handle);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(unmapped)
+    }
+
+    fn describe_loan(&self, loan_id: u64, lent: &Lent, entries: &[LoanEntry]) -> LoanDescription {
+        LoanDescription {
+            device: self.device(),
+            granularity: self.granularity(),
+            owner_pid: std::process::id(),
+            tensor_id: self.inner.tensor_id,
+            loan_id,
+            epoch: lent.epoch,
+            board_fd: lent.board.raw_fd(),
+            handles: entries
+                .iter()
+                .map(|e| LoanHandle {
+                    run: e.run,
+                    serial: e.serial,
+                    fd: e.fd,
+                })
+                .collect(),
+        }
+    }
+
+    /// Maps the handles of `loan` at the ends of this tensor's segments, growing every segment
+    /// by the same number of bytes (the loan's, split evenly). The loan must fit this tensor's
+    /// plan: the same device and granularity, segments that start and end at granule
+    /// boundaries with no memory mapped past their ends, room for the loan, and no handle
+    /// crossing a segment's end; else it is refused before anything is mapped, saying why.
+    /// With `zero`, the borrowed bytes are zeroed on `stream` (skip it only for a trusted
+    /// pair). `fds`, when given, are duplicates of fds received from the lender (its board's,
+    /// then one per handle). A loan is borrowed at most once. All or nothing.
+    pub fn borrow(
+        &self,
+        loan: &LoanDescription,
+        fds: Option<Vec<OwnedFd>>,
+        zero: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        loan.validate()?;
+        let mut state = self.lock_owned("borrow")?;
+        self.check_borrower(loan)?;
+        let placement = self.place(&state, loan)?;
+        let mut source = LoanFds::new(loan, fds)?;
+        let board = Arc::new(loan.open_board(&mut source)?);
+        match board.claim() {
+            Ok(()) => {}
+            Err(BoardState::Taken { pid, .. }) => {
+                return Err(ipc::stale_loan(format!(
+                    "loan {} was borrowed already, by process {pid}: a loan is borrowed at \
+                     most once",
+                    loan.loan_id
+                )))
+            }
+            Err(_) => {
+                return Err(ipc::stale_loan(format!(
+                    "loan {} was reclaimed by its lender",
+                    loan.loan_id
+                )))
+            }
+        }
+        let mut fresh = Vec::with_capacity(loan.handles.len());
+        let mut queued = false;
+        let mapped = self.map_borrowed(
+            loan,
+            &board,
+            &placement,
+            &mut source,
+            (zero, stream, &mut queued),
+            &mut fresh,
+        );
+        if let Err(err) = mapped {
+            if queued {
+                self.inner.ctx.defer(self.inner.ctx.driver.fence(stream));
+            }
+            drop(fresh); // unmaps and releases what was imported (marking it returned)
+            board.unclaim();
+            return Err(err);
+        }
+        for mapping in fresh {
+            state.mappings.insert(mapping);
+        }
+        state.segment_bytes = placement.segment_bytes;
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Imports, maps, grants access to and (when asked) zeroes each handle of `loan` at its
+    /// place, pushing each mapping into `fresh` as soon as it exists.
+    fn map_borrowed(
+        &self,
+        loan: &LoanDescription,
+        board: &Arc<LoanBoard>,
+        placement: &Placement,
+        source: &mut LoanFds,
+        (zero, stream, queued): (bool, Stream, &mut bool),
+        fresh: &mut Vec<Mapping>,
+    ) -> Result<()> {
+        let ctx = &self.inner.ctx;
+        for (index, (wanted, &run)) in loan.handles.iter().zip(&placement.runs).enumerate() {
+            let fd = source.take(wanted.fd)?;
+            let (va, num_bytes) = ctx.span(run);
+            let id = ctx.driver.import(ImportSource::Fd(fd.as_fd()), num_bytes)?;
+            let mut handle = PhysicalHandle::adopt(ctx, id, ctx.next_serial());
+            handle.loan = Some(LoanSlot {
+                board: Arc::clone(board),
+                index,
+                tensor_id: loan.tensor_id,
+                loan_id: loan.loan_id,
+            });
+            fresh.push(Mapping::map(handle, run)?);
+            ctx.driver.set_access(va, num_bytes)?;
+            if zero {
+                *queued = true;
+                ctx.driver.memset_zero(va, num_bytes, stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a loan of another device or granularity, or of this very tensor.
+    fn check_borrower(&self, loan: &LoanDescription) -> Result<()> {
+        if loan.device != self.device() || loan.granularity != self.granularity() {
+            return Err(Error::invalid(format!(
+                "cannot borrow a loan of {} with granularity {} into a tensor on {} with \
+                 granularity {}: the device and granularity must be the same",
+                loan.device.torch_name(),
+                loan.granularity,
+                self.device().torch_name(),
+                self.granularity()
+            )));
+        }
+        if loan.tensor_id == self.inner.tensor_id {
+            return Err(Error::invalid(
+                "a tensor cannot borrow its own loan: reclaim it instead".to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Where the loan's handles go: the granules past each segment's end, the same number
+    /// per segment, handle after handle in order; refused, saying why, where that cannot be.
+    fn place(&self, state: &State, loan: &LoanDescription) -> Result<Placement> {
+        let geometry = &self.inner.geometry;
+        let g = geometry.granularity();
+        let num_segments = geometry.num_segments() as u64;
+        let total: u64 = loan.handles.iter().map(|h| h.run.num_granules).sum();
+        let refuse =
+            |why: String| Error::invalid(format!("this tensor cannot take the loan: {why}"));
+        if total % num_segments != 0 {
+            return Err(refuse(format!(
+                "its {total} granules do not split evenly over {num_segments} segments"
+            )));
+        }
+        let per_segment = total / num_segments;
+        let mut handles = loan.handles.iter().peekable();
+        let mut placement = Placement {
+            runs: Vec::with_capacity(loan.handles.len()),
+            segment_bytes: state.segment_bytes.clone(),
+        };
+        let lent: Vec<Run> = state.loans.values().flat_map(Lent::runs).collect();
+        for (i, size) in placement.segment_bytes.iter_mut().enumerate() {
+            let (offset, capacity) = (
+                geometry.segment_offsets()[i],
+                geometry.segment_capacities()[i],
+            );
+            if offset % g != 0 || *size % g != 0 {
+                return Err(refuse(format!(
+                    "segment {i} (at byte {offset}, holding {size} bytes) does not end at a \
+                     granule boundary of {g} bytes, where a handle must start"
+                )));
+            }
+            let room = (capacity - *size) / g;
+            if room < per_segment {
+                return Err(refuse(format!(
+                    "segment {i} has room for {room} granules past its {size} bytes; the loan \
+                     needs {per_segment} in every segment"
+                )));
+            }
+            let mut next = (offset + *size) / g;
+            let end = next + per_segment;
+            let span = Run::new(next, per_segment);
+            let mut busy = state
+                .mappings
+                .values()
+                .map(|m| m.run)
+                .chain(lent.iter().copied());
+            if let Some(run) = busy.find(|r| {
+                r.first_granule < span.end_granule() && span.first_granule < r.end_granule()
+            }) {
+                return Err(refuse(format!(
+                    "segment {i} has granules {} to {} mapped or lent past its {size} bytes \
+                     (slack of a shrink, or a loan of its own): shrink exact or reclaim first",
+                    run.first_granule,
+                    run.end_granule() - 1
+                )));
+            }
+            while next < end {
+                let h = handles.next().expect("the total splits evenly");
+                if next + h.run.num_granules > end {
+                    return Err(refuse(format!(
+                        "handle of {} granules would cross the end of segment {i}: {} granules \
+                         per segment do not fall on the loan's handle boundaries",
+                        h.run.num_granules, per_segment
+                    )));
+                }
+                placement.runs.push(Run::new(next, h.run.num_granules));
+                next += h.run.num_granules;
+            }
+            *size += per_segment * g;
+        }
+        Ok(placement)
+    }
+
+    /// Gives the handles of `loan` back to their lender: every segment shrinks to where the
+    /// loan's handles begin in it (bytes past them, which this tensor grew later, are
+    /// released), after a fence on `stream`. Each handle is unmapped and released, then
+    /// marked returned on the lender's board. If the lender is gone, the memory goes back to
+    /// the driver. All or nothing.
+    pub fn give_back(&self, loan: &LoanDescription, stream: Stream) -> Result<()> {
+        let mut state = self.lock_owned("give back")?;
+        let geometry = &self.inner.geometry;
+        let g = geometry.granularity();
+        let mut sizes = state.segment_bytes.clone();
+        let mut found = false;
+        for mapping in state.mappings.values() {
+            let is_loans = mapping.handle().loan.as_ref().is_some_and(|slot| {
+                slot.tensor_id == loan.tensor_id && slot.loan_id == loan.loan_id
+            });
+            if !is_loans {
+                continue;
+            }
+            found = true;
+            let start = mapping.run.first_granule * g;
+            for (i, size) in sizes.iter_mut().enumerate() {
+                let offset = geometry.segment_offsets()[i];
+                let end = offset + geometry.segment_capacities()[i];
+                if (offset..end).contains(&start) {
+                    *size = (*size).min(start - offset);
+                }
+            }
+        }
+        if !found {
+            return Err(Error::invalid(format!(
+                "this tensor holds no handle of loan {} (never borrowed here, or given back \
+                 already)",
+                loan.loan_id
+            )));
+        }
+        let needed = geometry.needed_runs(&sizes);
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        let dead = plan::plan_shrink(&mapped, &needed).dead;
+        // The fence: work queued on `stream` may still touch the borrowed memory.
+        self.inner.ctx.driver.fence(stream)?;
+        self.swap_in(&mut state, &dead, Vec::new())?;
+        state.segment_bytes = sizes;
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Takes loan `loan` back: waits (without the tensor's lock) up to `timeout` (`None`:
+    /// for ever) until the borrower has given back every handle, or is gone, or never
+    /// borrowed it; then maps the handles back at their addresses, zeroed on `stream` with
+    /// `zero`. The segments grow back to their sizes before the lend if they still hold what
+    /// the lend kept; else the handles are mapped as slack, for a later grow. Past the
+    /// timeout, `Error::Timeout` and nothing changes. All or nothing.
+    pub fn reclaim(
+        &self,
+        loan: &LoanDescription,
+        zero: bool,
+        timeout: Option<Duration>,
+        stream: Stream,
+    ) -> Result<()> {
+        let board = {
+            let state = self.lock_owned("reclaim")?;
+            let lent = self.lent(&state, loan)?;
+            Arc::clone(&lent.board)
+        };
+        let closed_offered = wait_returned(&board, loan.loan_id, timeout)?;
+        let mut state = self.lock_owned("reclaim")?;
+        let mapped = self
+            .lent(&state, loan)
+            .map(|_| ())
+            .and_then(|()| self.map_lent_back(&mut state, loan.loan_id, zero, stream));
+        if mapped.is_err() && closed_offered {
+            board.reopen();
+        }
+        mapped?;
+        board.close();
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    fn lent<'s>(&self, state: &'s State, loan: &LoanDescription) -> Result<&'s Lent> {
+        let lent = state.loans.get(&loan.loan_id);
+        match lent {
+            Some(lent) if loan.tensor_id == self.inner.tensor_id && lent.epoch == loan.epoch => {
+                Ok(lent)
+            }
+            _ => Err(Error::invalid(format!(
+                "loan {} of tensor {:032x} is not outstanding here (reclaimed already, or \
+                 another tensor's)",
+                loan.loan_id, loan.tensor_id
+            ))),
+        }
+    }
+
+    /// Maps the handles of loan `loan_id` back over their runs, all or nothing, and removes
+    /// the loan.
+    fn map_lent_back(
+        &self,
+        state: &mut State,
+        loan_id: u64,
+        zero: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        let ctx = &self.inner.ctx;
+        let mut lent = state.loans.remove(&loan_id).expect("checked by the caller");
+        let mut left = std::mem::take(&mut lent.handles).into_iter();
+        let mut fresh: Vec<Mapping> = Vec::with_capacity(left.len());
+        let mut queued = false;
+        let mut failed = None;
+        for (run, handle) in left.by_ref() {
+            let mapping = match Mapping::try_map(handle, run) {
+                Ok(mapping) => mapping,
+                Err((err, handle)) => {
+                    lent.handles.push((run, handle));
+                    failed = Some(err);
+                    break;
+                }
+            };
+            fresh.push(mapping);
+            let (va, num_bytes) = ctx.span(run);
+            let step = ctx.driver.set_access(va, num_bytes).and_then(|()| {
+                queued |= zero;
+                match zero {
+                    true => ctx.driver.memset_zero(va, num_bytes, stream),
+                    false => Ok(()),
+                }
+            });
+            if let Err(err) = step {
+                failed = Some(err);
+                break;
+            }
+        }
+        if let Some(err) = failed {
+            // Back as it was: what this call mapped is unmapped (after a fence if it queued
+            // memsets) and the loan keeps every handle.
+            if queued {
+                ctx.defer(ctx.driver.fence(stream));
+            }
+            lent.handles.extend(self.unmap_fresh(fresh));
+            lent.handles.extend(left);
+            lent.handles.sort_by_key(|(run, _)| *run);
+            state.loans.insert(loan_id, lent);
+            return Err(err);
+        }
+        for mapping in fresh {
+            state.mappings.insert(mapping);
+        }
+        if state.segment_bytes == lent.kept_bytes {
+            state.segment_bytes.clone_from(&lent.before_bytes);
+        }
+        Ok(())
+    }
+
+    /// Unmaps mappings this call just made, handing their handles back (one the driver will
+    /// not unmap is dropped, which unmaps it later and records the error).
+    fn unmap_fresh(&self, fresh: Vec<Mapping>) -> Vec<(Run, PhysicalHandle)> {
+        let mut handles = Vec::with_capacity(fresh.len());
+        for mapping in fresh {
+            let run = mapping.run;
+            match mapping.unmap() {
+                Ok(handle) => handles.push((run, handle)),
+                Err((err, mapping)) => {
+                    self.inner.ctx.defer(Err(err));
+                    drop(mapping);
+                }
+            }
+        }
+        handles
+    }
+
+    /// The bytes lent out and not reclaimed yet.
+    pub fn lent_bytes(&self) -> u64 {
+        let state = self.lock();
+        let runs = state.loans.values().flat_map(Lent::runs);
+        runs.map(|run| self.inner.ctx.span(run).1).sum()
+    }
+
+    /// The bytes of borrowed handles this tensor maps (part of `physical_bytes`).
+    pub fn borrowed_bytes(&self) -> u64 {
+        let state = self.lock();
+        let borrowed = state
+            .mappings
+            .values()
+            .filter(|m| m.handle().loan.is_some());
+        borrowed.map(Mapping::num_bytes).sum()
+    }
+
+    /// Refuses a grow that would map any of `new_runs` over lent granules (invariant 1).
+    pub(super) fn refuse_lent(&self, state: &State, new_runs: &[Run]) -> Result<()> {
+        for (loan_id, lent) in &state.loans {
+            for run in lent.runs() {
+                if !plan::intersect_run(run, new_runs).is_empty() {
+                    return Err(Error::invalid(format!(
+                        "cannot grow over granules {} to {}: they are lent (loan {loan_id}); \
+                         reclaim the loan first",
+                        run.first_granule,
+                        run.end_granule() - 1
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Waits until loan `loan_id`'s board says its handles may be mapped again: never borrowed
+/// (then closed here: whether that happened is returned), every handle returned, or the
+/// borrower gone. Polls the board every few milliseconds, sleeping on the borrower's pidfd.
+fn wait_returned(board: &LoanBoard, loan_id: u64, timeout: Option<Duration>) -> Result<bool> {
+    const SLICE_MS: i32 = 2;
+    let started = Instant::now();
+    let mut watched: Option<(u32, Watched)> = None;
+    loop {
+        match board.state() {
+            BoardState::Offered if board.close_if_offered() => return Ok(true),
+            BoardState::Offered => continue, // claimed or unclaimed meanwhile: look again
+            BoardState::Closed => return Ok(false),
+            BoardState::Taken { pid, start_time } => {
+                if board.num_returned() == board.num_handles() {
+                    return Ok(false);
+                }
+                let waited = started.elapsed();
+                if let Some(limit) = timeout.filter(|&limit| waited >= limit) {
+                    return Err(Error::Timeout(format!(
+                        "loan {loan_id} is still borrowed by process {pid} after {} ms ({} of \
+                         {} handles given back); nothing was changed",
+                        limit.as_millis(),
+                        board.num_returned(),
+                        board.num_handles()
+                    )));
+                }
+                let watch = match &watched {
+                    Some((watching, watch)) if *watching == pid => watch,
+                    _ => &watched.insert((pid, Watched::new(pid, start_time))).1,
+                };
+                if watch.wait_gone(SLICE_MS) {
+                    return Ok(false);
+                }
+            }
+        }
+    }
+}

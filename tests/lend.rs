@@ -1,0 +1,497 @@
+//! Lend and borrow on the host backend, in one process: bytes and addresses kept at every
+//! step, loans checked field by field and against the lender's board, refusals that say why,
+//! and the all-or-nothing sweep: a lend, borrow, give-back or reclaim that fails at any driver
+//! call leaves both sides exactly as they were (tests/fault_injection.rs style).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
+use extensible_kv::driver::host::HostDriver;
+use extensible_kv::driver::{ExportTypes, Stream};
+use extensible_kv::{
+    Error, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, Op, Options, ShrinkOptions,
+};
+
+const G: u64 = 4096;
+const CAPACITY: u64 = 8 * G;
+const BEFORE: u64 = 6 * G;
+const KEPT: u64 = 2 * G;
+const BORROWER_START: u64 = 2 * G;
+const NOW: Option<Duration> = Some(Duration::from_millis(20));
+
+fn options() -> Options {
+    Options {
+        handle_sizing: HandleSizing::CapAligned { max_bytes: 2 * G },
+        export_types: ExportTypes::POSIX_FD,
+        ..Options::default()
+    }
+}
+
+fn never(op: Op) -> Fault {
+    Fault {
+        op,
+        nth: u64::MAX,
+        kind: FaultKind::Driver,
+    }
+}
+
+struct Side {
+    host: Arc<HostDriver>,
+    faulty: Arc<FaultyDriver>,
+    tensor: ExtensibleTensor,
+}
+
+impl Side {
+    fn new(fault: Fault, grow_to: u64) -> Side {
+        let host = Arc::new(HostDriver::new(G).unwrap());
+        let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
+        let tensor =
+            ExtensibleTensor::with_equal_segments(faulty.clone(), 2 * CAPACITY, 2, options())
+                .unwrap();
+        tensor
+            .resize_per_segment(grow_to, GrowOptions::zeroed())
+            .unwrap();
+        Side {
+            host,
+            faulty,
+            tensor,
+        }
+    }
+
+    /// Everything a failed operation must leave as it was.
+    fn snapshot(&self) -> impl PartialEq + std::fmt::Debug {
+        let t = &self.tensor;
+        (
+            t.segment_bytes(),
+            t.physical_bytes(),
+            t.handle_runs(),
+            t.lent_bytes(),
+            t.borrowed_bytes(),
+            self.host.live_counts(),
+            (0..2)
+                .map(|s| common::read(t, s * CAPACITY, t.segment_bytes()[s as usize]))
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+fn pattern(n: u64, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed) | 1)
+        .collect()
+}
+
+fn fill(tensor: &ExtensibleTensor, seed: u8) {
+    for s in 0..2u64 {
+        let n = tensor.segment_bytes()[s as usize];
+        common::write(tensor, s * CAPACITY, &pattern(n, seed + s as u8));
+    }
+}
+
+fn lend(lender: &Side) -> LoanDescription {
+    lender.tensor.lend(KEPT, Stream::DEFAULT).unwrap()
+}
+
+#[test]
+fn lend_borrow_give_back_reclaim_keeps_bytes_and_addresses() {
+    for zero in [false, true] {
+        let lender = Side::new(never(Op::Map), BEFORE);
+        let borrower = Side::new(never(Op::Map), BORROWER_START);
+        fill(&lender.tensor, 10);
+        fill(&borrower.tensor, 50);
+        let base = lender.tensor.base_ptr().unwrap();
+        let physical_before = lender.tensor.physical_bytes();
+
+        let loan = lend(&lender);
+        assert_eq!(loan.handles.len(), 4, "{loan:?}");
+        assert_eq!(loan.num_bytes(), 2 * (BEFORE - KEPT));
+        assert_eq!(lender.tensor.segment_bytes(), vec![KEPT, KEPT]);
+        assert_eq!(lender.tensor.lent_bytes(), loan.num_bytes());
+        assert_eq!(
+            lender.tensor.physical_bytes() + lender.tensor.lent_bytes(),
+            physical_before,
+            "lent memory is counted once, not twice"
+        );
+
+        borrower
+            .tensor
+            .borrow(&loan, None, zero, Stream::DEFAULT)
+            .unwrap();
+        let grown = BORROWER_START + BEFORE - KEPT;
+        assert_eq!(borrower.tensor.segment_bytes(), vec![grown, grown]);
+        assert_eq!(borrower.tensor.borrowed_bytes(), loan.num_bytes());
+        for s in 0..2u64 {
+            let got = common::read(&borrower.tensor, s * CAPACITY, grown);
+            let own = pattern(BORROWER_START, 50 + s as u8);
+            let lent = match zero {
+                true => vec![0; (BEFORE - KEPT) as usize],
+                false => pattern(BEFORE, 10 + s as u8)[KEPT as usize..].to_vec(),
+            };
+            assert_eq!(got, [own, lent].concat(), "segment {s}, zero={zero}");
+        }
+        borrower.tensor.check_invariants().unwrap();
+        lender.tensor.check_invariants().unwrap();
+
+        // Replayed: refused, and the borrower is unchanged.
+        let other = Side::new(never(Op::Map), BORROWER_START);
+        let err = other
+            .tensor
+            .borrow(&loan, None, false, Stream::DEFAULT)
+            .unwrap_err();
+        assert!(err.to_string().contains("at most once"), "{err}");
+        assert_eq!(other.tensor.borrowed_bytes(), 0);
+
+        // The lender may not grow over what it lent, and a reclaim waits for the give-back.
+        let err = lender
+            .tensor
+            .resize_per_segment(BEFORE, GrowOptions::zeroed())
+            .unwrap_err();
+        assert!(err.to_string().contains("lent"), "{err}");
+        let err = lender
+            .tensor
+            .reclaim(&loan, false, NOW, Stream::DEFAULT)
+            .unwrap_err();
+        assert!(matches!(err, Error::Timeout(_)), "{err:?}");
+        assert_eq!(lender.tensor.segment_bytes(), vec![KEPT, KEPT]);
+
+        fill(&borrower.tensor, 90);
+        borrower.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+        assert_eq!(borrower.tensor.segment_bytes(), vec![BORROWER_START; 2]);
+        assert_eq!(borrower.tensor.borrowed_bytes(), 0);
+        lender
+            .tensor
+            .reclaim(&loan, zero, NOW, Stream::DEFAULT)
+            .unwrap();
+        assert_eq!(lender.tensor.base_ptr().unwrap(), base);
+        assert_eq!(lender.tensor.segment_bytes(), vec![BEFORE, BEFORE]);
+        assert_eq!(lender.tensor.physical_bytes(), physical_before);
+        assert_eq!(lender.tensor.lent_bytes(), 0);
+        for s in 0..2u64 {
+            let got = common::read(&lender.tensor, s * CAPACITY, BEFORE);
+            let kept = pattern(BEFORE, 10 + s as u8)[..KEPT as usize].to_vec();
+            let back = match zero {
+                true => vec![0; (BEFORE - KEPT) as usize],
+                false => pattern(grown, 90 + s as u8)[BORROWER_START as usize..].to_vec(),
+            };
+            assert_eq!(got, [kept, back].concat(), "segment {s}, zero={zero}");
+        }
+        lender.tensor.check_invariants().unwrap();
+        // Stale: reclaimed loans are refused, by borrowers and by the lender.
+        let err = other
+            .tensor
+            .borrow(&loan, None, false, Stream::DEFAULT)
+            .unwrap_err();
+        assert!(err.to_string().contains("stale"), "{err}");
+        assert!(lender
+            .tensor
+            .reclaim(&loan, false, NOW, Stream::DEFAULT)
+            .is_err());
+        // A second loan of the same handles reuses their exports.
+        let exports = lender.faulty.calls(Op::Export);
+        let again = lend(&lender);
+        assert_eq!(lender.faulty.calls(Op::Export), exports);
+        lender
+            .tensor
+            .reclaim(&again, false, NOW, Stream::DEFAULT)
+            .unwrap();
+        for side in [lender, borrower, other] {
+            side.tensor.close().unwrap();
+            assert_eq!(side.host.live_counts(), (0, 0, 0));
+        }
+    }
+}
+
+#[test]
+fn tampered_loans_are_refused_before_anything_is_mapped() {
+    let lender = Side::new(never(Op::Map), BEFORE);
+    let borrower = Side::new(never(Op::Map), BORROWER_START);
+    let loan = lend(&lender);
+    let before = borrower.snapshot();
+    let mut tampered: Vec<(&str, LoanDescription)> = Vec::new();
+    let mut t = loan.clone();
+    t.epoch ^= 1;
+    tampered.push(("epoch", t));
+    let mut t = loan.clone();
+    t.tensor_id ^= 1;
+    tampered.push(("tensor_id", t));
+    let mut t = loan.clone();
+    t.loan_id += 1;
+    tampered.push(("loan_id", t));
+    let mut t = loan.clone();
+    t.handles[0].serial += 100;
+    tampered.push(("serial", t));
+    let mut t = loan.clone();
+    t.handles[1].fd = t.handles[0].fd;
+    tampered.push(("fd", t));
+    let mut t = loan.clone();
+    t.handles.truncate(2);
+    tampered.push(("subset", t));
+    let mut t = loan.clone();
+    t.board_fd = t.handles[0].fd;
+    tampered.push(("board_fd", t));
+    let mut t = loan.clone();
+    t.handles.swap(0, 1);
+    tampered.push(("order", t));
+    let mut t = loan.clone();
+    t.epoch = 0;
+    tampered.push(("zero epoch", t));
+    for (what, t) in tampered {
+        let err = borrower
+            .tensor
+            .borrow(&t, None, false, Stream::DEFAULT)
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err:?}");
+        assert_eq!(borrower.snapshot(), before, "{what}");
+    }
+    // The genuine loan still goes through: refusals left the board offered.
+    borrower
+        .tensor
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap();
+}
+
+#[test]
+fn a_geometry_that_cannot_take_the_loan_is_refused_saying_why() {
+    let lender = Side::new(never(Op::Map), BEFORE);
+    let loan = lend(&lender);
+    let driver = || Arc::new(HostDriver::new(G).unwrap());
+    let tensor = |caps: Vec<u64>, grow: Vec<u64>| {
+        let t = ExtensibleTensor::with_segment_capacities(driver(), caps, options()).unwrap();
+        t.resize_per_segment(&grow[..], GrowOptions::zeroed())
+            .unwrap();
+        t
+    };
+    let cases = [
+        (tensor(vec![9 * G; 3], vec![0; 3]), "split evenly"),
+        (tensor(vec![4 * G; 2], vec![G; 2]), "room for 3 granules"),
+        (tensor(vec![8 * G; 2], vec![100, 100]), "granule boundary"),
+        (tensor(vec![G, 16 * G], vec![0, 0]), "room for 1 granules"),
+        (
+            tensor(vec![2 * G; 8], vec![0; 8]),
+            "cross the end of segment 0",
+        ),
+    ];
+    for (t, why) in cases {
+        let before = (t.segment_bytes(), t.physical_bytes());
+        let err = t.borrow(&loan, None, false, Stream::DEFAULT).unwrap_err();
+        assert!(err.to_string().contains(why), "{why}: {err}");
+        assert_eq!((t.segment_bytes(), t.physical_bytes()), before);
+    }
+    // Slack past the committed bytes (a shrink that kept a straddling handle).
+    let slack = tensor(vec![8 * G; 2], vec![3 * G; 2]);
+    slack
+        .shrink_per_segment(G, ShrinkOptions::default())
+        .unwrap();
+    let err = slack
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("mapped or lent"), "{err}");
+    // Another granularity, and the lender itself.
+    let coarse = ExtensibleTensor::with_equal_segments(
+        driver(),
+        32 * G,
+        2,
+        Options {
+            granularity: Some(2 * G),
+            ..options()
+        },
+    )
+    .unwrap();
+    let err = coarse
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("granularity"), "{err}");
+    let err = lender
+        .tensor
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("own loan"), "{err}");
+    // One segment of the right room takes all of it, handle after handle.
+    let one = tensor(vec![16 * G], vec![0]);
+    one.borrow(&loan, None, false, Stream::DEFAULT).unwrap();
+    assert_eq!(one.segment_bytes(), vec![8 * G]);
+}
+
+#[test]
+fn a_partial_give_back_returns_whole_handles_and_reclaim_waits_for_the_rest() {
+    let lender = Side::new(never(Op::Map), BEFORE);
+    let borrower = Side::new(never(Op::Map), BORROWER_START);
+    let loan = lend(&lender);
+    borrower
+        .tensor
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap();
+    // Into the middle of the second borrowed handle of each segment: it stays whole.
+    borrower
+        .tensor
+        .shrink_per_segment(BORROWER_START + 3 * G, ShrinkOptions::default())
+        .unwrap();
+    assert_eq!(borrower.tensor.borrowed_bytes(), 2 * 4 * G);
+    // Into the middle of the first: the second goes back to the lender, whole.
+    borrower
+        .tensor
+        .shrink_per_segment(BORROWER_START + G, ShrinkOptions::default())
+        .unwrap();
+    assert_eq!(borrower.tensor.borrowed_bytes(), 2 * 2 * G, "whole handles");
+    let err = lender
+        .tensor
+        .reclaim(&loan, false, NOW, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("2 of 4 handles"), "{err}");
+    borrower.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+    lender
+        .tensor
+        .reclaim(&loan, false, NOW, Stream::DEFAULT)
+        .unwrap();
+    assert_eq!(lender.tensor.segment_bytes(), vec![BEFORE, BEFORE]);
+}
+
+#[test]
+fn a_loan_never_borrowed_comes_back_at_once_and_a_closed_lender_leaves_the_borrower_be() {
+    let lender = Side::new(never(Op::Map), BEFORE);
+    let borrower = Side::new(never(Op::Map), BORROWER_START);
+    let loan = lend(&lender);
+    lender
+        .tensor
+        .reclaim(&loan, false, Some(Duration::ZERO), Stream::DEFAULT)
+        .unwrap();
+    assert!(borrower
+        .tensor
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .is_err());
+
+    fill(&lender.tensor, 30);
+    let loan = lend(&lender);
+    borrower
+        .tensor
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap();
+    lender.tensor.close().unwrap();
+    assert_eq!(lender.host.live_counts(), (0, 0, 0));
+    let grown = BORROWER_START + BEFORE - KEPT;
+    let got = common::read(&borrower.tensor, 0, grown);
+    assert_eq!(
+        &got[BORROWER_START as usize..],
+        &pattern(BEFORE, 30)[KEPT as usize..]
+    );
+    borrower.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+    borrower.tensor.check_invariants().unwrap();
+}
+
+/// The operations of a loan's life, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd)]
+enum Step {
+    Lend,
+    Borrow,
+    GiveBack,
+    Reclaim,
+}
+
+/// A lender and a borrower, each on its own faulty driver, taken up to just before `step`.
+fn up_to(
+    step: Step,
+    lender_fault: Fault,
+    borrower_fault: Fault,
+) -> (Side, Side, Option<LoanDescription>) {
+    let lender = Side::new(lender_fault, BEFORE);
+    let borrower = Side::new(borrower_fault, BORROWER_START);
+    fill(&lender.tensor, 10);
+    fill(&borrower.tensor, 50);
+    if step == Step::Lend {
+        return (lender, borrower, None);
+    }
+    let loan = lend(&lender);
+    if step > Step::Borrow {
+        borrower
+            .tensor
+            .borrow(&loan, None, true, Stream::DEFAULT)
+            .unwrap();
+    }
+    if step > Step::GiveBack {
+        borrower.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+    }
+    (lender, borrower, Some(loan))
+}
+
+fn run(
+    step: Step,
+    lender: &Side,
+    borrower: &Side,
+    loan: Option<&LoanDescription>,
+) -> Result<(), Error> {
+    let s = Stream::DEFAULT;
+    match (step, loan) {
+        (Step::Lend, _) => lender.tensor.lend(KEPT, s).map(drop),
+        (Step::Borrow, Some(loan)) => borrower.tensor.borrow(loan, None, true, s),
+        (Step::GiveBack, Some(loan)) => borrower.tensor.give_back(loan, s),
+        (Step::Reclaim, Some(loan)) => lender.tensor.reclaim(loan, true, NOW, s),
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn every_failed_call_of_a_loan_leaves_both_sides_as_they_were() {
+    let steps = [
+        (
+            Step::Lend,
+            true,
+            [Op::Export, Op::Synchronize, Op::Unmap].as_slice(),
+        ),
+        (
+            Step::Borrow,
+            false,
+            &[Op::Import, Op::Map, Op::SetAccess, Op::Memset],
+        ),
+        (Step::GiveBack, false, &[Op::Synchronize, Op::Unmap]),
+        (Step::Reclaim, true, &[Op::Map, Op::SetAccess, Op::Memset]),
+    ];
+    let mut injected = 0;
+    for (step, on_lender, ops) in steps {
+        for &op in ops {
+            let faults = |f: Fault| match on_lender {
+                true => (f, never(op)),
+                false => (never(op), f),
+            };
+            let (lf, bf) = faults(never(op));
+            let (lender, borrower, loan) = up_to(step, lf, bf);
+            let side = |l: &Side, b: &Side| {
+                if on_lender {
+                    l.faulty.calls(op)
+                } else {
+                    b.faulty.calls(op)
+                }
+            };
+            let base = side(&lender, &borrower);
+            run(step, &lender, &borrower, loan.as_ref()).unwrap();
+            let calls = side(&lender, &borrower) - base;
+            assert!(calls >= 1, "{step:?}: no call of {op}");
+            for k in 1..=calls {
+                let (lf, bf) = faults(Fault {
+                    op,
+                    nth: base + k,
+                    kind: FaultKind::Driver,
+                });
+                let (lender, borrower, loan) = up_to(step, lf, bf);
+                let before = (lender.snapshot(), borrower.snapshot());
+                let err = run(step, &lender, &borrower, loan.as_ref()).unwrap_err();
+                assert!(
+                    matches!(&err, Error::Driver { op: failed, code, .. } if *failed == op && code == "INJECTED_FAULT"),
+                    "{step:?} {op} call {k}: {err:?}"
+                );
+                let after = (lender.snapshot(), borrower.snapshot());
+                assert_eq!(before, after, "{step:?} {op} call {k} changed a side");
+                lender.tensor.check_invariants().unwrap();
+                borrower.tensor.check_invariants().unwrap();
+                assert!(lender.tensor.take_deferred_errors().is_empty());
+                assert!(borrower.tensor.take_deferred_errors().is_empty());
+                // Only that call failed: the same step now succeeds.
+                run(step, &lender, &borrower, loan.as_ref()).unwrap();
+                injected += 1;
+            }
+        }
+    }
+    assert!(injected >= 20, "only {injected} faults injected");
+}
