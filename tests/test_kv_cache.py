@@ -544,3 +544,89 @@ def test_hybrid_model_3_attention_to_1_mamba(make_cache: MakeCache) -> None:
         target.fill_(1)
     assert all(bool(target.eq(1).all()) for target in targets)
     assert committed_byte_sum(cache) == sum(byte_sum(target) for target in targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# lending whole blocks to another cache (the core's lend/borrow runs on both backends in
+# test_lend.py; these check the cache's block arithmetic on the host backend's small granules)
+
+
+def _lending_pair(case: Case) -> tuple[ExtensibleKVCache, ExtensibleKVCache]:
+    """A lender with blocks [0, 32) committed in two grows (so whole handles lie past block 8)
+    and a pattern written, and a borrower of the same spec with 8 blocks committed."""
+    make = lambda: ExtensibleKVCache(  # noqa: E731
+        case.spec, 64, "cpu", granularity=4096, export_handle_types="posix_fd"
+    )
+    lender, borrower = make(), make()
+    lender.commit(8)
+    lender.commit(32)
+    write_blocks(lender, 0, 8, seed=1)  # kept
+    write_blocks(lender, 8, 24, seed=2)  # lent
+    borrower.commit(8)
+    return lender, borrower
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["kept", "zeroed"])
+def test_a_cache_lends_whole_blocks_and_takes_them_back(case: Case, zero: bool) -> None:
+    lender, borrower = _lending_pair(case)
+    with lender, borrower:
+        if case.name == "FLASHMLA_SPARSE":
+            # 656-byte rows: 8 blocks end inside a granule, so what lies past it is not
+            # whole blocks of this cache: refused before anything is mapped.
+            loans = lender.lend(8)
+            with pytest.raises(ValueError, match="is not whole blocks"):
+                borrower.borrow(loans)
+            assert borrower.committed_blocks == 8
+            lender.reclaim(loans, zero=False)
+            assert lender.committed_blocks == 32
+            check_blocks(lender, 0, 8, seed=1)
+            check_blocks(lender, 8, 24, seed=2)
+            return
+        physical = lender.physical_bytes
+        loans = lender.lend(8)
+        assert lender.committed_blocks == 8 and lender.physical_bytes < physical
+        check_blocks(lender, 0, 8, seed=1)
+        assert borrower.borrow(loans, zero=zero) == 24
+        assert borrower.committed_blocks == 32
+        if zero:
+            assert blocks_sum(borrower, 8, 24) == 0
+        else:
+            check_blocks(borrower, 8, 24, seed=2)  # the lender's blocks 8.. are the borrower's
+        write_blocks(borrower, 8, 24, seed=7)
+        borrower.give_back(loans)
+        assert borrower.committed_blocks == 8
+        lender.reclaim(loans, zero=zero)
+        assert lender.committed_blocks == 32 and lender.physical_bytes == physical
+        check_blocks(lender, 0, 8, seed=1)
+        if zero:
+            assert blocks_sum(lender, 8, 24) == 0
+        else:
+            check_blocks(lender, 8, 24, seed=7)  # what the borrower left, as it left it
+
+
+def test_a_cache_refuses_what_it_cannot_borrow() -> None:
+    case = CASES[0]  # FLASH_ATTN: 2 segments, 2 KiB a block per segment
+    lender, borrower = _lending_pair(case)
+    with lender, borrower:
+        with pytest.raises(ValueError, match="cannot keep 32 blocks"):
+            lender.lend(32)
+        loans = lender.lend(8)
+        with pytest.raises(ValueError, match="2 loans for a cache of 1 buffers"):
+            borrower.borrow([*loans, *loans])
+        borrower.commit(9)  # 9 blocks of 2 KiB end inside a 4 KiB granule
+        with pytest.raises(ValueError, match="end inside a granule"):
+            borrower.borrow(loans)
+        borrower.shrink_to(8)
+        assert borrower.borrow(loans) == 24
+        borrower.give_back(loans)
+        lender.reclaim(loans)
+    legacy = ExtensibleKVCache(case.spec, 8, "cpu", legacy=True)
+    with legacy, pytest.raises(ValueError, match="legacy cache"):
+        legacy.lend(0)
+
+
+def blocks_sum(cache: ExtensibleKVCache, first: int, count: int) -> int:
+    """The sum of the bytes of blocks `[first, first + count)` of every view."""
+    return sum(
+        byte_sum(blocks(view, block_dim, first, count)) for _, block_dim, view in layer_views(cache)
+    )

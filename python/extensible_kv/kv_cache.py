@@ -43,6 +43,8 @@ from extensible_kv.tensor import ExtensibleTensor
 if TYPE_CHECKING:
     import torch
 
+    from extensible_kv.ipc import Loan
+
 __all__ = [
     "AttentionLayerSpec",
     "ExtensibleKVCache",
@@ -332,7 +334,9 @@ class ExtensibleKVCache:
     `spec` lists the buffers (`KVCacheTensorSpec`); `device` is `"cpu"` (host backend) or
     `"cuda:N"`; `granularity` passes through to `ExtensibleTensor` (small on cpu in tests).
     `views` maps each layer to its capacity view (a list of state views for a Mamba layer);
-    touch only blocks below `committed_blocks`. Use as a context manager to `close()` on exit.
+    touch only blocks below `committed_blocks`. `export_handle_types` passes through too:
+    `"posix_fd"` lets the cache be shared and lend its blocks (`lend`). Use as a context
+    manager to `close()` on exit.
     """
 
     def __init__(
@@ -343,11 +347,13 @@ class ExtensibleKVCache:
         *,
         legacy: bool = False,
         granularity: int | None = None,
+        export_handle_types: int | str = 0,
     ) -> None:
         _torch.require("ExtensibleKVCache")
         capacity_blocks = _args.size(capacity_blocks, "capacity_blocks", minimum=-(2**63))
         granularity = _args.optional_size(granularity, "granularity", minimum=1)
         legacy = _args.flag(legacy, "legacy")
+        self._export_handle_types = export_handle_types
         self._plans = _plan(spec, capacity_blocks)
         self._capacity_blocks = capacity_blocks
         self._committed_blocks = 0
@@ -375,7 +381,13 @@ class ExtensibleKVCache:
     ) -> _Buffer:
         if self._legacy:
             return _LegacyBuffer(num_bytes, device)
-        tensor = ExtensibleTensor(num_bytes, plans[0].num_segments, device, granularity=granularity)
+        tensor = ExtensibleTensor(
+            num_bytes,
+            plans[0].num_segments,
+            device,
+            granularity=granularity,
+            export_handle_types=self._export_handle_types,
+        )
         return _ExtensibleBuffer(tensor)
 
     @property
@@ -494,6 +506,156 @@ class ExtensibleKVCache:
             raise ClosedError("the KV cache is closed")
         for buffer in self._buffers:
             buffer.consolidate()
+
+    # -----------------------------------------------------------------------------------------
+    # lending whole blocks to another cache (ExtensibleTensor.lend, per buffer)
+
+    def lend(self, num_blocks: int, *, stream: int | None = None) -> tuple[Loan, ...]:
+        """Keeps the first `num_blocks` blocks and lends the memory past them to another cache
+        (in this process or another): one `Loan` per buffer, in buffer order, for `borrow`.
+        `committed_blocks` becomes `num_blocks`; the addresses stay reserved, and `reclaim`
+        takes the blocks back. Each buffer lends its whole handles past its last kept block
+        (`ExtensibleTensor.lend`): one that straddles that block stays here. Needs
+        `export_handle_types="posix_fd"`. All or nothing across buffers: if one cannot lend
+        (nothing but a straddling handle past the kept blocks, say), the loans of the buffers
+        before it are taken back and the error says which buffer."""
+        num_blocks = self._check_lendable(num_blocks)
+        loans: list[Loan] = []
+        try:
+            for index, (tensor, block_bytes) in enumerate(self._lending_buffers()):
+                try:
+                    loans.append(tensor.lend(num_blocks * block_bytes, stream=stream))
+                except ValueError as error:
+                    raise ValueError(f"buffer {index} cannot lend: {error}") from error
+        except BaseException:
+            for tensor, loan in zip(self.buffers, loans, strict=False):
+                tensor.reclaim(loan, zero=False, timeout=0, stream=stream)
+            raise
+        self._committed_blocks = num_blocks
+        return tuple(loans)
+
+    def borrow(self, loans: Sequence[Loan], *, zero: bool = True, stream: int | None = None) -> int:
+        """Maps a lending cache's `loans` (one per buffer, as `lend` gave them) after this
+        cache's committed blocks, which grow by the loaned blocks; returns that count. The
+        caches must have the same buffer geometry (the lender's spec), and each buffer's
+        committed blocks must end at a granule boundary of every segment: K/V-split and
+        layer-per-segment layouts with blocks that are whole granules, or any layout at a block
+        count that fills whole granules. A layout that cannot take the loan (blocks smaller
+        than a granule ending inside one, a loan that is not whole blocks, buffers that would
+        grow by different block counts, too little capacity) is refused with a `ValueError`
+        before anything is mapped. `zero` as `ExtensibleTensor.borrow`."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        loans = tuple(loans)
+        buffers = self._lending_buffers()
+        if len(loans) != len(buffers):
+            raise ValueError(f"{len(loans)} loans for a cache of {len(buffers)} buffers")
+        added = {self._loaned_blocks(i, loan) for i, loan in enumerate(loans)}
+        if len(added) != 1:
+            raise ValueError(
+                f"the loans would grow the buffers by different block counts ({sorted(added)}): "
+                "they are not one cache's blocks"
+            )
+        (blocks,) = added
+        if self._committed_blocks + blocks > self._capacity_blocks:
+            raise ValueError(
+                f"cannot borrow {blocks} blocks: {self._committed_blocks} are committed and the "
+                f"capacity is {self._capacity_blocks}"
+            )
+        for index, (tensor, block_bytes) in enumerate(buffers):
+            end = self._committed_blocks * block_bytes
+            if end % tensor.granularity:
+                raise ValueError(
+                    f"buffer {index}'s {self._committed_blocks} committed blocks end inside a "
+                    f"granule ({block_bytes} bytes a block per segment, granules of "
+                    f"{tensor.granularity}): a loan maps at granule boundaries; commit or shrink "
+                    "to a block count that fills whole granules first"
+                )
+        done: list[tuple[ExtensibleTensor, Loan]] = []
+        try:
+            for (tensor, _), loan in zip(buffers, loans, strict=True):
+                tensor.borrow(loan, zero=zero, stream=stream)
+                done.append((tensor, loan))
+        except BaseException:
+            for tensor, loan in done:
+                tensor.give_back(loan, stream=stream)
+            raise
+        self._committed_blocks += blocks
+        return blocks
+
+    def give_back(self, loans: Sequence[Loan], *, stream: int | None = None) -> None:
+        """Returns borrowed `loans` to their lender (`ExtensibleTensor.give_back`, per buffer):
+        `committed_blocks` goes back to where the loans began."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        loans = tuple(loans)
+        buffers = self._lending_buffers()
+        if len(loans) != len(buffers):
+            raise ValueError(f"{len(loans)} loans for a cache of {len(buffers)} buffers")
+        for (tensor, _), loan in zip(buffers, loans, strict=True):
+            tensor.give_back(loan, stream=stream)
+        self._committed_blocks = self._blocks_held()
+
+    def reclaim(
+        self,
+        loans: Sequence[Loan],
+        *,
+        zero: bool = True,
+        timeout: float | None = None,
+        stream: int | None = None,
+    ) -> None:
+        """Takes back what `lend` lent (`ExtensibleTensor.reclaim`, per buffer, each waiting
+        up to `timeout`): `committed_blocks` grows back to where it was before the lend."""
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        loans = tuple(loans)
+        buffers = self._lending_buffers()
+        if len(loans) != len(buffers):
+            raise ValueError(f"{len(loans)} loans for a cache of {len(buffers)} buffers")
+        try:
+            for (tensor, _), loan in zip(buffers, loans, strict=True):
+                tensor.reclaim(loan, zero=zero, timeout=timeout, stream=stream)
+        finally:
+            self._committed_blocks = self._blocks_held()
+
+    def _check_lendable(self, num_blocks: int) -> int:
+        num_blocks = _args.size(num_blocks, "num_blocks")
+        if self._closed:
+            raise ClosedError("the KV cache is closed")
+        if self._legacy:
+            raise ValueError("a legacy cache (plain torch memory) cannot lend its blocks")
+        if num_blocks >= self._committed_blocks:
+            raise ValueError(
+                f"cannot keep {num_blocks} blocks and lend the rest: {self._committed_blocks} "
+                "are committed"
+            )
+        return num_blocks
+
+    def _lending_buffers(self) -> list[tuple[ExtensibleTensor, int]]:
+        if self._legacy:
+            raise ValueError("a legacy cache (plain torch memory) cannot lend or borrow blocks")
+        return list(zip(self.buffers, self.segment_block_bytes, strict=True))
+
+    def _loaned_blocks(self, index: int, loan: Loan) -> int:
+        """The blocks `loan` adds to buffer `index` (its bytes split over the segments)."""
+        segments, block_bytes = self.num_segments[index], self.segment_block_bytes[index]
+        per_segment, uneven = divmod(loan.num_bytes, segments)
+        blocks, partial = divmod(per_segment, block_bytes)
+        if uneven or partial or not blocks:
+            raise ValueError(
+                f"loan {index} ({loan.num_bytes} bytes over {segments} segments) is not whole "
+                f"blocks of buffer {index} ({block_bytes} bytes a block per segment): lend from "
+                "a cache of the same spec, keeping a block count that ends at granule "
+                "boundaries"
+            )
+        return blocks
+
+    def _blocks_held(self) -> int:
+        """The blocks every buffer holds now (its smallest segment, in blocks)."""
+        return min(
+            min(tensor.segment_bytes) // block_bytes
+            for tensor, block_bytes in self._lending_buffers()
+        )
 
     def committed_views(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         """Views of exactly the committed blocks, each with storage of exactly the bytes it
