@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ABSENT",
     "Integration",
     "Patches",
     "env_flag",
@@ -75,11 +76,11 @@ def missing_public(theirs: type, ours: type) -> list[str]:
     return sorted(name for name in public if not hasattr(ours, name))
 
 
-_ABSENT = object()
+ABSENT = object()  # where a target had no attribute of its own: `Patches.adopt` takes it too
 
 
 class _Layer:
-    """One replacement of an attribute: the object it held before (`original`, `_ABSENT` when
+    """One replacement of an attribute: the object it held before (`original`, `ABSENT` when
     the target had no own attribute) and the one put there (`ours`)."""
 
     __slots__ = ("original", "ours")
@@ -112,13 +113,13 @@ class Patches:
 
     def set(self, target: Any, name: str, value: Any) -> None:
         """Put `value` at `target.name`, on top of whatever is there."""
-        self._push(target, name, vars(target).get(name, _ABSENT), value)
+        self._push(target, name, vars(target).get(name, ABSENT), value)
         setattr(target, name, value)
 
     def adopt(self, target: Any, name: str, original: Any, value: Any) -> None:
         """Record that `value`, which someone else put at `target.name` for us (SGLang's hook
         registry), replaced `original` there; `restore` undoes it as if `set` had."""
-        if vars(target).get(name, _ABSENT) is not value:
+        if vars(target).get(name, ABSENT) is not value:
             raise ValueError(f"{name} on {target!r} does not hold the object to adopt")
         self._push(target, name, original, value)
 
@@ -145,7 +146,7 @@ class Patches:
             stack[index].original = layer.original
         if not stack:
             del _stacks[key]
-        return vars(key[0]).get(key[1], _ABSENT)
+        return vars(key[0]).get(key[1], ABSENT)
 
     def restore(self) -> list[tuple[Any, str]]:
         """Remove every layer this records (see the class's invariants); the `(target, name)`
@@ -156,14 +157,20 @@ class Patches:
             on_top = _stacks[key][-1] is layer
             self._unlink(key, layer)
             del self._entries[key]
-            if not on_top or vars(target).get(name, _ABSENT) is not layer.ours:
+            if not on_top or vars(target).get(name, ABSENT) is not layer.ours:
                 continue
-            if layer.original is _ABSENT:
+            if layer.original is ABSENT:
                 delattr(target, name)
             else:
                 setattr(target, name, layer.original)
             put_back.append(key)
         return put_back
+
+    def forget(self) -> None:
+        """Drop every record without touching any attribute (what is in place stays)."""
+        for key, layer in list(self._entries.items()):
+            self._unlink(key, layer)
+            del self._entries[key]
 
     def items(self) -> Iterator[tuple[tuple[Any, str], Any]]:
         """`((target, name), original)` for every attribute replaced."""
