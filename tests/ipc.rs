@@ -22,7 +22,9 @@ fn host_driver() -> Arc<HostDriver> {
 /// An exportable owner of 2 segments of 8 granules on `host`, each grown to `per_segment`.
 fn owner(host: &Arc<HostDriver>, per_segment: u64) -> ExtensibleTensor {
     let options = Options {
-        handle_sizing: HandleSizing::CapAligned { max_bytes: 2 * G },
+        handle_sizing: HandleSizing::CapAligned {
+            max_bytes: Some(2 * G),
+        },
         export_types: ExportTypes::POSIX_FD,
         ..Options::default()
     };

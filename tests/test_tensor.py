@@ -229,6 +229,20 @@ def test_constructor_value_errors(make_tensor: MakeTensor, g: int, case: str) ->
     assert type(info.value) is ValueError
 
 
+@pytest.mark.parametrize("kind", ["cap_aligned", "aligned_powers_of_two", "per_run"])
+def test_only_the_default_handle_cap_rises_to_a_larger_granularity(kind: str) -> None:
+    """With a 2 GiB granularity, a `max_bytes` given is taken as it is (1 GiB is refused as
+    512 MiB is), and only `None`, the default, rises to the granule."""
+    gib = 1 << 30
+    for max_bytes in (gib // 2, gib, 3 * gib):
+        sizing = HandleSizing(kind, max_bytes)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"max_bytes \\({max_bytes}\\)"):
+            ExtensibleTensor(8 * gib, device="cpu", granularity=2 * gib, handle_sizing=sizing)
+    for sizing in (HandleSizing(kind, None), HandleSizing(kind, 4 * gib)):  # type: ignore[arg-type]
+        with ExtensibleTensor(8 * gib, device="cpu", granularity=2 * gib, handle_sizing=sizing):
+            pass
+
+
 @pytest.mark.parametrize("spec", ["tpu", "gpu", "", "cuda:", "cuda:-1", "cuda:x", "cpu:0", "CPU"])
 def test_unknown_device_is_value_error(spec: str) -> None:
     with pytest.raises(ValueError, match="device"):

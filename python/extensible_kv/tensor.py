@@ -143,9 +143,11 @@ class HandleSizing:
       a granule-sized `max_bytes` is what per-granule allocators do).
     - `"whole_runs"`: one handle per run, however long (takes no `max_bytes`).
 
-    `max_bytes` is the largest handle, a positive multiple of the granularity; `None` means
-    `DEFAULT_MAX_HANDLE_BYTES` (1 GiB, or the granularity where that is larger). A wrong value
-    raises a `TypeError` or `ValueError` naming `handle_sizing` when the tensor is built.
+    `max_bytes` is the largest handle, a positive multiple of the granularity, taken as given
+    (an explicit 1 GiB with a 2 GiB granularity is a `ValueError`); `None` means
+    `DEFAULT_MAX_HANDLE_BYTES` (1 GiB), raised to the granularity where that is larger: only
+    the default rises. A wrong value raises a `TypeError` or `ValueError` naming
+    `handle_sizing` when the tensor is built.
     """
 
     kind: Literal["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"] = "cap_aligned"

@@ -21,7 +21,6 @@ use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{
     ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions,
-    DEFAULT_MAX_HANDLE_BYTES,
 };
 
 /// The int that `obj` stands for: an int or anything `operator.index` takes (numpy and torch
@@ -95,12 +94,12 @@ fn to_handle_sizing(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HandleSizing> {
     let kind: String = kind
         .extract()
         .map_err(|_| wrong_type(&kind, "handle_sizing.kind", "a str"))?;
+    // None stays None: the default cap, which alone rises to a larger granularity.
     let max_bytes = to_u64_opt(Some(&max_bytes), "handle_sizing.max_bytes")?;
-    let cap = max_bytes.unwrap_or(DEFAULT_MAX_HANDLE_BYTES);
     match (kind.as_str(), max_bytes) {
-        ("cap_aligned", _) => Ok(HandleSizing::CapAligned { max_bytes: cap }),
-        ("aligned_powers_of_two", _) => Ok(HandleSizing::AlignedPowersOfTwo { max_bytes: cap }),
-        ("per_run", _) => Ok(HandleSizing::PerRun { max_bytes: cap }),
+        ("cap_aligned", _) => Ok(HandleSizing::CapAligned { max_bytes }),
+        ("aligned_powers_of_two", _) => Ok(HandleSizing::AlignedPowersOfTwo { max_bytes }),
+        ("per_run", _) => Ok(HandleSizing::PerRun { max_bytes }),
         ("whole_runs", None) => Ok(HandleSizing::WholeRuns),
         ("whole_runs", Some(_)) => Err(PyValueError::new_err(
             "handle_sizing: whole_runs takes no max_bytes (its handles are as long as the runs)",
