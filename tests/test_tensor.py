@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import subprocess
 import sys
 import textwrap
@@ -787,6 +788,42 @@ def test_close_with_live_views(
     assert (t.segment_bytes, t.physical_bytes, t.num_handles) == ((0, 0), 0, 0)
     t._check_invariants()
     assert "ExtensibleTensor(" in repr(t)
+    if backend == "cpu":
+        assert leak_check() == before
+
+
+def test_leaving_with_on_an_exception_never_hides_it(
+    make_tensor: MakeTensor, g: int, backend: str, leak_check: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception raised in `with` while a view is alive comes out unchanged (not as the
+    BufferError of the close that cannot run); the view keeps the memory, freed when it dies.
+    Without an exception, `with` still refuses to end with a view alive."""
+    before = leak_check()
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom) as info, caplog.at_level(logging.WARNING, "extensible_kv"):
+        with make_tensor(4 * g, 2) as t:
+            t.resize_per_segment_(g)
+            view = t.segment_view(0)
+            raise Boom("the user's error")
+    assert str(info.value) == "the user's error"
+    assert info.value.__context__ is None  # raised as it was, not while handling another
+    assert any("BufferError: cannot close: 1 view" in note for note in info.value.__notes__)
+    assert "did not close" in caplog.text
+    assert not t.closed
+    view.fill_(3)  # the view is still good
+    del view, info
+    gc.collect()
+    t.close()
+    with pytest.raises(BufferError, match="1 view"):
+        with make_tensor(4 * g, 2) as t:
+            t.resize_per_segment_(g)
+            view = t.segment_view(0)
+    del view
+    gc.collect()
+    t.close()
     if backend == "cpu":
         assert leak_check() == before
 

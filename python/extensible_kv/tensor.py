@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from extensible_kv import _args, _native, _torch
@@ -418,5 +418,29 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     def __enter__(self) -> ExtensibleTensor:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: object,
+    ) -> None:
+        """Closes the tensor; leaving on an exception never hides it (`close_on_exit`)."""
+        close_on_exit(self.close, exc)
+
+
+def close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:
+    """What leaving a `with` does: `close()`; and when leaving on the exception `exc`, never
+    hiding it. Where `close` fails then (`BufferError` while views are alive: the memory is
+    freed when the last view dies), the failure is logged and noted on `exc`, and the caller
+    returns, so that `exc` goes on unchanged."""
+    if exc is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as error:
+        note = f"extensible_kv: leaving `with` did not close: {type(error).__name__}: {error}"
+        if isinstance(error, BufferError):
+            note += " (the memory is freed when the last view dies)"
+        logger.warning("%s", note)
+        exc.add_note(note)
