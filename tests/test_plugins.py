@@ -119,8 +119,8 @@ def test_class_attributes_come_back_as_they_were_stored() -> None:
     ],
 )
 def test_env_flag(value: str, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EKV_TEST_FLAG", value)
-    assert env_flag("EKV_TEST_FLAG", True) is expected
+    monkeypatch.setenv("PLUGIN_SWITCH_UNDER_TEST", value)
+    assert env_flag("PLUGIN_SWITCH_UNDER_TEST", True) is expected
 
 
 def test_version_in() -> None:
