@@ -460,8 +460,10 @@ def test_the_report_chains_to_a_faulthandler_enabled_before() -> None:
     assert "in touch_past_the_committed_bytes" in run.stderr
 
 
-def test_the_report_can_be_switched_off() -> None:
-    run = _stray(EXTENSIBLE_KV_FAULT_REPORT="0")
+@pytest.mark.parametrize("off", ["0", "off", " False "])
+def test_the_report_can_be_switched_off(off: str) -> None:
+    """As every switch: `0`, `false`, `no`, `off` in any case (the README's words)."""
+    run = _stray(EXTENSIBLE_KV_FAULT_REPORT=off)
     assert run.returncode == -11
     assert "stray access" not in run.stderr and "Fatal Python error" not in run.stderr
 

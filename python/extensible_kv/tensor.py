@@ -11,7 +11,8 @@ What such a stray access reports:
   (`base_ptr`, bytes reserved), the offset, the segment and its committed bytes, then the
   Python stack (the facade enables `faulthandler` unless it is on already). It chains to
   the handlers installed before it, and the exit status is the signal's, as without it.
-  `EXTENSIBLE_KV_FAULT_REPORT=0` leaves the signal handlers and faulthandler alone.
+  `EXTENSIBLE_KV_FAULT_REPORT=0` (or `false`, `no`, `off`) leaves the signal handlers and
+  faulthandler alone.
 - on CUDA, `CUDA_ERROR_ILLEGAL_ADDRESS` ("an illegal memory access was encountered"),
   reported by a later call, usually the next synchronising one, and without the address.
   The error is sticky: the CUDA context of the process is unusable from then on, and every
@@ -30,11 +31,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from extensible_kv import _args, _native, _torch
+from extensible_kv._plugins import env_flag
 from extensible_kv.ipc import FABRIC, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
@@ -100,7 +101,7 @@ def _enable_fault_report() -> None:
     """Turns Python's faulthandler on before the first tensor, so that the native report of a
     stray access (module docstring) is followed by the Python stack. Off with
     `EXTENSIBLE_KV_FAULT_REPORT=0`."""
-    if os.environ.get("EXTENSIBLE_KV_FAULT_REPORT", "").strip() == "0":
+    if not env_flag("EXTENSIBLE_KV_FAULT_REPORT", True):
         return
     import faulthandler
 
