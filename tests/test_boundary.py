@@ -135,8 +135,10 @@ def _cases() -> list[Case]:
         lambda t, v: ExtensibleTensor(G, device="cpu", export_handle_types=v))  # fmt: skip
     add("tensor", "export_handle_types", [-1, 2**40, "bogus"], ValueError,
         lambda t, v: ExtensibleTensor(G, device="cpu", export_handle_types=v))  # fmt: skip
-    add("tensor", "device", ["tpu", 3, "cuda:x"], ValueError,
+    # An int is a CUDA index, as torch takes it (`3` is `cuda:3`): a negative one is the bad int.
+    add("tensor", "device", ["tpu", -3, 2**40, "cuda:x"], ValueError,
         lambda t, v: ExtensibleTensor(G, device=v))  # fmt: skip
+    add("tensor", "device", [True], TypeError, lambda t, v: ExtensibleTensor(G, device=v))
     for method in ("resize_per_segment_", "shrink_per_segment_"):
         add("tensor", "bytes_per_segment", [*BAD_INT, b"12", "ab", [G, 1.5]], TypeError,
             lambda t, v, m=method: getattr(t, m)(v))  # fmt: skip

@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 import extensible_kv
+import numpy as np
 import pytest
 import torch
 from conftest import CPU_GRANULARITY, MakeTensor, mapped_granules, needed_granules
@@ -26,6 +27,7 @@ from extensible_kv import (
     ExtensibleTensor,
     HandleSizing,
     OutOfMemoryError,
+    UnsupportedError,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -242,6 +244,34 @@ def test_only_the_default_handle_cap_rises_to_a_larger_granularity(kind: str) ->
     for sizing in (HandleSizing(kind, None), HandleSizing(kind, 4 * gib)):  # type: ignore[arg-type]
         with ExtensibleTensor(8 * gib, device="cpu", granularity=2 * gib, handle_sizing=sizing):
             pass
+
+
+@pytest.mark.parametrize("index", [0, np.int64(0), torch.tensor(0)], ids=["int", "numpy", "torch"])
+def test_a_cuda_index_is_a_device_as_torch_takes_it(index: Any) -> None:
+    """`device=N` is `cuda:N`, as for torch: the same tensor, or the same refusal where CUDA
+    is unusable (no GPU here), and the same `vmm_unavailable_reason`."""
+    assert extensible_kv.vmm_unavailable_reason(index) == extensible_kv.vmm_unavailable_reason(
+        "cuda:0"
+    )
+    try:
+        expected = ExtensibleTensor(4096, device="cuda:0")
+    except UnsupportedError as error:
+        with pytest.raises(UnsupportedError) as info:
+            ExtensibleTensor(4096, device=index)
+        assert str(info.value) == str(error)
+    else:
+        with expected, ExtensibleTensor(4096, device=index) as t:
+            assert t.device == expected.device == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("device", "error"), [(True, TypeError), (-1, ValueError), (2**32, ValueError)]
+)
+def test_a_bad_cuda_index_is_named(device: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="device"):
+        ExtensibleTensor(4096, device=device)
+    with pytest.raises(error, match="device"):
+        extensible_kv.vmm_unavailable_reason(device)
 
 
 @pytest.mark.parametrize("spec", ["tpu", "gpu", "", "cuda:", "cuda:-1", "cuda:x", "cpu:0", "CPU"])

@@ -169,7 +169,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
     `ExtensibleTensor(max_bytes, num_segments=1, device="cpu", *, segment_capacities=None,
     granularity=None, handle_sizing=None, export_handle_types=0)`: `device` is `"cpu"` (host
-    backend), `"cuda"`, `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal
+    backend), `"cuda"`, `"cuda:N"`, a `torch.device`, or a CUDA index `N` (an int, as torch
+    takes it). `segment_capacities` gives unequal
     segments (summing to `max_bytes`). `handle_sizing` (a `HandleSizing`) says how grows cut
     new memory into physical handles: by default at multiples of 1 GiB. `export_handle_types`
     (`"posix_fd"`, `"fabric"`, CUDA's bits, or a list) makes the memory shareable with other

@@ -73,6 +73,28 @@ fn to_u64_opt(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64
         .transpose()
 }
 
+/// The device a Python caller names, as the core parses it: a str or a `torch.device` (its
+/// `str()`), or a CUDA index as torch takes one for `cuda:N` (an int or `__index__` integer,
+/// at least 0). A bool is a TypeError; a negative index a ValueError.
+fn to_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(wrong_type(
+            obj,
+            "device",
+            "a str, a torch.device or a CUDA index",
+        ));
+    }
+    match as_int(obj)? {
+        Some(index) => match index.extract::<u32>() {
+            Ok(index) => Ok(format!("cuda:{index}")),
+            Err(_) => Err(PyValueError::new_err(format!(
+                "device: a CUDA index must be an int from 0 to 2**32-1, got {index}"
+            ))),
+        },
+        None => Ok(obj.str()?.to_string()), // accepts str and torch.device alike
+    }
+}
+
 fn to_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
     let (op, nth, kind): (String, u64, String) = obj.extract()?;
     let op = Op::from_name(&op)
@@ -217,7 +239,7 @@ impl PyExtensibleTensor {
         let max_bytes = to_u64(max_bytes, "max_bytes")?;
         let num_segments = to_u64_opt(num_segments, "num_segments")?;
         let device = match device.filter(|d| !d.is_none()) {
-            Some(d) => d.str()?.to_string(), // accepts str and torch.device alike
+            Some(d) => to_device(d)?,
             None => "cpu".to_string(),
         };
         let options = Options {
@@ -661,7 +683,7 @@ fn host_mem_info(meminfo: &str) -> PyResult<(u64, u64)> {
 /// None when `device` can map memory through the VMM API, else the reason it cannot.
 #[pyfunction]
 fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-    Ok(driver::unavailable_reason(&device.str()?.to_string()))
+    Ok(driver::unavailable_reason(&to_device(device)?))
 }
 
 /// The fds a shared description names, taken from this (the owner) process and checked
