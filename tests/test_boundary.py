@@ -31,6 +31,7 @@ from extensible_kv import (
     KVCacheFlow,
     KVCacheTensorSpec,
     OutOfMemoryError,
+    UnsupportedError,
     _native,
     sizing,
 )
@@ -355,9 +356,14 @@ def test_messages_say_what_is_wrong(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(OutOfMemoryError, match=r"^out of address space: reserving") as info:
         ExtensibleTensor(1 << 62, device="cpu", granularity=G)
     assert "commit fewer bytes" not in str(info.value) and info.value.op == "reserve"
+    # Fabric alone, which the host backend never has: refused, not unshareable memory.
+    with pytest.raises(UnsupportedError, match=r"^unsupported: the host backend on cpu cannot "):
+        ExtensibleTensor(G, device="cpu", export_handle_types="fabric")
     with caplog.at_level(logging.WARNING, logger="extensible_kv"):
-        ExtensibleTensor(G, device="cpu", export_handle_types="fabric").close()
-    assert caplog.messages == ["cpu cannot export fabric handles; the memory is not exportable"]
+        ExtensibleTensor(G, device="cpu", export_handle_types=["posix_fd", "fabric"]).close()
+    assert caplog.messages == [
+        "cpu cannot export fabric handles; the memory is exportable as POSIX fds only"
+    ]
     with pytest.raises(OutOfMemoryError, match=r"^out of memory: create of .*commit fewer bytes"):
         ExtensibleTensor(8 * G, device="cpu", granularity=G, _fault=("create", 1, "oom")).resize_(G)
 

@@ -174,8 +174,11 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     segments (summing to `max_bytes`). `handle_sizing` (a `HandleSizing`) says how grows cut
     new memory into physical handles: by default at multiples of 1 GiB. `export_handle_types`
     (`"posix_fd"`, `"fabric"`, CUDA's bits, or a list) makes the memory shareable with other
-    processes (`share`, `from_shared`); fabric is dropped, with a warning, where the device
-    does not support it. Use as a context manager to `close()` on exit.
+    processes (`share`, `from_shared`). Fabric asked with POSIX fds (`["posix_fd", "fabric"]`,
+    as vLLM asks for NIXL) is dropped, with a warning, where the device does not support it
+    (no NVLink fabric or IMEX channel; the host backend never): the memory is shared through
+    fds. Fabric asked alone where it is not supported is an `UnsupportedError`, since the
+    memory could not be shared at all. Use as a context manager to `close()` on exit.
 
     Sizes are ints or any integer with `__index__` (numpy, torch scalars); each wrong argument
     raises a `TypeError` or `ValueError` naming it, and leaves the tensor unchanged.
@@ -213,12 +216,10 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             **private,
         )
         if bits & FABRIC and not tensor.export_handle_types & FABRIC:
+            # Only with POSIX fds: fabric alone where it is missing is the core's refusal.
             logger.warning(
-                "%s cannot export fabric handles; %s",
+                "%s cannot export fabric handles; the memory is exportable as POSIX fds only",
                 tensor.device,
-                "the memory is exportable as POSIX fds only"
-                if tensor.export_handle_types
-                else "the memory is not exportable",
             )
         return tensor
 

@@ -20,7 +20,8 @@ pub struct Options {
     /// How grows cut runs of missing granules into physical handles.
     pub handle_sizing: HandleSizing,
     /// How every physical allocation may be exported to other processes (`share`). POSIX fd
-    /// must be supported by the device; fabric is dropped where it is not.
+    /// must be supported by the device, and so must fabric asked alone; fabric asked with
+    /// POSIX fd is dropped where it is not supported (the memory is shared through fds).
     pub export_types: ExportTypes,
 }
 
