@@ -712,6 +712,28 @@ def test_bad_counts_are_value_errors_and_change_nothing(plugged: Any, pool_devic
     pool._clear_buffers()
 
 
+def test_counts_are_integers_as_the_core_takes_them(plugged: Any, pool_device: str) -> None:
+    """A negative count never reaches SGLang's span arithmetic; a float or a bool is a
+    TypeError naming it (`int()` truncated 1.5 and took True); numpy integers are counts."""
+    import numpy as np
+
+    pool = _mha(plugged, pool_device, 4096)
+    owner = pool._post_capture_owner
+    owner.finalize(2000)
+    sizes = owner.buffer.segment_bytes
+    with pytest.raises(ValueError, match="num_tokens must be at least 0, got -1"):
+        owner.ensure_prefix(-1)
+    for bad in (1500.5, True, "2000"):
+        with pytest.raises(TypeError, match="final_num_tokens"):
+            owner.finalize(bad)
+        with pytest.raises(TypeError, match="num_tokens"):
+            owner.ensure_prefix(bad)
+    assert owner.buffer.segment_bytes == sizes and owner.final_num_tokens == 2000
+    owner.finalize(np.int64(1000))
+    assert owner.final_num_tokens == 1000
+    pool._clear_buffers()
+
+
 def test_a_failed_grow_changes_nothing(plugged: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = _cpu(monkeypatch)
     pool = _mha(plugged, cpu, 16384, layers=4)  # 8 buffers: a finalize makes several handles

@@ -118,8 +118,14 @@ def _export_bits(types: object) -> int:
     name = "export_handle_types"
     if isinstance(types, str | list | tuple):
         for item in types if isinstance(types, list | tuple) else ():
-            if isinstance(item, bool) or not isinstance(item, int | str):
-                raise TypeError(f"{name} entries must be ints or names, not {type(item).__name__}")
+            if isinstance(item, str):
+                continue
+            try:
+                _args.size(item, name, minimum=-(2**63))  # ints as the core takes them
+            except TypeError:
+                raise TypeError(
+                    f"{name} entries must be ints or names, not {type(item).__name__}"
+                ) from None
         try:
             bits = export_handle_types_bits(types)
         except ValueError as error:
