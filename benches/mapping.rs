@@ -62,7 +62,7 @@ fn bulk_commit(c: &mut Criterion) {
         (
             "fixed_granule",
             Options {
-                handle_sizing: HandleSizing::PerRun { max_bytes: g },
+                handle_sizing: HandleSizing::PerRun { max_bytes: Some(g) },
                 ..Options::default()
             },
         ),

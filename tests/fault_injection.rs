@@ -18,7 +18,7 @@ const FIRST: u64 = G / 2;
 fn options() -> Options {
     // One-granule handles: the second grow needs several of every call.
     Options {
-        handle_sizing: HandleSizing::CapAligned { max_bytes: G },
+        handle_sizing: HandleSizing::CapAligned { max_bytes: Some(G) },
         ..Options::default()
     }
 }

@@ -22,7 +22,9 @@ fn host_driver() -> Arc<HostDriver> {
 /// An exportable owner of 2 segments of 8 granules on `host`, each grown to `per_segment`.
 fn owner(host: &Arc<HostDriver>, per_segment: u64) -> ExtensibleTensor {
     let options = Options {
-        handle_sizing: HandleSizing::CapAligned { max_bytes: 2 * G },
+        handle_sizing: HandleSizing::CapAligned {
+            max_bytes: Some(2 * G),
+        },
         export_types: ExportTypes::POSIX_FD,
         ..Options::default()
     };
@@ -139,4 +141,26 @@ fn tampered_descriptions_are_refused() {
     }
     let plain = ExtensibleTensor::with_equal_segments(host, 4 * G, 1, Options::default()).unwrap();
     assert!(matches!(plain.share(), Err(Error::Unsupported(_))));
+}
+
+#[test]
+fn fabric_alone_where_the_backend_has_none_is_refused_and_with_fds_falls_back() {
+    let host = host_driver();
+    let build = |export_types| {
+        let options = Options {
+            export_types,
+            ..Options::default()
+        };
+        ExtensibleTensor::with_equal_segments(host.clone(), 2 * G, 1, options)
+    };
+    let Err(err) = build(ExportTypes::FABRIC) else {
+        panic!("fabric alone on the host backend was accepted: the memory could not be shared");
+    };
+    assert!(matches!(err, Error::Unsupported(_)), "{err}");
+    assert!(
+        err.to_string().contains("cannot export fabric handles"),
+        "{err}"
+    );
+    let both = build(ExportTypes::POSIX_FD.union(ExportTypes::FABRIC)).unwrap();
+    assert_eq!(both.export_types(), ExportTypes::POSIX_FD);
 }

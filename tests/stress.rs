@@ -133,7 +133,9 @@ fn threads(driver: Arc<dyn Driver>, live: &dyn Fn() -> (usize, usize, usize), to
     // Segments that are not granule multiples share a granule: the dedup is under stress too.
     let segment = GRANULES * g - g / 2;
     let options = Options {
-        handle_sizing: HandleSizing::CapAligned { max_bytes: 4 * g },
+        handle_sizing: HandleSizing::CapAligned {
+            max_bytes: Some(4 * g),
+        },
         ..Options::default()
     };
     let make =

@@ -367,9 +367,15 @@ fn matches_the_model() {
             let options = Options {
                 granularity: None,
                 handle_sizing: match sizing {
-                    0 => HandleSizing::CapAligned { max_bytes: cap * G },
-                    1 => HandleSizing::AlignedPowersOfTwo { max_bytes: cap * G },
-                    2 => HandleSizing::PerRun { max_bytes: cap * G },
+                    0 => HandleSizing::CapAligned {
+                        max_bytes: Some(cap * G),
+                    },
+                    1 => HandleSizing::AlignedPowersOfTwo {
+                        max_bytes: Some(cap * G),
+                    },
+                    2 => HandleSizing::PerRun {
+                        max_bytes: Some(cap * G),
+                    },
                     _ => HandleSizing::WholeRuns,
                 },
                 export_types: ExportTypes::POSIX_FD,

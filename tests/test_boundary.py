@@ -31,6 +31,7 @@ from extensible_kv import (
     KVCacheFlow,
     KVCacheTensorSpec,
     OutOfMemoryError,
+    UnsupportedError,
     _native,
     sizing,
 )
@@ -139,8 +140,10 @@ def _cases() -> list[Case]:
             lambda t, v, m=method: getattr(t, m)(v))  # fmt: skip
     add("tensor", "export_handle_types", [-1, 2**40, "bogus"], ValueError,
         lambda t, v: ExtensibleTensor(G, device="cpu", export_handle_types=v))  # fmt: skip
-    add("tensor", "device", ["tpu", 3, "cuda:x"], ValueError,
+    # An int is a CUDA index, as torch takes it (`3` is `cuda:3`): a negative one is the bad int.
+    add("tensor", "device", ["tpu", -3, 2**40, "cuda:x"], ValueError,
         lambda t, v: ExtensibleTensor(G, device=v))  # fmt: skip
+    add("tensor", "device", [True], TypeError, lambda t, v: ExtensibleTensor(G, device=v))
     for method in ("resize_per_segment_", "shrink_per_segment_"):
         add("tensor", "bytes_per_segment", [*BAD_INT, b"12", "ab", [G, 1.5]], TypeError,
             lambda t, v, m=method: getattr(t, m)(v))  # fmt: skip
@@ -357,9 +360,14 @@ def test_messages_say_what_is_wrong(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(OutOfMemoryError, match=r"^out of address space: reserving") as info:
         ExtensibleTensor(1 << 62, device="cpu", granularity=G)
     assert "commit fewer bytes" not in str(info.value) and info.value.op == "reserve"
+    # Fabric alone, which the host backend never has: refused, not unshareable memory.
+    with pytest.raises(UnsupportedError, match=r"^unsupported: the host backend on cpu cannot "):
+        ExtensibleTensor(G, device="cpu", export_handle_types="fabric")
     with caplog.at_level(logging.WARNING, logger="extensible_kv"):
-        ExtensibleTensor(G, device="cpu", export_handle_types="fabric").close()
-    assert caplog.messages == ["cpu cannot export fabric handles; the memory is not exportable"]
+        ExtensibleTensor(G, device="cpu", export_handle_types=["posix_fd", "fabric"]).close()
+    assert caplog.messages == [
+        "cpu cannot export fabric handles; the memory is exportable as POSIX fds only"
+    ]
     with pytest.raises(OutOfMemoryError, match=r"^out of memory: create of .*commit fewer bytes"):
         ExtensibleTensor(8 * G, device="cpu", granularity=G, _fault=("create", 1, "oom")).resize_(G)
 
@@ -464,8 +472,10 @@ def test_the_report_chains_to_a_faulthandler_enabled_before() -> None:
     assert "in touch_past_the_committed_bytes" in run.stderr
 
 
-def test_the_report_can_be_switched_off() -> None:
-    run = _stray(EXTENSIBLE_KV_FAULT_REPORT="0")
+@pytest.mark.parametrize("off", ["0", "off", " False "])
+def test_the_report_can_be_switched_off(off: str) -> None:
+    """As every switch: `0`, `false`, `no`, `off` in any case (the README's words)."""
+    run = _stray(EXTENSIBLE_KV_FAULT_REPORT=off)
     assert run.returncode == -11
     assert "stray access" not in run.stderr and "Fatal Python error" not in run.stderr
 

@@ -172,6 +172,20 @@ def test_legacy_flow_has_the_same_api(caplog: pytest.LogCaptureFixture) -> None:
         )
 
 
+def test_leaving_with_on_an_exception_never_hides_it() -> None:
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom) as info:
+        with KVCacheFlow.reserve(_spec(), 1000, "cpu", granularity=CPU_GRANULARITY) as flow:
+            kv = flow.cache.views["layers.0"]
+            raise Boom
+    assert any("BufferError" in note for note in info.value.__notes__)
+    del kv, info
+    flow.close()
+    assert flow.cache.closed
+
+
 def test_reserve_closes_what_it_built_when_the_first_commit_fails() -> None:
     with pytest.raises(ValueError, match="cannot commit 2 blocks: capacity is 1 blocks"):
         KVCacheFlow.reserve(_spec(), 1, "cpu", initial_blocks=2)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import MakeTensor, device_kwargs
@@ -543,3 +544,20 @@ def test_recv_shared_refuses_fds_from_another_process_than_the_owner(
             recv_shared(right)
     assert open_fds() == before
     owner.close()
+
+
+@pytest.mark.parametrize(
+    "types",
+    [[np.int64(1)], (torch.tensor(1), "fabric"), np.int64(9)],
+    ids=["numpy-in-a-list", "torch-in-a-tuple", "numpy"],
+)
+def test_export_handle_types_take_integers_as_the_core_does(types: object) -> None:
+    """Entries of a list are ints as `operator.index` takes them, as a bare value is (a numpy
+    int in a list was a TypeError)."""
+    from extensible_kv.ipc import export_handle_types_bits
+
+    assert export_handle_types_bits(types) in (1, 9)  # type: ignore[arg-type]
+    with ExtensibleTensor(4096, device="cpu", export_handle_types=types) as t:  # type: ignore[arg-type]
+        assert t.export_handle_types == 1  # the host backend has no fabric: fds only
+    with pytest.raises(TypeError, match="export_handle_types entries"):
+        ExtensibleTensor(4096, device="cpu", export_handle_types=[np.float32(1)])  # type: ignore[list-item]

@@ -484,6 +484,26 @@ def test_close_refuses_while_views_live_then_releases(make_cache: MakeCache) -> 
         cache.commit(3)
 
 
+def test_leaving_with_on_an_exception_never_hides_it(device: str) -> None:
+    """An exception raised in `with` while views are alive comes out unchanged, noted with
+    the close that could not run; the views keep their memory until they die."""
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom) as info:
+        with ExtensibleKVCache(_one_layer("FLASH_ATTN"), CAPACITY, device) as cache:
+            cache.commit(2)
+            k = cache.committed_views()["attn"][0]
+            raise Boom
+    assert any("BufferError" in note for note in info.value.__notes__)
+    assert not cache.closed
+    k.fill_(1)
+    del k, info
+    cache.close()
+    assert cache.closed
+
+
 # ---------------------------------------------------------------------------------------------
 # real-looking models
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from extensible_kv.kv_cache import KVCacheTensorSpec, MambaLayerSpec
@@ -88,6 +89,27 @@ def test_presets() -> None:
 def test_spec_errors(states: Any, padded: int | None, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MambaStateSpec(states, page_size_padded=padded)
+
+
+@pytest.mark.parametrize(
+    ("states", "padded", "match"),
+    [
+        ((((3, 2.5), torch.float16),), None, r"states\[0\] shape\[1\] must be an int"),
+        ((((3, True), torch.float16),), None, r"states\[0\] shape\[1\] must be an int"),
+        (SMALL.states, 4096.0, "page_size_padded must be an int"),
+    ],
+)
+def test_spec_sizes_are_ints_as_the_core_takes_them(
+    states: Any, padded: object, match: str
+) -> None:
+    """Not truncated by `int()` (a 2.5 dim became 2); numpy and torch integers are sizes."""
+    with pytest.raises(TypeError, match=match):
+        MambaStateSpec(states, page_size_padded=padded)  # type: ignore[arg-type]
+    spec = MambaStateSpec(
+        (((np.int64(3), torch.tensor(4)), torch.float16),), page_size_padded=np.int64(64)
+    )
+    assert spec.states[0][0] == (3, 4) and spec.page_size_padded == 64
+    assert type(spec.page_size_padded) is int
 
 
 def _mamba_model(num_layers: int, spec: MambaStateSpec) -> list[KVCacheTensorSpec]:

@@ -15,6 +15,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -253,6 +254,131 @@ def test_without_sglang_loaded_it_imports_nothing() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "[]"]
+
+
+def _unhook(target: str, original: Any, hook: Any) -> None:
+    """Take another plugin's `hook` off `target` again, putting SGLang's `original` back
+    wherever the registry put its chain (what a test that stacks a hook must undo)."""
+    import pkgutil
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    entries = HookRegistry._hooks.get(target, [])
+    entries[:] = [entry for entry in entries if entry[1] is not hook]
+    if not entries:
+        HookRegistry._hooks.pop(target, None)
+    HookRegistry._patched.discard(target)
+    path, name = target.rsplit(".", 1)
+    parent = pkgutil.resolve_name(path)
+    chain = getattr(parent, name)
+    setattr(parent, name, original)
+    for module in list(sys.modules.values()):
+        for attr, value in list(vars(module).items()):
+            if value is chain and module is not parent:
+                setattr(module, attr, original)
+
+
+@pytest.mark.parametrize("order", ["ours-first", "theirs-first"])
+def test_unregister_removes_exactly_our_layer_under_another_plugins_hook(
+    plugged: Any, order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another plugin's AROUND hooks on the targets we hook (the adapter's `pause`, the gate):
+    wherever our layer sits in the chain, `unregister` removes it and keeps theirs applied."""
+    import sglang.srt.arg_groups.overrides as overrides
+    import sglang.srt.utils.torch_memory_saver_adapter as adapter_module
+    from sglang.srt.model_executor.model_runner_components import kv_pool_runtime
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    pause_target = f"{plugin._ADAPTER_CLASS}.pause"
+    real = adapter_module._TorchMemorySaverAdapterReal
+    plugin.unregister()
+    sglangs_pause, sglangs_gate = real.pause, overrides.post_capture_kv_sizing_planned
+    assert not hasattr(sglangs_pause, "__wrapped__") and not hasattr(sglangs_gate, "__wrapped__")
+    calls: list[str] = []
+
+    def their_pause(original: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("their pause")
+        return original(*args, **kwargs)
+
+    def their_gate(original: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append("their gate")
+        return original(*args, **kwargs)
+
+    theirs = {pause_target: their_pause, plugin._GATE_TARGET: their_gate}
+    monkeypatch.setattr(owner_module, "release_all", lambda: calls.append("our release"))
+    monkeypatch.setattr(adapter_module, "_memory_saver", _FakeSaver(), raising=False)
+    try:
+        if order == "theirs-first":
+            for target, hook in theirs.items():
+                HookRegistry.register(target, hook, HookType.AROUND)
+        assert plugin.register()
+        if order == "ours-first":
+            for target, hook in theirs.items():
+                HookRegistry.register(target, hook, HookType.AROUND)
+        HookRegistry.apply_hooks()
+        real().pause("kv_cache")
+        assert sorted(calls) == ["our release", "their pause"]
+        calls.clear()
+
+        plugin.unregister()
+        real().pause("kv_cache")
+        assert calls == ["their pause"]  # ours is gone, theirs stays
+        assert real.pause.__wrapped__ is sglangs_pause
+        gate = overrides.post_capture_kv_sizing_planned
+        assert gate.__wrapped__ is sglangs_gate
+        assert kv_pool_runtime.post_capture_kv_sizing_planned is gate  # rebound as at apply
+        calls.clear()
+        gate(_record())
+        assert calls == ["their gate"]
+        for target, hook in theirs.items():  # the registry's record matches what is applied
+            assert [entry[1] for entry in HookRegistry._hooks[target]] == [hook]
+            assert target in HookRegistry._patched
+    finally:
+        plugin.unregister()
+        _unhook(pause_target, sglangs_pause, their_pause)
+        _unhook(plugin._GATE_TARGET, sglangs_gate, their_gate)
+        _load_plugins(monkeypatch)
+    assert plugged.KvVmmBufferOwner is KvVmmBufferOwner
+
+
+def test_unregister_puts_back_only_what_sglangs_registry_rebound(
+    plugged: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's own names for our owner (a module's, `__main__`'s) stay ours; a module's
+    copy of SGLang's class, which the registry rebound, gets SGLang's back. This test module is
+    a user's module too: its global `KvVmmBufferOwner` must stay ours."""
+    import sglang.srt.mem_cache.kv_vmm_backing as backing
+
+    ours = KvVmmBufferOwner  # a local: no walk of sys.modules can rebind it
+    original = plugin._originals[plugin._OWNER_TARGET]
+    assert original is not ours
+    plugin.unregister()
+    users = types.ModuleType("ekv_test_user_app")
+    users.KvVmmBufferOwner = KvVmmBufferOwner  # type: ignore[attr-defined]
+    users.ours_by_another_name = KvVmmBufferOwner  # type: ignore[attr-defined]
+    copies = types.ModuleType("ekv_test_sglang_copy")
+    copies.KvVmmBufferOwner = original  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, users.__name__, users)
+    monkeypatch.setitem(sys.modules, copies.__name__, copies)
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "KvVmmBufferOwner", KvVmmBufferOwner, raising=False)
+    late = types.ModuleType("sglang.srt.ekv_test_imported_after_the_apply")
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    try:
+        _load_plugins(monkeypatch)
+        assert copies.KvVmmBufferOwner is KvVmmBufferOwner  # type: ignore[attr-defined]
+        late.KvVmmBufferOwner = backing.KvVmmBufferOwner  # type: ignore[attr-defined]
+        plugin.unregister()
+        assert late.KvVmmBufferOwner is original  # type: ignore[attr-defined]
+        assert backing.KvVmmBufferOwner is original and plugged.KvVmmBufferOwner is original
+        assert copies.KvVmmBufferOwner is original  # type: ignore[attr-defined]
+        assert users.KvVmmBufferOwner is ours  # type: ignore[attr-defined]
+        assert users.ours_by_another_name is ours  # type: ignore[attr-defined]
+        assert main.KvVmmBufferOwner is ours
+        assert sys.modules[__name__].KvVmmBufferOwner is ours
+    finally:
+        _load_plugins(monkeypatch)
+    assert plugged.KvVmmBufferOwner is KvVmmBufferOwner
 
 
 def _record(**overrides: Any) -> SimpleNamespace:
@@ -583,6 +709,28 @@ def test_bad_counts_are_value_errors_and_change_nothing(plugged: Any, pool_devic
         owner.ensure_prefix(10**9)
     assert owner.buffer.segment_bytes == sizes and owner.backed_bytes == backed
     assert owner.final_num_tokens == 2000
+    pool._clear_buffers()
+
+
+def test_counts_are_integers_as_the_core_takes_them(plugged: Any, pool_device: str) -> None:
+    """A negative count never reaches SGLang's span arithmetic; a float or a bool is a
+    TypeError naming it (`int()` truncated 1.5 and took True); numpy integers are counts."""
+    import numpy as np
+
+    pool = _mha(plugged, pool_device, 4096)
+    owner = pool._post_capture_owner
+    owner.finalize(2000)
+    sizes = owner.buffer.segment_bytes
+    with pytest.raises(ValueError, match="num_tokens must be at least 0, got -1"):
+        owner.ensure_prefix(-1)
+    for bad in (1500.5, True, "2000"):
+        with pytest.raises(TypeError, match="final_num_tokens"):
+            owner.finalize(bad)
+        with pytest.raises(TypeError, match="num_tokens"):
+            owner.ensure_prefix(bad)
+    assert owner.buffer.segment_bytes == sizes and owner.final_num_tokens == 2000
+    owner.finalize(np.int64(1000))
+    assert owner.final_num_tokens == 1000
     pool._clear_buffers()
 
 

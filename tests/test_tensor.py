@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import weakref
 from typing import Any
 
 import extensible_kv
+import numpy as np
 import pytest
 import torch
 from conftest import CPU_GRANULARITY, MakeTensor, mapped_granules, needed_granules
@@ -25,6 +27,7 @@ from extensible_kv import (
     ExtensibleTensor,
     HandleSizing,
     OutOfMemoryError,
+    UnsupportedError,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -227,6 +230,48 @@ def test_constructor_value_errors(make_tensor: MakeTensor, g: int, case: str) ->
     with pytest.raises(ValueError, match=match) as info:
         make_tensor(*args, **kwargs)
     assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("kind", ["cap_aligned", "aligned_powers_of_two", "per_run"])
+def test_only_the_default_handle_cap_rises_to_a_larger_granularity(kind: str) -> None:
+    """With a 2 GiB granularity, a `max_bytes` given is taken as it is (1 GiB is refused as
+    512 MiB is), and only `None`, the default, rises to the granule."""
+    gib = 1 << 30
+    for max_bytes in (gib // 2, gib, 3 * gib):
+        sizing = HandleSizing(kind, max_bytes)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"max_bytes \\({max_bytes}\\)"):
+            ExtensibleTensor(8 * gib, device="cpu", granularity=2 * gib, handle_sizing=sizing)
+    for sizing in (HandleSizing(kind, None), HandleSizing(kind, 4 * gib)):  # type: ignore[arg-type]
+        with ExtensibleTensor(8 * gib, device="cpu", granularity=2 * gib, handle_sizing=sizing):
+            pass
+
+
+@pytest.mark.parametrize("index", [0, np.int64(0), torch.tensor(0)], ids=["int", "numpy", "torch"])
+def test_a_cuda_index_is_a_device_as_torch_takes_it(index: Any) -> None:
+    """`device=N` is `cuda:N`, as for torch: the same tensor, or the same refusal where CUDA
+    is unusable (no GPU here), and the same `vmm_unavailable_reason`."""
+    assert extensible_kv.vmm_unavailable_reason(index) == extensible_kv.vmm_unavailable_reason(
+        "cuda:0"
+    )
+    try:
+        expected = ExtensibleTensor(4096, device="cuda:0")
+    except UnsupportedError as error:
+        with pytest.raises(UnsupportedError) as info:
+            ExtensibleTensor(4096, device=index)
+        assert str(info.value) == str(error)
+    else:
+        with expected, ExtensibleTensor(4096, device=index) as t:
+            assert t.device == expected.device == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("device", "error"), [(True, TypeError), (-1, ValueError), (2**32, ValueError)]
+)
+def test_a_bad_cuda_index_is_named(device: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="device"):
+        ExtensibleTensor(4096, device=device)
+    with pytest.raises(error, match="device"):
+        extensible_kv.vmm_unavailable_reason(device)
 
 
 @pytest.mark.parametrize("spec", ["tpu", "gpu", "", "cuda:", "cuda:-1", "cuda:x", "cpu:0", "CPU"])
@@ -773,6 +818,42 @@ def test_close_with_live_views(
     assert (t.segment_bytes, t.physical_bytes, t.num_handles) == ((0, 0), 0, 0)
     t._check_invariants()
     assert "ExtensibleTensor(" in repr(t)
+    if backend == "cpu":
+        assert leak_check() == before
+
+
+def test_leaving_with_on_an_exception_never_hides_it(
+    make_tensor: MakeTensor, g: int, backend: str, leak_check: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception raised in `with` while a view is alive comes out unchanged (not as the
+    BufferError of the close that cannot run); the view keeps the memory, freed when it dies.
+    Without an exception, `with` still refuses to end with a view alive."""
+    before = leak_check()
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom) as info, caplog.at_level(logging.WARNING, "extensible_kv"):
+        with make_tensor(4 * g, 2) as t:
+            t.resize_per_segment_(g)
+            view = t.segment_view(0)
+            raise Boom("the user's error")
+    assert str(info.value) == "the user's error"
+    assert info.value.__context__ is None  # raised as it was, not while handling another
+    assert any("BufferError: cannot close: 1 view" in note for note in info.value.__notes__)
+    assert "did not close" in caplog.text
+    assert not t.closed
+    view.fill_(3)  # the view is still good
+    del view, info
+    gc.collect()
+    t.close()
+    with pytest.raises(BufferError, match="1 view"):
+        with make_tensor(4 * g, 2) as t:
+            t.resize_per_segment_(g)
+            view = t.segment_view(0)
+    del view
+    gc.collect()
+    t.close()
     if backend == "cpu":
         assert leak_check() == before
 

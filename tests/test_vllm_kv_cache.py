@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import containing_mapping, granules_of
@@ -289,6 +290,27 @@ def test_keep_data_shrinks_and_defragments_without_losing_blocks(
     setup.assert_zero(200, 450)
     if setup.case.aligned:
         assert all(setup.one_chunk(450))
+
+
+@pytest.mark.parametrize(("bad", "error"), [(-1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_keep_data_commit_refuses_a_bad_count_before_anything_changes(
+    keep_data: Any, setup: Setup, bad: object, error: type[Exception]
+) -> None:
+    """A negative count must not reach the segment arithmetic (it was turned into negative
+    sizes, failing in the middle of a shrink); a float or bool is not a count."""
+    kv = setup.kv
+    kv.commit(300)
+    setup.fill(300)
+    before = (kv.num_committed_blocks, setup.buffer.physical_bytes)
+    for shrink in (False, True):
+        with pytest.raises(error, match="num_blocks"):
+            kv.commit(bad, shrink=shrink)
+    assert (kv.num_committed_blocks, setup.buffer.physical_bytes) == before
+    setup.assert_filled(300)
+    with pytest.raises(TypeError, match="shrink"):
+        kv.commit(100, shrink=1)
+    kv.commit(np.int64(400))  # any integer `operator.index` takes, as the core
+    assert kv.num_committed_blocks == 400
 
 
 @pytest.fixture

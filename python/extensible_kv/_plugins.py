@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ABSENT",
     "Integration",
     "Patches",
     "env_flag",
@@ -75,7 +76,23 @@ def missing_public(theirs: type, ours: type) -> list[str]:
     return sorted(name for name in public if not hasattr(ours, name))
 
 
-_ABSENT = object()
+ABSENT = object()  # where a target had no attribute of its own: `Patches.adopt` takes it too
+
+
+class _Layer:
+    """One replacement of an attribute: the object it held before (`original`, `ABSENT` when
+    the target had no own attribute) and the one put there (`ours`)."""
+
+    __slots__ = ("original", "ours")
+
+    def __init__(self, original: Any, ours: Any) -> None:
+        self.original = original
+        self.ours = ours
+
+
+# (target, name) -> the layers every `Patches` holds there, bottom first: each layer's
+# `original` is the `ours` of the layer below it (the bottom's, the stack's own object).
+_stacks: dict[tuple[Any, str], list[_Layer]] = {}
 
 
 class Patches:
@@ -83,39 +100,86 @@ class Patches:
     the object it held there, so that `restore` puts back the very object.
 
     Invariants: an attribute is recorded once, with the object found before the first `set`
-    (setting it again keeps that original); `restore` puts an original back only where our
-    object is still in place (a later patch by someone else is theirs to undo), and forgets
-    every record either way."""
+    (setting it again keeps that original). Replacements of one attribute by several `Patches`
+    (our integrations, or an integration and SGLang's registry acting for it) form a stack, and
+    `restore` removes exactly this record's layer wherever it sits: on top, the original goes
+    back where our object is still in place; in the middle, nothing is set and the layer above
+    now records our original as its own, so that its restore puts back the stack's object, not
+    ours. A replacement made outside any `Patches` over ours is someone else's to undo: ours is
+    left under it (the attribute is not touched). `restore` forgets every record either way."""
 
     def __init__(self) -> None:
-        # (target, name) -> (the original, or _ABSENT when `target` had no own attribute; ours)
-        self._entries: dict[tuple[Any, str], tuple[Any, Any]] = {}
+        self._entries: dict[tuple[Any, str], _Layer] = {}
 
     def set(self, target: Any, name: str, value: Any) -> None:
-        key = (target, name)
-        original = (
-            self._entries[key][0] if key in self._entries else vars(target).get(name, _ABSENT)
-        )
-        self._entries[key] = (original, value)
+        """Put `value` at `target.name`, on top of whatever is there."""
+        self._push(target, name, vars(target).get(name, ABSENT), value)
         setattr(target, name, value)
 
-    def restore(self) -> None:
-        for (target, name), (original, ours) in list(self._entries.items()):
-            if vars(target).get(name, _ABSENT) is ours:
-                if original is _ABSENT:
-                    delattr(target, name)
-                else:
-                    setattr(target, name, original)
-            del self._entries[(target, name)]
+    def adopt(self, target: Any, name: str, original: Any, value: Any) -> None:
+        """Record that `value`, which someone else put at `target.name` for us (SGLang's hook
+        registry), replaced `original` there; `restore` undoes it as if `set` had."""
+        if vars(target).get(name, ABSENT) is not value:
+            raise ValueError(f"{name} on {target!r} does not hold the object to adopt")
+        self._push(target, name, original, value)
+
+    def _push(self, target: Any, name: str, original: Any, value: Any) -> None:
+        key = (target, name)
+        stack = _stacks.setdefault(key, [])
+        layer = self._entries.get(key)
+        if layer is not None:
+            if stack and stack[-1] is layer:
+                layer.ours = value  # setting again on top keeps the original
+                return
+            original = self._unlink(key, layer)  # set again over another layer: on top now
+        layer = _Layer(original, value)
+        self._entries[key] = layer
+        stack.append(layer)
+
+    def _unlink(self, key: tuple[Any, str], layer: _Layer) -> Any:
+        """Take `layer` out of its stack without touching the attribute; the layer above (if
+        any) inherits its original. The object in place afterwards."""
+        stack = _stacks[key]
+        index = stack.index(layer)
+        del stack[index]
+        if index < len(stack):
+            stack[index].original = layer.original
+        if not stack:
+            del _stacks[key]
+        return vars(key[0]).get(key[1], ABSENT)
+
+    def restore(self) -> list[tuple[Any, str]]:
+        """Remove every layer this records (see the class's invariants); the `(target, name)`
+        pairs where an original went back."""
+        put_back: list[tuple[Any, str]] = []
+        for key, layer in list(self._entries.items()):
+            target, name = key
+            on_top = _stacks[key][-1] is layer
+            self._unlink(key, layer)
+            del self._entries[key]
+            if not on_top or vars(target).get(name, ABSENT) is not layer.ours:
+                continue
+            if layer.original is ABSENT:
+                delattr(target, name)
+            else:
+                setattr(target, name, layer.original)
+            put_back.append(key)
+        return put_back
+
+    def forget(self) -> None:
+        """Drop every record without touching any attribute (what is in place stays)."""
+        for key, layer in list(self._entries.items()):
+            self._unlink(key, layer)
+            del self._entries[key]
 
     def items(self) -> Iterator[tuple[tuple[Any, str], Any]]:
         """`((target, name), original)` for every attribute replaced."""
-        for key, (original, _) in self._entries.items():
-            yield key, original
+        for key, layer in self._entries.items():
+            yield key, layer.original
 
     def replacements(self) -> list[Any]:
         """The objects put in place."""
-        return [ours for _, ours in self._entries.values()]
+        return [layer.ours for layer in self._entries.values()]
 
     def __bool__(self) -> bool:
         return bool(self._entries)

@@ -32,6 +32,7 @@ from extensible_kv import _args, _torch, sizing
 from extensible_kv._native import UnsupportedError, vmm_unavailable_reason
 from extensible_kv.distributed import min_over_group
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec
+from extensible_kv.tensor import close_on_exit
 
 if TYPE_CHECKING:
     import torch
@@ -235,8 +236,14 @@ class KVCacheFlow:
     def __enter__(self) -> KVCacheFlow:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: object,
+    ) -> None:
+        """Closes; leaving on an exception never hides it (`tensor.close_on_exit`)."""
+        close_on_exit(self.close, exc)
 
 
 def measure_budget_now(

@@ -42,6 +42,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from extensible_kv import _args
+
 if TYPE_CHECKING:
     import socket
 
@@ -65,11 +67,11 @@ _MAX_DESCRIPTION_BYTES = 1 << 26  # ~500,000 handles: far past any real tensor
 
 def export_handle_types_bits(types: int | str | list[int | str] | tuple[int | str, ...]) -> int:
     """CUDA's `CUmemAllocationHandleType` bits for `types`: an int (0, 1 POSIX fd, 8 fabric,
-    9 both), a name (`"posix_fd"`, `"fabric"`) or a list of those."""
-    if isinstance(types, bool):
-        raise TypeError("export_handle_types must be an int, a name or a list of them")
-    if isinstance(types, int):
-        return types
+    9 both; numpy and torch integer scalars too), a name (`"posix_fd"`, `"fabric"`) or a list
+    of those."""
+    if isinstance(types, bool) or not isinstance(types, str | list | tuple):
+        # An int, or any integer `operator.index` takes (numpy, torch scalars), as the core.
+        return _args.size(types, "export_handle_types", minimum=-(2**63))
     if isinstance(types, str):
         try:
             return _NAMES[types.lower()]

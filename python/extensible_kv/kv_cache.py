@@ -38,7 +38,7 @@ from extensible_kv.layouts import (
     standard_layout,
 )
 from extensible_kv.mamba import MambaStateSpec
-from extensible_kv.tensor import ExtensibleTensor
+from extensible_kv.tensor import ExtensibleTensor, close_on_exit
 
 if TYPE_CHECKING:
     import torch
@@ -694,5 +694,11 @@ class ExtensibleKVCache:
     def __enter__(self) -> ExtensibleKVCache:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: object,
+    ) -> None:
+        """Closes; leaving on an exception never hides it (`tensor.close_on_exit`)."""
+        close_on_exit(self.close, exc)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from extensible_kv import _torch
+from extensible_kv import _args, _torch
 from extensible_kv.layouts import StridedView, contiguous_strides, itemsize, round_up
 
 if TYPE_CHECKING:
@@ -35,8 +35,15 @@ class MambaStateSpec:
     page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
-        states = tuple((tuple(int(n) for n in shape), dtype) for shape, dtype in self.states)
+        # Integers as the core takes them: any `__index__` int; a float is a TypeError.
+        states = tuple(
+            (_args.sizes(shape, f"states[{index}] shape", minimum=None), dtype)
+            for index, (shape, dtype) in enumerate(self.states)
+        )
         object.__setattr__(self, "states", states)
+        if self.page_size_padded is not None:
+            padded = _args.size(self.page_size_padded, "page_size_padded", minimum=-(2**63))
+            object.__setattr__(self, "page_size_padded", padded)
         if not states:
             raise ValueError("a Mamba state spec needs at least one state")
         for index, (shape, _) in enumerate(states):

@@ -11,7 +11,8 @@ What such a stray access reports:
   (`base_ptr`, bytes reserved), the offset, the segment and its committed bytes, then the
   Python stack (the facade enables `faulthandler` unless it is on already). It chains to
   the handlers installed before it, and the exit status is the signal's, as without it.
-  `EXTENSIBLE_KV_FAULT_REPORT=0` leaves the signal handlers and faulthandler alone.
+  `EXTENSIBLE_KV_FAULT_REPORT=0` (or `false`, `no`, `off`) leaves the signal handlers and
+  faulthandler alone.
 - on CUDA, `CUDA_ERROR_ILLEGAL_ADDRESS` ("an illegal memory access was encountered"),
   reported by a later call, usually the next synchronising one, and without the address.
   The error is sticky: the CUDA context of the process is unusable from then on, and every
@@ -30,11 +31,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from extensible_kv import _args, _native, _torch
+from extensible_kv._plugins import env_flag
 from extensible_kv.ipc import FABRIC, Loan, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
@@ -106,7 +107,7 @@ def _enable_fault_report() -> None:
     """Turns Python's faulthandler on before the first tensor, so that the native report of a
     stray access (module docstring) is followed by the Python stack. Off with
     `EXTENSIBLE_KV_FAULT_REPORT=0`."""
-    if os.environ.get("EXTENSIBLE_KV_FAULT_REPORT", "").strip() == "0":
+    if not env_flag("EXTENSIBLE_KV_FAULT_REPORT", True):
         return
     import faulthandler
 
@@ -123,8 +124,14 @@ def _export_bits(types: object) -> int:
     name = "export_handle_types"
     if isinstance(types, str | list | tuple):
         for item in types if isinstance(types, list | tuple) else ():
-            if isinstance(item, bool) or not isinstance(item, int | str):
-                raise TypeError(f"{name} entries must be ints or names, not {type(item).__name__}")
+            if isinstance(item, str):
+                continue
+            try:
+                _args.size(item, name, minimum=-(2**63))  # ints as the core takes them
+            except TypeError:
+                raise TypeError(
+                    f"{name} entries must be ints or names, not {type(item).__name__}"
+                ) from None
         try:
             bits = export_handle_types_bits(types)
         except ValueError as error:
@@ -149,9 +156,11 @@ class HandleSizing:
       a granule-sized `max_bytes` is what per-granule allocators do).
     - `"whole_runs"`: one handle per run, however long (takes no `max_bytes`).
 
-    `max_bytes` is the largest handle, a positive multiple of the granularity; `None` means
-    `DEFAULT_MAX_HANDLE_BYTES` (1 GiB, or the granularity where that is larger). A wrong value
-    raises a `TypeError` or `ValueError` naming `handle_sizing` when the tensor is built.
+    `max_bytes` is the largest handle, a positive multiple of the granularity, taken as given
+    (an explicit 1 GiB with a 2 GiB granularity is a `ValueError`); `None` means
+    `DEFAULT_MAX_HANDLE_BYTES` (1 GiB), raised to the granularity where that is larger: only
+    the default rises. A wrong value raises a `TypeError` or `ValueError` naming
+    `handle_sizing` when the tensor is built.
     """
 
     kind: Literal["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"] = "cap_aligned"
@@ -172,12 +181,16 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
     `ExtensibleTensor(max_bytes, num_segments=1, device="cpu", *, segment_capacities=None,
     granularity=None, handle_sizing=None, export_handle_types=0)`: `device` is `"cpu"` (host
-    backend), `"cuda"`, `"cuda:N"` or a `torch.device`. `segment_capacities` gives unequal
+    backend), `"cuda"`, `"cuda:N"`, a `torch.device`, or a CUDA index `N` (an int, as torch
+    takes it). `segment_capacities` gives unequal
     segments (summing to `max_bytes`). `handle_sizing` (a `HandleSizing`) says how grows cut
     new memory into physical handles: by default at multiples of 1 GiB. `export_handle_types`
     (`"posix_fd"`, `"fabric"`, CUDA's bits, or a list) makes the memory shareable with other
-    processes (`share`, `from_shared`); fabric is dropped, with a warning, where the device
-    does not support it. Use as a context manager to `close()` on exit.
+    processes (`share`, `from_shared`). Fabric asked with POSIX fds (`["posix_fd", "fabric"]`,
+    as vLLM asks for NIXL) is dropped, with a warning, where the device does not support it
+    (no NVLink fabric or IMEX channel; the host backend never): the memory is shared through
+    fds. Fabric asked alone where it is not supported is an `UnsupportedError`, since the
+    memory could not be shared at all. Use as a context manager to `close()` on exit.
 
     Sizes are ints or any integer with `__index__` (numpy, torch scalars); each wrong argument
     raises a `TypeError` or `ValueError` naming it, and leaves the tensor unchanged.
@@ -215,12 +228,10 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             **private,
         )
         if bits & FABRIC and not tensor.export_handle_types & FABRIC:
+            # Only with POSIX fds: fabric alone where it is missing is the core's refusal.
             logger.warning(
-                "%s cannot export fabric handles; %s",
+                "%s cannot export fabric handles; the memory is exportable as POSIX fds only",
                 tensor.device,
-                "the memory is exportable as POSIX fds only"
-                if tensor.export_handle_types
-                else "the memory is not exportable",
             )
         return tensor
 
@@ -487,5 +498,29 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     def __enter__(self) -> ExtensibleTensor:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: object,
+    ) -> None:
+        """Closes the tensor; leaving on an exception never hides it (`close_on_exit`)."""
+        close_on_exit(self.close, exc)
+
+
+def close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:
+    """What leaving a `with` does: `close()`; and when leaving on the exception `exc`, never
+    hiding it. Where `close` fails then (`BufferError` while views are alive: the memory is
+    freed when the last view dies), the failure is logged and noted on `exc`, and the caller
+    returns, so that `exc` goes on unchanged."""
+    if exc is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as error:
+        note = f"extensible_kv: leaving `with` did not close: {type(error).__name__}: {error}"
+        if isinstance(error, BufferError):
+            note += " (the memory is freed when the last view dies)"
+        logger.warning("%s", note)
+        exc.add_note(note)

@@ -26,7 +26,8 @@
 //!   with the same arguments. Where there was none, the default action is restored and the
 //!   fault recurs on return, so the process dies of the same signal: the exit status does not
 //!   change.
-//! - `EXTENSIBLE_KV_FAULT_REPORT=0` in the environment leaves the signal handlers alone.
+//! - `EXTENSIBLE_KV_FAULT_REPORT=0` (or `false`, `no`, `off`, any case) in the environment
+//!   leaves the signal handlers alone, as the Python package's switches read them.
 //!
 //! Limitations: a touch past the committed bytes but inside their last granule does not fault
 //! at all (the granule is mapped); the registry holds `SLOTS` reservations (others are not
@@ -42,6 +43,13 @@ pub const SLOTS: usize = 1024;
 
 /// The environment variable that, set to `0`, keeps the handler from being installed.
 pub const ENV_VAR: &str = "EXTENSIBLE_KV_FAULT_REPORT";
+
+/// Whether a switch's value says off: `0`, `false`, `no`, `off`, in any case (the words
+/// `extensible_kv._plugins.env_flag` reads as off).
+fn switched_off(value: &str) -> bool {
+    let value = value.trim().to_ascii_lowercase();
+    matches!(value.as_str(), "0" | "false" | "no" | "off")
+}
 
 /// One live reservation: `base == 0` is a free slot.
 struct Slot {
@@ -160,7 +168,7 @@ fn free_when_unread(layout: *mut Layout) {
 pub fn install() {
     static INSTALL: Once = Once::new();
     INSTALL.call_once(|| {
-        if std::env::var(ENV_VAR).is_ok_and(|v| v.trim() == "0") {
+        if std::env::var(ENV_VAR).is_ok_and(|v| switched_off(&v)) {
             return;
         }
         for (i, &signal) in SIGNALS.iter().enumerate() {
@@ -389,6 +397,16 @@ pub fn report_for(address: u64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_switch_reads_the_packages_words_for_off() {
+        for off in ["0", "off", " False ", "NO"] {
+            assert!(switched_off(off), "{off:?}");
+        }
+        for other in ["", "1", "on", "yes", "maybe"] {
+            assert!(!switched_off(other), "{other:?}");
+        }
+    }
 
     #[test]
     fn a_report_names_the_offset_segment_and_committed_bytes() {

@@ -77,7 +77,9 @@ mod tests {
     fn counts_every_call_of_a_grow() {
         let timing = Arc::new(TimingDriver::new(Arc::new(HostDriver::new(4096).unwrap())));
         let options = Options {
-            handle_sizing: HandleSizing::CapAligned { max_bytes: 4096 },
+            handle_sizing: HandleSizing::CapAligned {
+                max_bytes: Some(4096),
+            },
             ..Options::default()
         };
         let t =

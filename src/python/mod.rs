@@ -22,7 +22,6 @@ use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{
     ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions,
-    DEFAULT_MAX_HANDLE_BYTES,
 };
 
 /// The int that `obj` stands for: an int or anything `operator.index` takes (numpy and torch
@@ -75,6 +74,28 @@ fn to_u64_opt(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64
         .transpose()
 }
 
+/// The device a Python caller names, as the core parses it: a str or a `torch.device` (its
+/// `str()`), or a CUDA index as torch takes one for `cuda:N` (an int or `__index__` integer,
+/// at least 0). A bool is a TypeError; a negative index a ValueError.
+fn to_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(wrong_type(
+            obj,
+            "device",
+            "a str, a torch.device or a CUDA index",
+        ));
+    }
+    match as_int(obj)? {
+        Some(index) => match index.extract::<u32>() {
+            Ok(index) => Ok(format!("cuda:{index}")),
+            Err(_) => Err(PyValueError::new_err(format!(
+                "device: a CUDA index must be an int from 0 to 2**32-1, got {index}"
+            ))),
+        },
+        None => Ok(obj.str()?.to_string()), // accepts str and torch.device alike
+    }
+}
+
 fn to_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
     let (op, nth, kind): (String, u64, String) = obj.extract()?;
     let op = Op::from_name(&op)
@@ -96,12 +117,12 @@ fn to_handle_sizing(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HandleSizing> {
     let kind: String = kind
         .extract()
         .map_err(|_| wrong_type(&kind, "handle_sizing.kind", "a str"))?;
+    // None stays None: the default cap, which alone rises to a larger granularity.
     let max_bytes = to_u64_opt(Some(&max_bytes), "handle_sizing.max_bytes")?;
-    let cap = max_bytes.unwrap_or(DEFAULT_MAX_HANDLE_BYTES);
     match (kind.as_str(), max_bytes) {
-        ("cap_aligned", _) => Ok(HandleSizing::CapAligned { max_bytes: cap }),
-        ("aligned_powers_of_two", _) => Ok(HandleSizing::AlignedPowersOfTwo { max_bytes: cap }),
-        ("per_run", _) => Ok(HandleSizing::PerRun { max_bytes: cap }),
+        ("cap_aligned", _) => Ok(HandleSizing::CapAligned { max_bytes }),
+        ("aligned_powers_of_two", _) => Ok(HandleSizing::AlignedPowersOfTwo { max_bytes }),
+        ("per_run", _) => Ok(HandleSizing::PerRun { max_bytes }),
         ("whole_runs", None) => Ok(HandleSizing::WholeRuns),
         ("whole_runs", Some(_)) => Err(PyValueError::new_err(
             "handle_sizing: whole_runs takes no max_bytes (its handles are as long as the runs)",
@@ -219,7 +240,7 @@ impl PyExtensibleTensor {
         let max_bytes = to_u64(max_bytes, "max_bytes")?;
         let num_segments = to_u64_opt(num_segments, "num_segments")?;
         let device = match device.filter(|d| !d.is_none()) {
-            Some(d) => d.str()?.to_string(), // accepts str and torch.device alike
+            Some(d) => to_device(d)?,
             None => "cpu".to_string(),
         };
         let options = Options {
@@ -733,7 +754,7 @@ fn host_mem_info(meminfo: &str) -> PyResult<(u64, u64)> {
 /// None when `device` can map memory through the VMM API, else the reason it cannot.
 #[pyfunction]
 fn vmm_unavailable_reason(device: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
-    Ok(driver::unavailable_reason(&device.str()?.to_string()))
+    Ok(driver::unavailable_reason(&to_device(device)?))
 }
 
 /// The fds a shared description names, taken from this (the owner) process and checked

@@ -532,16 +532,23 @@ fn uniform(values: &[u64], plural: &str) -> Result<u64> {
     }
 }
 
-/// The export types a tensor asks of `driver`: POSIX fd must be supported; fabric is dropped
-/// where it is not (as vLLM does), since an importer can fall back to fds or RDMA.
+/// The export types a tensor asks of `driver`: POSIX fd must be supported. Fabric asked with
+/// POSIX fd is dropped where it is not supported (as vLLM does: importers fall back to the
+/// fds); fabric alone must be supported, since without it the memory could not be shared at
+/// all, which the caller would learn only at `share`.
 fn export_types_for(driver: &dyn Driver, requested: ExportTypes) -> Result<ExportTypes> {
     let supported = driver.supported_export_types();
+    let (backend, device) = (driver.backend_name(), driver.device().torch_name());
     if requested.contains(ExportTypes::POSIX_FD) && !supported.contains(ExportTypes::POSIX_FD) {
         return Err(Error::Unsupported(format!(
-            "the {} backend on {} cannot export POSIX file descriptors \
-             (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)",
-            driver.backend_name(),
-            driver.device().torch_name()
+            "the {backend} backend on {device} cannot export POSIX file descriptors \
+             (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)"
+        )));
+    }
+    if requested == ExportTypes::FABRIC && !supported.contains(ExportTypes::FABRIC) {
+        return Err(Error::Unsupported(format!(
+            "the {backend} backend on {device} cannot export fabric handles (no fabric support \
+             or IMEX channel): ask for POSIX fds, or for both to fall back to fds"
         )));
     }
     Ok(requested.intersection(supported))

@@ -20,14 +20,16 @@ pub struct Options {
     /// How grows cut runs of missing granules into physical handles.
     pub handle_sizing: HandleSizing,
     /// How every physical allocation may be exported to other processes (`share`). POSIX fd
-    /// must be supported by the device; fabric is dropped where it is not.
+    /// must be supported by the device, and so must fabric asked alone; fabric asked with
+    /// POSIX fd is dropped where it is not supported (the memory is shared through fds).
     pub export_types: ExportTypes,
 }
 
 /// How grows cut each run of missing granules into physical handles: the one handle-sizing
-/// knob. Each `max_bytes` must be a positive multiple of the granularity, except that the
-/// default cap (`DEFAULT_MAX_HANDLE_BYTES`) rises to a larger granularity. Maps onto
-/// `plan::HandlePolicy` of the same variant name, in granules.
+/// knob. A `max_bytes` given (`Some`) is taken as it is: it must be a positive multiple of the
+/// granularity. `None` is the default cap, `DEFAULT_MAX_HANDLE_BYTES`, raised to the
+/// granularity where that is larger; only the default rises. Maps onto `plan::HandlePolicy` of
+/// the same variant name, in granules.
 ///
 /// Each handle's create and set-access calls cost 40-60 us of host time whatever its size
 /// (docs/benchmarks.md), so fewer handles make grows cheaper; a cap keeps giant handles'
@@ -38,19 +40,19 @@ pub enum HandleSizing {
     /// vLLM 0.34's layouts (a segment per layer, each grown from its first block, so every run
     /// starts one granule past a boundary) aligned powers of two cost 3x the handles.
     CapAligned {
-        /// The largest handle, in bytes.
-        max_bytes: u64,
+        /// The largest handle, in bytes; `None`: the default cap (see the enum).
+        max_bytes: Option<u64>,
     },
     /// Aligned powers of two of at most `max_bytes`: O(log n) handles for a bulk grow.
     AlignedPowersOfTwo {
-        /// The largest handle, in bytes.
-        max_bytes: u64,
+        /// The largest handle, in bytes; `None`: the default cap (see the enum).
+        max_bytes: Option<u64>,
     },
     /// One handle per run from its start, in pieces of `max_bytes`: SGLang's arena does this
     /// (its owner uses 8 GiB); a granule-sized cap is what per-granule peers do.
     PerRun {
-        /// The largest handle, in bytes.
-        max_bytes: u64,
+        /// The largest handle, in bytes; `None`: the default cap (see the enum).
+        max_bytes: Option<u64>,
     },
     /// One handle per run, however long.
     WholeRuns,
@@ -58,21 +60,16 @@ pub enum HandleSizing {
 
 impl Default for HandleSizing {
     fn default() -> HandleSizing {
-        HandleSizing::CapAligned {
-            max_bytes: DEFAULT_MAX_HANDLE_BYTES,
-        }
+        HandleSizing::CapAligned { max_bytes: None }
     }
 }
 
 impl HandleSizing {
-    /// The plan's policy for granules of `granularity`; an error names `max_handle_bytes`
-    /// when the cap is not a positive multiple of it.
+    /// The plan's policy for granules of `granularity`; an error names `max_bytes` when a cap
+    /// given is not a positive multiple of it.
     pub fn policy(self, granularity: u64) -> Result<HandlePolicy> {
-        let cap = |max_bytes: u64| {
-            let max_bytes = match max_bytes {
-                DEFAULT_MAX_HANDLE_BYTES => max_bytes.max(granularity),
-                other => other,
-            };
+        let cap = |max_bytes: Option<u64>| {
+            let max_bytes = max_bytes.unwrap_or_else(|| DEFAULT_MAX_HANDLE_BYTES.max(granularity));
             plan::handle_granules(max_bytes, granularity)
         };
         Ok(match self {
@@ -204,5 +201,51 @@ impl GrowOptions {
             zero_new: true,
             ..GrowOptions::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn only_the_default_cap_rises_to_a_larger_granularity() {
+        let granularity = 2 * GIB;
+        assert_eq!(
+            HandleSizing::default().policy(granularity).unwrap(),
+            HandlePolicy::CapAligned {
+                max_handle_granules: 1
+            }
+        );
+        let explicit = |max_bytes| {
+            [
+                HandleSizing::CapAligned { max_bytes },
+                HandleSizing::AlignedPowersOfTwo { max_bytes },
+                HandleSizing::PerRun { max_bytes },
+            ]
+        };
+        for max_bytes in [GIB / 2, GIB, 3 * GIB] {
+            for sizing in explicit(Some(max_bytes)) {
+                let err = sizing.policy(granularity).unwrap_err();
+                assert!(
+                    matches!(err, Error::InvalidArgument(_)),
+                    "{sizing:?}: {err}"
+                );
+                assert!(err.to_string().contains(&max_bytes.to_string()), "{err}");
+            }
+        }
+        for sizing in explicit(Some(4 * GIB)) {
+            assert!(sizing.policy(granularity).is_ok(), "{sizing:?}");
+        }
+        assert_eq!(
+            HandleSizing::PerRun { max_bytes: None }
+                .policy(4096)
+                .unwrap(),
+            HandlePolicy::PerRun {
+                max_handle_granules: GIB / 4096
+            }
+        );
     }
 }

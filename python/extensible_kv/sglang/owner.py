@@ -47,6 +47,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from extensible_kv import _args
 from extensible_kv._plugins import env_flag
 from extensible_kv.tensor import ExtensibleTensor, HandleSizing
 
@@ -109,7 +110,7 @@ def _backing_device(device: str, device_id: int) -> str:
         return "cpu"
     if kind != "cuda":
         raise ValueError(f"device {device!r}: extensible-kv backs CUDA and CPU devices only")
-    return f"cuda:{int(device_id)}"
+    return f"cuda:{_args.size(device_id, 'device_id')}"
 
 
 class KvVmmBufferOwner:
@@ -132,11 +133,14 @@ class KvVmmBufferOwner:
         zero_new: bool | None = None,
     ) -> None:
         self.device = device
-        self.device_id = int(device_id)
+        # Integers as the core takes them (any `__index__` int; a float or bool is a TypeError).
+        self.device_id = _args.size(device_id, "device_id", minimum=-(2**63))
         self.store_dtype = store_dtype
-        self.page_size = int(page_size)
+        self.page_size = _args.size(page_size, "page_size", minimum=-(2**63))
         self.tensors: list[torch.Tensor] = []
-        self._reserved_num_tokens = int(reserved_num_tokens)
+        self._reserved_num_tokens = _args.size(
+            reserved_num_tokens, "reserved_num_tokens", minimum=-(2**63)
+        )
         self._final_num_tokens: int | None = None
         self._zero_new = env_flag(ZERO_ENV_VAR, False) if zero_new is None else bool(zero_new)
         self._descs = list(buffer_descs)
@@ -230,15 +234,16 @@ class KvVmmBufferOwner:
             buffer.shrink_per_segment_(list(spans), exact=True)
 
     def ensure_prefix(self, num_tokens: int) -> None:
-        """Backs (at least) the first `num_tokens` slots of every buffer."""
-        n = int(num_tokens)
+        """Backs (at least) the first `num_tokens` slots of every buffer (a negative count is a
+        ValueError, before SGLang's span arithmetic sees it)."""
+        n = _args.size(num_tokens, "num_tokens")
         self._grow_to(self._checked([d.prefix_span_bytes(n, self.page_size) for d in self._descs]))
 
     def finalize(self, final_num_tokens: int) -> None:
         """Backs each buffer's final span (the tokens plus the padded page) and sets the serving
         capacity. Fewer tokens than are backed shrink the buffers in place, keeping the tokens
         below `final_num_tokens` (SGLang's arena only grows)."""
-        final = int(final_num_tokens)
+        final = _args.size(final_num_tokens, "final_num_tokens", minimum=-(2**63))
         if not self.page_size <= final <= self._reserved_num_tokens:
             raise ValueError(
                 f"final_num_tokens={final} must satisfy page_size={self.page_size} <= final <= "

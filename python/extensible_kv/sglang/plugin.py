@@ -33,10 +33,13 @@ import logging
 import pkgutil
 import sys
 import types
+from dataclasses import dataclass, field
 from typing import Any
 
 from extensible_kv._plugins import (
+    ABSENT,
     Integration,
+    Patches,
     env_flag,
     init_params,
     missing_public,
@@ -78,6 +81,22 @@ _registered: dict[str, Any] = {}
 # target -> SGLang's object, for a class REPLACE (the registry keeps no trace of it).
 _originals: dict[str, Any] = {}
 _gate_lifted_logged = False
+
+
+@dataclass
+class _Applied:
+    """What SGLang's registry did to one of our targets when it applied it (`apply_hooks`)."""
+
+    hooks: list[Any]  # the registry's entries for the target then: (type, hook, source)
+    original: Any  # the object it wrapped or replaced (SGLang's)
+    top: Any  # what it put at the target (its chain of every hook there)
+    patches: Patches = field(default_factory=Patches)  # the target and each copy it rebound
+
+
+# target -> what the registry did there, for `unregister`, which undoes exactly that.
+_applied: dict[str, _Applied] = {}
+# Our watch on `HookRegistry.apply_hooks`, which records `_applied`.
+_registry_patches = Patches()
 
 
 def _unrecognised(version: str) -> str | None:
@@ -125,6 +144,7 @@ def register() -> bool:
         return False
     registry = importlib.import_module(_REGISTRY_MODULE)
     HookRegistry, HookType = registry.HookRegistry, registry.HookType
+    _watch_apply(HookRegistry)
 
     from extensible_kv.sglang.owner import KvVmmBufferOwner
 
@@ -175,6 +195,8 @@ def _planned_with_memory_saver(original: Any, server_args: Any, *args: Any, **kw
     again with a last declaration `enable_memory_saver=False` on the record, for this call only."""
     planned = original(server_args, *args, **kwargs)
     gate = sys.modules[_GATE_MODULE]
+    if _GATE_TARGET not in _registered:
+        return planned  # withdrawn, but left in a chain someone else wrapped (`unregister`)
     if planned or not getattr(gate.resolving_view(server_args), "enable_memory_saver", False):
         return planned
     stash = getattr(server_args, "_resolved_overrides", None)
@@ -206,7 +228,7 @@ def _tag_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _pause(original: Any, adapter: Any, *args: Any, **kwargs: Any) -> Any:
     """The adapter's `pause`; for the `kv_cache` tag, every owner's memory goes back too."""
     result = original(adapter, *args, **kwargs)
-    if _tag_of(args, kwargs) == KV_CACHE_TAG:
+    if _tag_of(args, kwargs) == KV_CACHE_TAG and f"{_ADAPTER_CLASS}.pause" in _registered:
         from extensible_kv.sglang.owner import release_all
 
         release_all()
@@ -216,16 +238,76 @@ def _pause(original: Any, adapter: Any, *args: Any, **kwargs: Any) -> Any:
 def _resume(original: Any, adapter: Any, *args: Any, **kwargs: Any) -> Any:
     """The adapter's `resume`; for the `kv_cache` tag, every owner's memory is recommitted."""
     result = original(adapter, *args, **kwargs)
-    if _tag_of(args, kwargs) == KV_CACHE_TAG:
+    if _tag_of(args, kwargs) == KV_CACHE_TAG and f"{_ADAPTER_CLASS}.resume" in _registered:
         from extensible_kv.sglang.owner import resume_all
 
         resume_all()
     return result
 
 
+def _watch_apply(registry: Any) -> None:
+    """Wrap `HookRegistry.apply_hooks` so that, when it applies one of our targets, what it
+    replaced is recorded (`_applied`): the target itself, and exactly the modules' copies its
+    `_propagate_patch` rebound, those that held SGLang's object just before and hold the
+    registry's chain just after. `unregister` undoes that and nothing else."""
+    if _registry_patches:
+        return
+    apply_hooks = vars(registry)["apply_hooks"]
+
+    def watched(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        before = {t: _holders(t) for t in _registered if t not in cls._patched}
+        result = apply_hooks.__get__(None, cls)(*args, **kwargs)
+        for target, holders in before.items():
+            if holders is None:
+                continue
+            parent, name, raw, original, copies = holders
+            top = vars(parent).get(name, ABSENT)
+            if target not in cls._patched or top is raw:
+                continue
+            applied = _Applied(list(cls._hooks.get(target, ())), original, top)
+            applied.patches.adopt(parent, name, raw, top)
+            for module, attr in copies:
+                if vars(module).get(attr, ABSENT) is top:
+                    applied.patches.adopt(module, attr, original, top)
+            _applied[target] = applied
+        return result
+
+    _registry_patches.set(registry, "apply_hooks", classmethod(watched))
+
+
+_Holders = tuple[Any, str, Any, Any, list[tuple[types.ModuleType, str]]]
+
+
+def _holders(target: str) -> _Holders | None:
+    """`(parent, name, raw, original, copies)`: the object that holds `target`, what its own
+    `name` holds (a classmethod as such; `ABSENT` when inherited), the object the registry
+    wraps (a classmethod's function), and the `(module, attr)` pairs that hold that object, as
+    the registry's `_propagate_patch` finds them; None where `target` does not resolve. Reads,
+    changes nothing."""
+    path, name = target.rsplit(".", 1)
+    try:
+        parent = pkgutil.resolve_name(path)
+    except (ImportError, AttributeError, ValueError):
+        return None  # the registry fails on it too, and logs that
+    raw: Any = vars(parent).get(name, ABSENT)
+    original: Any = getattr(parent, name, ABSENT)
+    if isinstance(raw, classmethod | staticmethod):
+        original = raw.__func__
+    copies = []
+    for module in list(sys.modules.values()):
+        if isinstance(module, types.ModuleType) and module is not parent:
+            copies += [(module, attr) for attr, v in vars(module).items() if v is original]
+    return parent, name, raw, original, copies
+
+
 def unregister() -> None:
     """Withdraw what `register` asked for: drop its hooks from SGLang's HookRegistry and, where
-    the registry applied them, put SGLang's objects back (and every module's copy of them)."""
+    the registry applied them, remove exactly our layer from each target's chain. Another
+    plugin's hooks on the same target stay applied (the registry's chain is rebuilt without
+    ours, over SGLang's object). Only two kinds of binding are put back: those the registry
+    rebound when it applied the hooks, and SGLang's own modules' copies of the target's name
+    (`from ... import` after the apply). Any other name for our objects stays ours: a user's
+    `from extensible_kv.sglang import KvVmmBufferOwner`, `__main__`'s."""
     if not _registered:
         return
     HookRegistry = importlib.import_module(_REGISTRY_MODULE).HookRegistry
@@ -234,30 +316,46 @@ def unregister() -> None:
         entries[:] = [entry for entry in entries if entry[1] is not hook]
         if not entries:
             HookRegistry._hooks.pop(target, None)
-        if target in HookRegistry._patched:
-            _restore(target, hook)
-            HookRegistry._patched.discard(target)
+        applied = _applied.pop(target, None)
         del _registered[target]
+        if applied is not None:
+            _withdraw(HookRegistry, target, hook, applied)
+    _registry_patches.restore()
 
 
-def _restore(target: str, hook: Any) -> None:
-    """Undo the registry's patch of `target` by `hook`: a class REPLACE (SGLang's class was kept
-    at registration) or an AROUND wrapper (which keeps the original as `__wrapped__`)."""
+def _withdraw(registry: Any, target: str, hook: Any, applied: _Applied) -> None:
+    """Undo what the registry did to `target` (`applied`), then let it apply the hooks other
+    plugins have there again, over SGLang's object: their chain without our layer."""
     path, name = target.rsplit(".", 1)
     parent = pkgutil.resolve_name(path)
-    current = getattr(parent, name)
-    if current is hook:
-        original = _originals.get(target)
-    else:
-        original = getattr(current, "__wrapped__", None)
-    if original is None:
+    if vars(parent).get(name, ABSENT) is not applied.top:
+        # Replaced since, outside the registry: whoever did holds our layer, which must stay
+        # (the AROUND hooks pass through once unregistered).
+        logger.warning(
+            "extensible-kv: %s was replaced after SGLang applied its hooks; extensible-kv's "
+            "layer stays under that replacement.",
+            target,
+        )
+        applied.patches.forget()
         return
-    setattr(parent, name, original)
+    # SGLang's modules imported after the apply copied the chain with their own
+    # `from ... import`: theirs to put back too. Modules outside SGLang are left alone.
     for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType) or module is parent:
             continue
-        if module.__name__.split(".")[0] == "extensible_kv":
-            continue  # our own names for our objects, not copies the registry made
-        for attr, value in list(vars(module).items()):
-            if value is current:
-                setattr(module, attr, original)
+        if module.__name__.split(".")[0] == "sglang" and vars(module).get(name) is applied.top:
+            applied.patches.adopt(module, name, applied.original, applied.top)
+    put_back = applied.patches.restore()
+    remaining = [entry for entry in applied.hooks if entry[1] is not hook]
+    if not remaining:
+        registry._patched.discard(target)
+        return
+    if (parent, name) not in put_back:
+        return
+    try:
+        # Their chain over SGLang's object, rebinding, as at the first apply, every copy that
+        # holds SGLang's object: those `restore` just put back.
+        registry._apply_target(target, remaining)
+    except Exception:  # as `apply_hooks` does: SGLang's object stays, the failure is logged
+        logger.exception("extensible-kv: re-applying the other hooks on %s failed", target)
+        registry._patched.discard(target)

@@ -27,6 +27,7 @@ import logging
 import sys
 from typing import Any
 
+from extensible_kv import _args
 from extensible_kv._plugins import Integration, Patches, env_flag, init_params, missing_public
 from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
 
@@ -71,8 +72,13 @@ def _commit_keeping_data(
     (release, then grow from 0) when `shrink` and the count is below the committed one, or
     when `defragment` and its own test says the count's bytes are not one chunk per segment
     (asked before anything changes, as vLLM does); a remap ends at the count, anything else
-    never goes below the committed count. Blocks below both counts keep their contents."""
-    num_blocks = min(num_blocks, self.capacity_blocks)
+    never goes below the committed count. Blocks below both counts keep their contents.
+
+    A negative `num_blocks` is a ValueError (vLLM's would release everything on a shrink), a
+    non-integer a TypeError, before anything changes."""
+    num_blocks = min(_args.size(num_blocks, "num_blocks"), self.capacity_blocks)
+    defragment = _args.flag(defragment, "defragment")
+    shrink = _args.flag(shrink, "shrink")
     sizes = [num_blocks * stride for stride in self.segment_strides]
     remap = (defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes))) or (
         shrink and num_blocks < self.num_committed_blocks

@@ -71,7 +71,10 @@ _CUTS = ("cap_aligned", "whole_runs", "aligned_powers_of_two")
 @functools.cache
 def _fabric_supported(device: str) -> bool:
     """Whether `device` gives allocations fabric handles (a probe that maps nothing)."""
-    probe = _NativeTensor(1, 1, device, export_handle_types=FABRIC)
+    try:
+        probe = _NativeTensor(1, 1, device, export_handle_types=FABRIC)
+    except UnsupportedError:
+        return False  # fabric alone is refused where it is missing (or the device is unusable)
     supported = bool(probe.export_handle_types & FABRIC)
     probe.close()
     return supported
