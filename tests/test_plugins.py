@@ -103,6 +103,16 @@ def test_adopt_records_a_replacement_made_for_us() -> None:
     assert not patches
 
 
+def test_forget_drops_the_records_and_touches_nothing() -> None:
+    module, lower, upper = _module(), Patches(), Patches()
+    lower.set(module, "thing", "lower")
+    upper.set(module, "thing", "upper")
+    upper.forget()
+    assert module.thing == "upper" and not upper  # type: ignore[attr-defined]
+    assert lower.restore() == []  # no longer on top of a stack: someone else's is in place
+    assert module.thing == "upper" and not _stacked(module)  # type: ignore[attr-defined]
+
+
 def test_class_attributes_come_back_as_they_were_stored() -> None:
     class Stack:
         @classmethod
