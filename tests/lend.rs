@@ -24,7 +24,9 @@ const NOW: Option<Duration> = Some(Duration::from_millis(20));
 
 fn options() -> Options {
     Options {
-        handle_sizing: HandleSizing::CapAligned { max_bytes: Some(2 * G) },
+        handle_sizing: HandleSizing::CapAligned {
+            max_bytes: Some(2 * G),
+        },
         export_types: ExportTypes::POSIX_FD,
         ..Options::default()
     }
