@@ -273,7 +273,11 @@ def full_block_bytes(cache: Any) -> int:
 
 def run(manager: Any) -> list[list[int]]:
     """The prompts through a running manager, in order."""
-    ids = manager.add_requests(prompts(), max_new_tokens=MAX_NEW_TOKENS)
+    return collect(manager, manager.add_requests(prompts(), max_new_tokens=MAX_NEW_TOKENS))
+
+
+def collect(manager: Any, ids: list[str]) -> list[list[int]]:
+    """The tokens of requests `ids`, in order, once each has finished."""
     results: dict[str, list[int]] = {}
     while len(results) < len(ids):
         result = manager.get_result(timeout=30)
@@ -281,6 +285,15 @@ def run(manager: Any) -> list[list[int]]:
         if result.is_finished():
             results[result.request_id] = result.generated_tokens
     return [results[i] for i in ids]
+
+
+def warmed_up(tf: Any, model: Any) -> Any:
+    """A manager of `model` (the host's configs), warmed up and not started."""
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+    )
+    manager.warmup()
+    return manager
 
 
 def in_thread(call: Any) -> None:
@@ -359,10 +372,7 @@ def test_a_release_from_an_ended_thread_never_strands_the_manager(tf: Any) -> No
     model = build_model(tf, "llama", "sdpa", "cpu")
     own = generate(tf, model, "cpu")
     with ekt.enabled(**enable_options("cpu")):
-        manager = model.init_continuous_batching(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        )
-        manager.warmup()
+        manager = warmed_up(tf, model)
         manager.start()
         try:
             assert run(manager) == own
@@ -426,10 +436,7 @@ def test_stop_without_keep_while_released_drops_the_cache(tf: Any) -> None:
     model = build_model(tf, "llama", "sdpa", "cpu")
     own = generate(tf, model, "cpu")
     with ekt.enabled(**enable_options("cpu")):
-        manager = model.init_continuous_batching(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        )
-        manager.warmup()
+        manager = warmed_up(tf, model)
         manager.start()
         try:
             assert run(manager) == own
@@ -453,10 +460,7 @@ def test_a_released_manager_that_was_not_running_refuses_to_start(tf: Any) -> No
     model = build_model(tf, "llama", "sdpa", "cpu")
     own = generate(tf, model, "cpu")
     with ekt.enabled(**enable_options("cpu")):
-        manager = model.init_continuous_batching(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        )
-        manager.warmup()
+        manager = warmed_up(tf, model)
         ekt.release(manager)
         with pytest.raises(RuntimeError, match=r"resume\(manager\)"):
             manager.start()
@@ -821,13 +825,7 @@ def test_resize_a_live_manager_keeps_the_tokens(tf: Any, kind: str) -> None:
             assert cache.num_sectors == cache.pool.num_sectors == state.final_sectors
             bigger = size > report.blocks_before
             assert (state.tensor.physical_bytes > physical) == bigger, (size, report)
-            results: dict[str, list[int]] = {}
-            while len(results) < len(ids):
-                result = manager.get_result(timeout=30)
-                assert result is not None
-                if result.is_finished():
-                    results[result.request_id] = result.generated_tokens
-            assert [results[i] for i in ids] == own, size
+            assert collect(manager, ids) == own, size
         assert manager.continuous_batching_config.num_blocks == cache.num_blocks
 
 
@@ -858,11 +856,7 @@ def test_a_shrink_past_live_blocks_waits_then_names_them(tf: Any) -> None:
         assert "nothing changed" in str(error.value)
         assert any(request_id in str(error.value) for request_id in long_ids)
         assert (cache.num_blocks, state.tensor.physical_bytes) == before
-        finished = 0
-        while finished < len(long_ids):
-            result = manager.get_result(timeout=30)
-            assert result is not None
-            finished += result.is_finished()
+        assert all(len(tokens) == 400 for tokens in collect(manager, long_ids))
         report = ekt.resize(manager, 8, timeout=0)  # free now (prefix-cached blocks evicted)
         assert report.blocks_after == cache.num_blocks == 8
         assert state.tensor.physical_bytes < before[1]

@@ -6,10 +6,10 @@ import argparse
 import logging
 import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from extensible_kv import _torch
+from extensible_kv._demo.cli import at_least as _at_least
 from extensible_kv.layouts import KV_LAYOUTS
 
 from decoder.config import ModelConfig
@@ -18,21 +18,6 @@ from decoder.config import ModelConfig
 def _budget_mib(text: str) -> int | None:
     """`--budget-mib`: an integer >= 0, or `free` (None: measure `host_free_bytes()`)."""
     return None if text.strip().lower() == "free" else _at_least(0)(text)
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `low`, else an error naming the range."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _positive_number(text: str) -> float:

@@ -14,7 +14,7 @@ from extensible_kv import _torch
 DEMO_EXTRA = "pip install '.[demo]'"
 
 
-def _at_least(low: int) -> Callable[[str], int]:
+def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `low`, else an error naming the range."""
 
     def parse(text: str) -> int:
@@ -31,7 +31,7 @@ def _at_least(low: int) -> Callable[[str], int]:
 
 def _budget_mib(text: str) -> int | None:
     """`--budget-mib`: an integer >= 1, or `free` (None: measure `host_free_bytes()`)."""
-    return None if text.strip().lower() == "free" else _at_least(1)(text)
+    return None if text.strip().lower() == "free" else at_least(1)(text)
 
 
 def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,7 +49,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "backend.",
     )
     demo.set_defaults(run=run)
-    count = _at_least(1)
+    count = at_least(1)
     add = demo.add_argument
     add("--device", help="cpu, cuda or cuda:N (default: cuda:0 if usable, else cpu)")
     add("--model", choices=["llama", "qwen3"], default="llama", help="shape (default: llama)")
@@ -79,7 +79,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="host backend: the MiB extensible-kv's cache may hold in all, or 'free' for the "
         "host's free memory less the margin (default: %(default)s)",
     )
-    add("--seed", type=_at_least(0), default=0, help="weights and prompts (default: 0)")
+    add("--seed", type=at_least(0), default=0, help="weights and prompts (default: 0)")
     add("--no-progress", dest="progress", action="store_false", help="no progress line")
 
 
