@@ -241,9 +241,10 @@ def one_repetition(device: str, num_bytes: int, under_load: bool) -> dict[str, A
         res: dict[str, Any] = {}
         res["handoff_first"] = _handoff(a, b, expected, zero=False, load=False)
         res["handoff_cached"] = _handoff(a, b, expected, zero=False, load=False)
-        res["handoff_zeroed"] = _handoff(a, b, expected, zero=True, load=False)
         if under_load:
             res["handoff_under_load"] = _handoff(a, b, expected, zero=False, load=True)
+        # Last of the hand-offs: B zeroes the memory it borrows, so A reclaims zeros.
+        res["handoff_zeroed"] = _handoff(a, b, expected, zero=True, load=False)
         free_before = b("free")
         start, shrink_ms = a("shrink")
         end, grow_ms, free_after = b("grow")
