@@ -892,3 +892,67 @@ def test_resize_refuses_bad_sizes_before_anything_changes(tf: Any) -> None:
             ekt.resize(manager, 4)
         ekt.resume(manager)
         assert (cache.num_blocks, cache._ekv.tensor.physical_bytes) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# the automatic policy
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_resize_follows_a_bursty_load(
+    tf: Any, kind: str, device: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bursts of requests with idle time between them: the cache starts at its least, grows
+    on demand within a burst (no request waits for memory that is there), shrinks back when
+    idle, and every burst's tokens equal transformers' own cache's. On CUDA the decode steps
+    replay CUDA graphs captured before the growth."""
+    from extensible_kv import transformers as ekt
+
+    if device == "cpu":
+        model, own, options = resizable(tf, kind)
+        policy = ekt.AutoResize(min_blocks=2, idle_s=0.2)
+    else:  # the extension measures; a 2 MiB granule holds 256 blocks of these models
+        model = build_model(tf, kind, "sdpa", device)
+        own, options = generate(tf, model, device), {}
+        policy = ekt.AutoResize(min_blocks=1, step_blocks=16, idle_s=0.2)
+    caplog.set_level(logging.INFO, logger="extensible_kv")
+    with (
+        ekt.enabled(**options, auto_resize=policy),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, device)
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        state = cache._ekv
+        least = state.blocks(state.auto.min_sectors)  # where the extension starts, or above
+        report = ekt.last_report()
+        assert report is not None and least <= cache.num_blocks < report.fit_blocks
+        for burst in range(3):
+            assert run(manager) == own, burst
+            assert state.final_sectors > state.auto.min_sectors  # it grew for the burst
+            assert cache.num_blocks <= report.fit_blocks
+            deadline = time.monotonic() + 10
+            while cache.num_blocks != least and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert cache.num_blocks == least, "the idle cache did not shrink back"
+    messages = [r.getMessage() for r in caplog.records if r.name == "extensible_kv"]
+    assert sum(m.startswith("Grew KV cache on demand") for m in messages) >= 3
+    assert sum(m.startswith("Shrank idle KV cache") for m in messages) >= 3
+
+
+def test_auto_resize_options_are_checked(tf: Any) -> None:
+    from extensible_kv import transformers as ekt
+
+    with pytest.raises(TypeError, match="auto_resize"):
+        ekt.enable(auto_resize="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_blocks 1 is below min_blocks 2"):
+        ekt.AutoResize(min_blocks=2, max_blocks=1)
+    with pytest.raises(ValueError, match="idle_s"):
+        ekt.AutoResize(idle_s=-1)
+    with pytest.raises(TypeError, match="step_blocks"):
+        ekt.AutoResize(step_blocks=1.5)  # type: ignore[arg-type]
+    ekt.enable(budget_bytes=1 << 20, auto_resize=True)
+    options = ekt.patch.current_options()
+    assert options is not None and options.auto_resize == ekt.AutoResize()

@@ -11,12 +11,13 @@ graphs, from the memory really left (`Extended KV cache to N blocks (X GiB)` on 
 `extensible_kv` logger; `last_report()`). A `num_blocks` in the `ContinuousBatchingConfig`
 caps it. `release(manager)` / `resume(manager)` give the memory back and take it again while
 the manager and its graphs live (RL loops); `resize(manager, num_blocks)` grows or shrinks it
-while requests run. transformers' code is not changed; `disable()`
+while requests run, and `enable(auto_resize=True)` lets it follow the load (`AutoResize`).
+transformers' code is not changed; `disable()`
 puts back every object it replaced. Not supported: tensor parallelism, transformers < 5.18
 (per-layer tensors) and versions past the tested range (refused with the range named).
 """
 
-from extensible_kv.transformers.cache import Options
+from extensible_kv.transformers.cache import AutoResize, Options
 from extensible_kv.transformers.patch import (
     SUPPORTED,
     disable,
@@ -31,6 +32,7 @@ from extensible_kv.transformers.patch import (
 
 __all__ = [
     "SUPPORTED",
+    "AutoResize",
     "Options",
     "disable",
     "enable",

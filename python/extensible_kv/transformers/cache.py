@@ -67,11 +67,45 @@ from extensible_kv.tensor import ExtensibleTensor
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Options", "build_classes", "extend", "release", "resume"]
+__all__ = ["AutoResize", "Options", "build_classes", "extend", "release", "resume"]
 
 GIB = 1 << 30
 TRASH_SECTORS = 2
 logger = logging.getLogger("extensible_kv")
+
+
+@dataclass(frozen=True)
+class AutoResize:
+    """The automatic resize policy, `enable(auto_resize=AutoResize(...))` (or `True` for these
+    defaults). The extension measures free memory as usual, but commits only `min_blocks`;
+    then, while the manager serves:
+
+    - **grow on demand**: when the scheduler finds too few free sectors for a request, the
+      cache grows first, by what that request lacks and at least `step_blocks` (default: an
+      eighth of the most), up to `max_blocks` (default: what the extension measured as
+      fitting), so no request waits or is preempted while memory is there; a commit the device
+      refuses (out of memory: another engine took it) leaves the size as it is;
+    - **shrink when idle**: once no request has held a block for `idle_s` seconds, the cache
+      shrinks back to `min_blocks` (sectors that are all free, as `resize` does).
+
+    Every change is logged on `extensible_kv`."""
+
+    min_blocks: int = 1
+    max_blocks: int | None = None
+    step_blocks: int | None = None
+    idle_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "min_blocks", _args.size(self.min_blocks, "min_blocks", minimum=1))
+        for name in ("max_blocks", "step_blocks"):
+            object.__setattr__(
+                self, name, _args.optional_size(getattr(self, name), name, minimum=1)
+            )
+        if self.max_blocks is not None and self.max_blocks < self.min_blocks:
+            raise ValueError(f"max_blocks {self.max_blocks} is below min_blocks {self.min_blocks}")
+        idle = self.idle_s
+        if isinstance(idle, bool) or not isinstance(idle, int | float) or not idle >= 0:
+            raise ValueError(f"idle_s must be a number of seconds >= 0, not {idle!r}")
 
 
 @dataclass(frozen=True)
@@ -91,18 +125,28 @@ class Options:
       transient peak)`.
     - `granularity`: the reservation's granule, a power of two (a power-of-two multiple of the
       device's; the device's by default).
+    - `auto_resize`: an `AutoResize` policy (`True`: its defaults), or None: the cache keeps
+      the extension's size until `resize`.
     """
 
     budget_bytes: int | None = None
     host_meminfo: bool = False
     margin_bytes: int | None = None
     granularity: int | None = None
+    auto_resize: AutoResize | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
             value = _args.optional_size(getattr(self, name), name, minimum=least)
             object.__setattr__(self, name, value)
         object.__setattr__(self, "host_meminfo", _args.flag(self.host_meminfo, "host_meminfo"))
+        auto: object = self.auto_resize
+        if auto is True:
+            object.__setattr__(self, "auto_resize", AutoResize())
+        elif auto is not None and not isinstance(auto, AutoResize):
+            raise TypeError(
+                f"auto_resize must be an AutoResize, True or None, not {type(auto).__name__}"
+            )
         granularity = self.granularity
         if granularity is not None and granularity & (granularity - 1):
             raise ValueError(
@@ -143,6 +187,9 @@ class _State:
     released: bool = False
     pause: _PauseHolder | None = None  # the manager's pause while released (a running loop)
     guarded: Any = None  # the manager whose `start` and `stop` are guarded while released
+    auto: _Auto | None = None  # the automatic policy, set by `extend` when asked
+    # Held by every resize (`resize`, the policy's): one at a time.
+    resizing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     report: ExtendReport | None = field(default=None, repr=False)
 
     def blocks(self, sectors: int) -> int:
@@ -290,6 +337,15 @@ def _cache_class(base: Any, pool_class: type) -> type:
             finally:
                 _BUILD.reset(token)
             _place(self, device, build, arguments["continuous_batching_config"], free_at_init)
+
+        def can_store_request_tokens(
+            self, state: Any, request_len: int, *args: Any, **kwargs: Any
+        ) -> bool:
+            """transformers' check, and under the `AutoResize` policy a grow when it fails."""
+            fits = bool(super().can_store_request_tokens(state, request_len, *args, **kwargs))
+            if fits or not grow_on_demand(self, state, request_len):
+                return fits
+            return bool(super().can_store_request_tokens(state, request_len, *args, **kwargs))
 
     def _place(
         cache: Any, device: torch.device, build: _Build, cb_config: Any, free_at_init: int | None
@@ -457,9 +513,13 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
     if max(fit, state.committed_sectors) < 1:
         raise _no_block(state, _budget_words(state.options, budget, source))
     before = (state.committed_sectors, tensor.physical_bytes, tensor.num_handles)
+    target = fit
+    if state.options.auto_resize is not None:
+        state.auto = _Auto.within(state, state.options.auto_resize, max(fit, 1))
+        target = min(fit, state.auto.min_sectors)
     state._synchronize()  # the warm-up's work is not the commit's
     commit_start = time.perf_counter()
-    state.commit(fit)
+    state.commit(target)
     commit_ms = (time.perf_counter() - commit_start) * 1e3
     state.final_sectors = state.committed_sectors
     _hand_to_pool(cache, state.final_sectors)
@@ -591,6 +651,142 @@ def resume(cache: Any) -> None:
     )
 
 
+@dataclass
+class _Auto:
+    """`AutoResize` in sectors, with what the policy observes."""
+
+    min_sectors: int
+    max_sectors: int
+    step_sectors: int
+    idle_s: float
+    last_active: float = field(default_factory=time.monotonic)
+    watching: bool = False
+    out_of_memory_logged: bool = False
+
+    @classmethod
+    def within(cls, state: _State, policy: AutoResize, fit_sectors: int) -> _Auto:
+        """The policy's bounds, in sectors: the most is what the extension measured as fitting
+        (`fit_sectors`) unless `max_blocks` says otherwise, within the reservation."""
+
+        def sectors(blocks: int) -> int:
+            return math.ceil(blocks * state.bytes_per_block / state.bytes_per_sector)
+
+        most = fit_sectors if policy.max_blocks is None else sectors(policy.max_blocks)
+        most = min(most, state.capacity_sectors)
+        least = min(sectors(policy.min_blocks), most)
+        step = sectors(policy.step_blocks) if policy.step_blocks else max(1, most // 8)
+        logger.info(
+            "KV cache resizes itself between %d and %d blocks (idle after %.1f s)",
+            state.blocks(least),
+            state.blocks(most),
+            policy.idle_s,
+        )
+        return cls(least, most, step, float(policy.idle_s))
+
+
+def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
+    """Under the policy, called when transformers' scheduler found too few free sectors for
+    `request` (on the generation loop's thread, which is then not computing): grows by what it
+    lacks, at least a step, up to the most. True when it grew."""
+    state = _state(cache)
+    auto = state.auto
+    auto_active = auto is not None and not state.released and state.final_sectors is not None
+    if not auto_active or not state.resizing.acquire(blocking=False):
+        return False
+    try:
+        assert auto is not None and state.final_sectors is not None
+        auto.last_active = time.monotonic()
+        needed = sum(
+            max(
+                0,
+                int(
+                    allocator.needs_new_sectors(
+                        request.request_id, request.current_len(), request_len
+                    )
+                ),
+            )
+            for allocator in cache.cache_allocators.values()
+        )
+        missing = needed - len(cache.pool.free_sectors)
+        final = state.final_sectors
+        target = min(auto.max_sectors, final + max(missing, auto.step_sectors))
+        if missing <= 0 or target <= final or _capturing(state):
+            return False
+        try:
+            _grow_live(cache, state, target)
+        except OutOfMemoryError as error:
+            if not auto.out_of_memory_logged:
+                auto.out_of_memory_logged = True
+                logger.warning("KV cache could not grow on demand (it stays as it is): %s", error)
+            return False
+        logger.info(
+            "Grew KV cache on demand from %d to %d blocks (%.2f GiB)",
+            state.blocks(final),
+            state.blocks(target),
+            state.tensor.physical_bytes / GIB,
+        )
+        return True
+    finally:
+        state.resizing.release()
+
+
+def _capturing(state: _State) -> bool:
+    try:
+        flow._refuse_while_capturing(state.device, "resize")
+    except RuntimeError:
+        return True
+    return False
+
+
+def watch_idle(manager: Any, cache: Any) -> None:
+    """Under the policy, a daemon thread that shrinks the cache back to its least once no
+    request has held a block for the idle time; it ends with the manager or the cache."""
+    state = _state(cache)
+    auto = state.auto
+    if auto is None or auto.watching:
+        return
+    auto.watching = True
+    manager_ref, cache_ref = weakref.ref(manager), weakref.ref(cache)
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(max(auto.idle_s / 4, 0.01), 1.0))
+            manager, cache = manager_ref(), cache_ref()
+            if manager is None or cache is None or cache._ekv.auto is not auto:
+                return
+            _shrink_if_idle(manager, cache, auto)
+            del manager, cache
+
+    threading.Thread(target=watch, name="extensible-kv-auto-resize", daemon=True).start()
+
+
+def _shrink_if_idle(manager: Any, cache: Any, auto: _Auto) -> None:
+    state: _State = cache._ekv
+    final = state.final_sectors
+    idle = time.monotonic() - auto.last_active >= auto.idle_s
+    if state.released or final is None or final <= auto.min_sectors or not idle:
+        return
+    if not manager.is_running() or _requests_holding(cache, TRASH_SECTORS):
+        return
+    if not state.resizing.acquire(blocking=False):
+        return
+    try:
+        _shrink_live(manager, cache, state, auto.min_sectors, timeout=0)
+    except TimeoutError:
+        return  # a request arrived meanwhile: the next idle period
+    except Exception as error:  # the policy's thread must not die of one failure
+        logger.warning("KV cache could not shrink when idle: %s", error)
+        return
+    finally:
+        state.resizing.release()
+    logger.info(
+        "Shrank idle KV cache from %d to %d blocks (%.2f GiB)",
+        state.blocks(final),
+        state.blocks(auto.min_sectors),
+        state.tensor.physical_bytes / GIB,
+    )
+
+
 def resize(manager: Any, cache: Any, num_blocks: int, timeout: float | None) -> ExtendReport:
     """See `extensible_kv.transformers.resize`."""
     state = _state(cache)
@@ -614,11 +810,12 @@ def resize(manager: Any, cache: Any, num_blocks: int, timeout: float | None) -> 
     start = time.perf_counter()
     tensor, final = state.tensor, state.final_sectors
     before = (state.blocks(final), tensor.physical_bytes, tensor.num_handles)
-    if target > final:
-        with _paused(manager):
-            _grow_live(cache, state, target)
-    elif target < final:
-        _shrink_live(manager, cache, state, target, timeout)
+    with state.resizing:
+        if target > final:
+            with _paused(manager):
+                _grow_live(cache, state, target)
+        elif target < final:
+            _shrink_live(manager, cache, state, target, timeout)
     elapsed_ms = (time.perf_counter() - start) * 1e3
     state.report = ExtendReport(
         blocks_before=before[0],

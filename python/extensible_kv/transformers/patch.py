@@ -142,6 +142,7 @@ def enable(
     host_meminfo: bool = False,
     margin_bytes: int | None = None,
     granularity: int | None = None,
+    auto_resize: _cache.AutoResize | bool | None = None,
 ) -> None:
     """Every continuous-batching manager transformers creates from now on gets an extensible
     KV cache, sized after its warm-up (see `extensible_kv.transformers`). Calling it again
@@ -149,12 +150,25 @@ def enable(
     before anything changes; `UnsupportedError` (nothing patched) on an unsupported
     transformers."""
     _torch.require("extensible_kv.transformers")
-    options = _cache.Options(budget_bytes, host_meminfo, margin_bytes, granularity)
+    options = _cache.Options(
+        budget_bytes,
+        host_meminfo,
+        margin_bytes,
+        granularity,
+        auto_resize,  # type: ignore[arg-type]  # True is Options' to turn into the defaults
+    )
     _apply(options)
 
 
 def _apply(options: _cache.Options) -> None:
     found = _check_version()
+    if options.auto_resize is not None:
+        cache_class = found["PagedAttentionCache"]
+        if not hasattr(cache_class, "can_store_request_tokens"):
+            raise UnsupportedError(
+                "auto_resize needs PagedAttentionCache.can_store_request_tokens, which this "
+                "transformers lacks (the scheduler's check the policy grows at)"
+            )
     if not _patches:
         _install(found)
     _state["options"] = options
@@ -246,6 +260,7 @@ def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
     ran_forward = after_warmup and bool(getattr(batch_processor.model_runner, "pad_inputs", True))
     peak = None if ran_forward else _cache.modelled_transient_peak_bytes(cache)
     report = _cache.extend(cache, transient_peak_bytes=peak)
+    _cache.watch_idle(manager, cache)
     if report is not None:
         _state["report"] = report
         # transformers memoizes the block count for the next cache it builds (after a stop):
