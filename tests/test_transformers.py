@@ -938,7 +938,9 @@ def test_auto_resize_follows_a_bursty_load(
                 time.sleep(0.02)
             assert cache.num_blocks == least, "the idle cache did not shrink back"
     messages = [r.getMessage() for r in caplog.records if r.name == "extensible_kv"]
-    assert sum(m.startswith("Grew KV cache on demand") for m in messages) >= 3
+    # Every burst after an idle shrink grew; the first may fit in what the warm-up committed
+    # (on CUDA the graphs' warm-up commits what its requests touch).
+    assert sum(m.startswith("Grew KV cache on demand") for m in messages) >= 2
     assert sum(m.startswith("Shrank idle KV cache") for m in messages) >= 3
 
 
