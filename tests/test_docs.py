@@ -74,14 +74,17 @@ FOREIGN = {
         gpu_memory_utilization kv_cache_lent_for_weight_update min_committed_blocks
         pad_kv_cache_segments registers_kv_cache_memory recommit get_kv_cache_shape
         get_kv_cache_stride_order segments_backed_by_one_chunk resize_segments_ tvm_ffi
-        commit vllm/utils/extensible_tensor.py vllm/v1/worker/extensible_kv_cache.py""",
+        commit vllm/utils/extensible_tensor.py vllm/v1/worker/extensible_kv_cache.py
+        BlockPool.__init__ free_block_queue num_gpu_blocks collective_rpc extend_kv_cache""",
     # SGLang 0.5.x
     "sglang": """HookRegistry KvVmmArena MHATokenToKVPool._create_buffers finalize_backing
-        release_memory_occupation resume_memory_occupation load_inline""",
+        release_memory_occupation resume_memory_occupation load_inline TokenToKVPoolAllocator
+        free_pages alloc""",
     # transformers 5.x
     "transformers": """ContinuousBatchingConfig PagedAttentionCache StaticCache generate_batch
         init_continuous_batching continuous_batching_context_manager continuous_api
-        max_memory_percent manager.pause num_blocks sdpa eager""",
+        max_memory_percent manager.pause num_blocks sdpa eager BlockLedger copy_blocks
+        can_store_request_tokens CachePool""",
     # torch, DLPack's protocol, Python's stdlib tools
     "torch": """from_dlpack untyped_storage mem_get_info empty_cache max_version byte_offset
         set_per_process_memory_fraction faulthandler wrapt.when_imported mypy.stubtest
