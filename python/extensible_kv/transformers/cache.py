@@ -599,11 +599,25 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
         raise RuntimeError(
             "the KV cache is not sized yet: release it after the manager's warm-up or start"
         )
-    if state.released:
-        raise RuntimeError("the KV cache is already released: call resume(manager) first")
     keep = min(
         math.ceil(keep_blocks * state.bytes_per_block / state.bytes_per_sector), state.final_sectors
     )
+    with state.resizing:  # not while a resize (the policy's, say) runs
+        if state.released:
+            raise RuntimeError("the KV cache is already released: call resume(manager) first")
+        pause = _release(manager, cache, state, keep)
+        state.released, state.pause = True, pause
+        _guard(manager, state)
+    logger.info(
+        "Released KV cache: %d blocks kept (%.2f GiB)",
+        state.blocks(keep),
+        state.tensor.physical_bytes / GIB,
+    )
+
+
+def _release(manager: Any, cache: Any, state: _State, keep: int) -> _PauseHolder | None:
+    """`release`'s work, all or nothing: the loop paused (if it runs), every block freed, the
+    memory past the trash and `keep` sectors unmapped; the pause it holds, if any."""
     pause = _PauseHolder(manager) if manager.is_running() else None
     try:
         busy = _busy_requests(cache)
@@ -625,13 +639,7 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
         if pause is not None:
             pause.leave()
         raise
-    state.released, state.pause = True, pause
-    _guard(manager, state)
-    logger.info(
-        "Released KV cache: %d blocks kept (%.2f GiB)",
-        state.blocks(keep),
-        state.tensor.physical_bytes / GIB,
-    )
+    return pause
 
 
 def resume(cache: Any) -> None:
@@ -639,11 +647,12 @@ def resume(cache: Any) -> None:
     state = _state(cache)
     if not state.released or state.final_sectors is None:
         raise RuntimeError("the KV cache is not released: nothing to resume")
-    state.commit(state.final_sectors)  # all or nothing: on OutOfMemoryError it stays released
-    _hand_to_pool(cache, state.final_sectors)
-    state.released = False
-    _unguard(state)
-    _leave_pause(state)
+    with state.resizing:
+        state.commit(state.final_sectors)  # all or nothing: on OutOfMemoryError, still released
+        _hand_to_pool(cache, state.final_sectors)
+        state.released = False
+        _unguard(state)
+        _leave_pause(state)
     logger.info(
         "Resumed KV cache at %d blocks (%.2f GiB)",
         state.blocks(state.final_sectors),
