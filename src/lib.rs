@@ -9,7 +9,7 @@
 //! `unsafe` is denied crate-wide (`Cargo.toml`) and allowed only in the boundary modules that
 //! must use it, each with `#![allow(unsafe_code)]` and a `// SAFETY:` comment on every block:
 //! the driver backends (`driver::host`, `driver::cuda` and its `context` and `vmm`,
-//! `driver::stray`), `dlpack`, `ipc`, and the bindings' `python::capsule` (plus one `unsafe fn`
+//! `driver::host::stray`), `dlpack`, `ipc`, and the bindings' `python::capsule` (plus one `unsafe fn`
 //! in `driver`, `Stream::from_raw`, and its one caller in the bindings).
 //!
 //! # Example

@@ -5,8 +5,8 @@ mod common;
 
 use std::sync::Arc;
 
-use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
+use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options};
 
 const G: u64 = 4096;

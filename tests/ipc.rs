@@ -6,8 +6,8 @@ mod common;
 
 use std::sync::Arc;
 
-use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
+use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::ExportTypes;
 use extensible_kv::{
     Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options, ShrinkOptions, Stream,

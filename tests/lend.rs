@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use extensible_kv::driver::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::host::HostDriver;
+use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::{ExportTypes, Stream};
 use extensible_kv::{
     Error, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, Op, Options, ShrinkOptions,

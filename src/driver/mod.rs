@@ -15,10 +15,7 @@
 //! inaccessible address space; `release` drops a handle (its memory lives on while mapped).
 
 mod books;
-pub mod faulty;
 pub mod host;
-pub mod stray;
-pub mod timing;
 pub mod wrap;
 
 #[cfg(feature = "cuda")]
@@ -309,7 +306,7 @@ pub struct OpenOptions {
     /// The host backend's granularity (see `open`); `None` for its default.
     pub granularity: Option<u64>,
     /// Fail one call (`FaultyDriver`), for fault-injection tests.
-    pub fault: Option<faulty::Fault>,
+    pub fault: Option<wrap::faulty::Fault>,
     /// Count calls and host time per operation (`TimingDriver`).
     pub profile: bool,
 }
@@ -319,7 +316,7 @@ pub struct Opened {
     /// The driver, wrapped as asked.
     pub driver: Arc<dyn Driver>,
     /// The timing wrapper, when profiling was asked for.
-    pub timing: Option<Arc<timing::TimingDriver>>,
+    pub timing: Option<Arc<wrap::timing::TimingDriver>>,
 }
 
 /// `open`, then the wrappers `options` asks for: the fault innermost, so that timing sees the
@@ -327,11 +324,11 @@ pub struct Opened {
 pub fn open_with(device: &str, options: OpenOptions) -> Result<Opened> {
     let mut driver = open(device, options.granularity)?;
     if let Some(fault) = options.fault {
-        driver = Arc::new(faulty::FaultyDriver::new(driver, fault));
+        driver = Arc::new(wrap::faulty::FaultyDriver::new(driver, fault));
     }
     let mut timing = None;
     if options.profile {
-        let timed = Arc::new(timing::TimingDriver::new(driver));
+        let timed = Arc::new(wrap::timing::TimingDriver::new(driver));
         timing = Some(Arc::clone(&timed));
         driver = timed;
     }

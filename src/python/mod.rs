@@ -16,8 +16,8 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::dlpack::StridedLayout;
-use crate::driver::faulty::{Fault, FaultKind};
-use crate::driver::timing::TimingDriver;
+use crate::driver::wrap::faulty::{Fault, FaultKind};
+use crate::driver::wrap::timing::TimingDriver;
 use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{

@@ -94,7 +94,7 @@ impl Snapshot {
 
 /// The state's lock, which publishes what changed when released: a new `Snapshot`, and every
 /// segment's committed bytes to the driver (for the report of a stray access,
-/// `driver::stray`). No change can forget to.
+/// `driver::host::stray`). No change can forget to.
 struct Locked<'a> {
     guard: MutexGuard<'a, State>,
     inner: &'a Inner,
@@ -329,7 +329,7 @@ impl ExtensibleTensor {
     }
 
     /// Tells the driver every segment's committed bytes, for the report of a stray access
-    /// (`driver::stray`): at reservation, then by every `Locked` that changed them.
+    /// (`driver::host::stray`): at reservation, then by every `Locked` that changed them.
     fn note_layout(&self, committed: &[u64]) {
         self.inner.note_layout(committed);
     }

@@ -4,8 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::wrap::{Hook, Wrap};
-use super::Driver;
+use super::{Hook, Wrap};
+use crate::driver::Driver;
 use crate::error::{Error, Op, Result};
 
 /// How the injected failure looks to the caller.

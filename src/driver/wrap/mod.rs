@@ -2,9 +2,12 @@
 //! `Wrap<H>` passes every call to the inner driver, through its hook (`Hook::around`) for the
 //! calls that do work, so each wrapper (`faulty`, `timing`) says only what it adds.
 
+pub mod faulty;
+pub mod timing;
+
 use std::sync::Arc;
 
-use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
+use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Op, Result};
 
 /// What a wrapper does around each call of the inner driver that does work.

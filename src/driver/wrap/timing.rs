@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::wrap::{Hook, Wrap};
-use super::Driver;
+use super::{Hook, Wrap};
+use crate::driver::Driver;
 use crate::error::{Op, Result};
 
 /// A driver that passes every call to `inner`, counting calls and host time per operation.
