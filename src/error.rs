@@ -32,11 +32,15 @@ pub enum Op {
     Export,
     /// `Driver::import`.
     Import,
+    /// `Driver::record_event`.
+    RecordEvent,
+    /// `Driver::wait_event`, and `Driver::destroy_event`.
+    WaitEvent,
 }
 
 impl Op {
     /// Every operation, in declaration order (`op as usize` indexes it).
-    pub const ALL: [Op; 13] = [
+    pub const ALL: [Op; 15] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -50,6 +54,8 @@ impl Op {
         Op::MemInfo,
         Op::Export,
         Op::Import,
+        Op::RecordEvent,
+        Op::WaitEvent,
     ];
 
     /// The operation's name in messages and in Python (`create`, `set_access`, ...).
@@ -68,6 +74,8 @@ impl Op {
             Op::MemInfo => "mem_info",
             Op::Export => "export",
             Op::Import => "import",
+            Op::RecordEvent => "record_event",
+            Op::WaitEvent => "wait_event",
         }
     }
 

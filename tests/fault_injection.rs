@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options};
+use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options, Stream};
 
 const G: u64 = 4096;
 /// 2 segments of 3.5 granules: they share granule 3, and the first grow leaves slack in
@@ -163,7 +163,7 @@ fn destructor_errors_are_reported() {
         kind: FaultKind::Driver,
     };
     let (_, _, tensor) = build(fault);
-    let err = tensor.release_physical().unwrap_err();
+    let err = tensor.release_physical(Stream::DEFAULT).unwrap_err();
     assert!(
         matches!(err, Error::Driver { op: Op::Unmap, .. }),
         "{err:?}"

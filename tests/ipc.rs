@@ -69,7 +69,7 @@ fn an_importer_sees_writes_and_follows_grows_and_shrinks() {
     // The importer changes nothing of the owner's, and says whose memory it is.
     for result in [
         imported.resize_per_segment(8 * G, GrowOptions::zeroed()),
-        imported.release_physical(),
+        imported.release_physical(Stream::DEFAULT),
         imported.consolidate(Stream::DEFAULT),
     ] {
         assert!(matches!(result, Err(Error::Unsupported(ref why)) if why.contains("owns")));

@@ -69,7 +69,7 @@ fn mutate(tensor: &ExtensibleTensor, rng: &mut Rng, capacity: u64) -> Option<u64
             None
         }
         8 => {
-            tensor.release_physical().unwrap();
+            tensor.release_physical(Stream::DEFAULT).unwrap();
             None
         }
         _ => {

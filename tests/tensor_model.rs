@@ -14,7 +14,9 @@ use std::sync::Arc;
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
 use extensible_kv::tensor::ViewRegion;
-use extensible_kv::{Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions};
+use extensible_kv::{
+    Error, ExtensibleTensor, GrowOptions, HandleSizing, Options, ShrinkOptions, Stream,
+};
 use proptest::prelude::*;
 use proptest::test_runner::{TestError, TestRunner};
 
@@ -141,7 +143,7 @@ fn run(
                 Step::Consolidate => {
                     refused_closed(tensor.consolidate(extensible_kv::Stream::DEFAULT))?
                 }
-                Step::Release => refused_closed(tensor.release_physical())?,
+                Step::Release => refused_closed(tensor.release_physical(Stream::DEFAULT))?,
                 Step::View { .. } => refused_closed(tensor.view(0, 1))?,
                 Step::Refresh => refused_closed(tensor.share())?,
                 Step::Close => tensor
@@ -292,7 +294,7 @@ fn run(
                 }
             }
             Step::Release => {
-                tensor.release_physical().unwrap();
+                tensor.release_physical(Stream::DEFAULT).unwrap();
                 model.iter_mut().for_each(Vec::clear);
                 exact_footprint = true;
                 prop_assert_eq!(driver.live_counts().0, 0);

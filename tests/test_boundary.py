@@ -166,6 +166,10 @@ def _cases() -> list[Case]:
         lambda t, v: t.shrink_per_segment_(G, exact=v))  # fmt: skip
     add("tensor", "stream", [1.5, -1], (TypeError, ValueError),  # type: ignore[arg-type]
         lambda t, v: t.consolidate(stream=v))  # fmt: skip
+    add("tensor", "stream", [1.5, -1], (TypeError, ValueError),  # type: ignore[arg-type]
+        lambda t, v: t.release_physical(stream=v))  # fmt: skip
+    add("tensor", "timeout", ["1", [1]], TypeError, lambda t, v: t.wait_released(v))
+    add("tensor", "timeout", [float("nan")], ValueError, lambda t, v: t.wait_released(v))
     add("tensor", "dtype", BAD_DTYPE, TypeError, lambda t, v: t.view(v, (4,)))
     add("tensor", "dtype", BAD_DTYPE, TypeError, lambda t, v: t.full_view(v))
     add("tensor", "dtype", BAD_DTYPE, TypeError, lambda t, v: t.segment_view(0, v))
@@ -375,7 +379,7 @@ def test_messages_say_what_is_wrong(caplog: pytest.LogCaptureFixture) -> None:
 def test_stream_is_documented_as_vouched_for_by_the_caller() -> None:
     import extensible_kv.tensor as facade
 
-    for method in ("resize_per_segment_", "shrink_per_segment_", "consolidate"):
+    for method in ("resize_per_segment_", "shrink_per_segment_", "consolidate", "release_physical"):
         doc = " ".join((getattr(ExtensibleTensor, method).__doc__ or "").split())
         assert "vouched for by the caller" in doc and "ExternalStream" in doc, method
     assert "The caller vouches for it" in " ".join((facade.__doc__ or "").split())

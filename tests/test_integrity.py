@@ -77,7 +77,9 @@ def test_release_physical_says_what_it_released_when_a_release_fails() -> None:
 
 def test_a_failed_fence_releases_nothing() -> None:
     g = 4096
-    t = ExtensibleTensor(8 * g, device="cpu", granularity=g, _fault=("synchronize", 1, "driver"))
+    # The fence of a release is the event recorded on its stream (never a synchronize).
+    fault = ("record_event", 1, "driver")
+    t = ExtensibleTensor(8 * g, device="cpu", granularity=g, _fault=fault)
     t.resize_(2 * g)
     with pytest.raises(DriverError):
         t.release_physical()

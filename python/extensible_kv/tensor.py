@@ -334,8 +334,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         hold what it kept. Past the timeout, `LoanTimeoutError` and nothing changes."""
         _check_loan(loan)
         _args.flag(zero, "zero")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout}")
+        timeout = _args.seconds(timeout)
         if stream is None and zero:
             stream = self._current_stream()
         self._reclaim(loan._to_native(), zero, timeout, stream)
@@ -389,25 +388,42 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     ) -> Self:
         """Shrinks every segment to `bytes_per_segment` (an int, or one size per segment),
         keeping the bytes below, all or nothing. Handles no committed byte needs any more are
-        released once the device is done with them; `exact` also replaces the handles that
-        straddle the new frontier by handles of their live granules (copied on `stream`, by
-        default torch's current stream; one given is vouched for by the caller, as for
-        `torch.cuda.ExternalStream`), so `physical_bytes` is the granule-rounded footprint.
+        released once the work queued on `stream` so far has run (by default torch's current
+        stream; one given is vouched for by the caller, as for `torch.cuda.ExternalStream`):
+        the call records an event and returns without waiting for the device, and a thread of
+        the tensor's releases them after the event (`pending_release_bytes` until then;
+        `wait_released()` waits). `exact` also replaces the handles that straddle the new
+        frontier by handles of their live granules (copied on `stream`, after which the call
+        waits for that stream alone), so `physical_bytes` is the granule-rounded footprint.
 
         An `exact` shrink copies the live bytes, then swaps the copy in at the same addresses:
         a write to the tensor issued while it runs (from another thread, on any stream) may be
         lost, and an access during the swap may fault. Work ordered before the call is kept."""
         _args.flag(exact, "exact")
-        if stream is None and exact:
+        if stream is None:
             stream = self._current_stream()
         return super().shrink_per_segment_(bytes_per_segment, exact=exact, stream=stream)
 
     def shrink_(self, num_bytes: int, *, exact: bool = False, stream: int | None = None) -> Self:
         """`shrink_per_segment_` for a one-segment tensor."""
         _args.flag(exact, "exact")
-        if stream is None and exact:
+        if stream is None:
             stream = self._current_stream()
         return super().shrink_(num_bytes, exact=exact, stream=stream)
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Waits (without the GIL) until the memory that shrinks and `release_physical` gave
+        back has been released, or for `timeout` seconds: whether it has.
+        `pending_release_bytes` is what is still on its way back."""
+        return super().wait_released(_args.seconds(timeout))
+
+    def release_physical(self, *, stream: int | None = None) -> None:
+        """Drops all physical memory, keeping the addresses: every segment goes back to 0
+        bytes. The memory goes back once the work queued on `stream` so far has run (by default
+        torch's current stream; one given is vouched for by the caller, as for
+        `torch.cuda.ExternalStream`), from a thread of the tensor's, as a shrink's does: the
+        call never waits for the device."""
+        super().release_physical(stream=self._current_stream() if stream is None else stream)
 
     def consolidate(self, *, stream: int | None = None) -> None:
         """Backs every run of committed granules (each segment's prefix, where segments share

@@ -30,6 +30,11 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HandleId(pub u64);
 
+/// A marker recorded on a stream (`Driver::record_event`): complete once the work queued on
+/// the stream before it has run. A CUDA `CUevent` as an integer, or a host stand-in's number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EventId(pub u64);
+
 /// The stream device work is ordered on: a CUDA `CUstream` as an integer, 0 being the legacy
 /// default stream. The host backend ignores it (it zeroes before returning).
 ///
@@ -243,6 +248,38 @@ pub trait Driver: Send + Sync + 'static {
     fn fence(&self, stream: Stream) -> Result<()> {
         let _ = stream;
         self.synchronize()
+    }
+
+    /// Records an event on `stream`, complete once the work queued on it so far has run;
+    /// `None` when that work is complete already (a backend that runs work before returning,
+    /// as the host backend does unless `hold_events`). The event is the caller's to
+    /// `destroy_event`. Never waits. The default fences and returns `None`.
+    fn record_event(&self, stream: Stream) -> Result<Option<EventId>> {
+        self.fence(stream).map(|()| None)
+    }
+
+    /// Blocks the calling thread until `event` (from `record_event`, not destroyed) is
+    /// complete. Waits for nothing else: the device and the other streams go on.
+    fn wait_event(&self, event: EventId) -> Result<()> {
+        let _ = event;
+        Ok(())
+    }
+
+    /// Destroys `event`; a wait on it must have returned first.
+    fn destroy_event(&self, event: EventId) -> Result<()> {
+        let _ = event;
+        Ok(())
+    }
+
+    /// The host backend's stand-in for a busy stream, for tests: while held, `record_event`
+    /// returns events that stay pending until let go (or until a `synchronize`, which waits
+    /// for everything). Other backends refuse with `Error::Unsupported`.
+    fn hold_events(&self, held: bool) -> Result<()> {
+        let _ = held;
+        Err(Error::Unsupported(format!(
+            "the {} backend's events follow its device: only the host backend can hold them",
+            self.backend_name()
+        )))
     }
 
     /// `(free_bytes, total_bytes)` of the memory `create` draws from.

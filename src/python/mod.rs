@@ -479,8 +479,36 @@ impl PyExtensibleTensor {
     }
 
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
-    fn release_physical(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, ExtensibleTensor::release_physical)
+    /// The memory goes back once the work queued on `stream` so far has run, from the
+    /// tensor's release thread; the call does not wait for the device.
+    #[pyo3(signature = (*, stream=None))]
+    fn release_physical(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let stream = to_stream(stream)?;
+        self.run(py, |core| core.release_physical(stream))
+    }
+
+    /// Bytes given back that are still mapped, waiting for their stream's earlier work (part
+    /// of `physical_bytes`).
+    #[getter]
+    fn pending_release_bytes(&self) -> u64 {
+        self.core.pending_release_bytes()
+    }
+
+    /// Waits (without the GIL) until every pending release has happened, or for `timeout`
+    /// seconds: whether none is pending.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_released(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let timeout = timeout
+            .map(|s| std::time::Duration::try_from_secs_f64(s.max(0.0)))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))?;
+        self.run(py, |core| Ok(core.wait_released(timeout)))
+    }
+
+    /// The host backend's stand-in for a busy stream, for tests: while held, released memory
+    /// stays pending until let go (or a synchronize). UnsupportedError on CUDA.
+    fn _hold_events(&self, py: Python<'_>, held: bool) -> PyResult<()> {
+        self.run(py, |core| core.hold_events(held))
     }
 
     /// Releases memory and addresses now; BufferError while views exist. Idempotent.
@@ -658,13 +686,14 @@ impl PyExtensibleTensor {
     }
 
     /// The physical bytes mapped now (whole granules; a granule two segments share counts
-    /// once).
+    /// once), counting what a shrink or release gave back and is still pending
+    /// (`pending_release_bytes`).
     #[getter]
     fn physical_bytes(&self) -> u64 {
         self.core.physical_bytes()
     }
 
-    /// How many physical handles back the committed bytes now.
+    /// How many physical handles are mapped now, counting those pending release.
     #[getter]
     fn num_handles(&self) -> usize {
         self.core.num_handles()

@@ -66,13 +66,59 @@ impl ExtensibleTensor {
         }
         let new_ranges = geometry.new_ranges(&state.segment_bytes, segment_bytes);
         let new_granules = plan::granules_of(&new_ranges, geometry.granularity());
-        let mapped = mapped_overlapping(&state.mappings, &new_granules);
+        // Mappings given back but not released yet are mapped again rather than waited for:
+        // their memory is still there (and zeroed below like any mapped granule).
+        let taken_back = self.inner.releaser.take_back(&new_granules);
+        let taken_runs: Vec<u64> = taken_back
+            .iter()
+            .map(|(_, m)| m.run.first_granule)
+            .collect();
+        let mut events = Vec::with_capacity(taken_back.len());
+        for (event, mapping) in taken_back {
+            events.push(event);
+            state.mappings.insert(mapping);
+        }
+        let grown = self.grow_locked(
+            &mut state,
+            segment_bytes,
+            new_ranges,
+            &new_granules,
+            options,
+        );
+        if grown.is_err() {
+            // As it was: what was taken back waits for its release again.
+            let again = taken_runs
+                .iter()
+                .zip(events)
+                .map(|(&first_granule, event)| {
+                    let mapping = state.mappings.remove(first_granule);
+                    (
+                        event,
+                        mapping.expect("inserted above, and a failed grow adds nothing"),
+                    )
+                });
+            self.inner.releaser.requeue(again.collect());
+        }
+        grown
+    }
+
+    /// The grow of `resize_per_segment` once its request is checked and what it needs of the
+    /// pending releases is mapped again.
+    fn grow_locked(
+        &self,
+        state: &mut super::Locked<'_>,
+        segment_bytes: &[u64],
+        new_ranges: Vec<ByteRange>,
+        new_granules: &[Run],
+        options: GrowOptions,
+    ) -> Result<()> {
+        let mapped = mapped_overlapping(&state.mappings, new_granules);
         let policy = match options.one_handle_per_run {
             true => HandlePolicy::WholeRuns,
             false => self.inner.policy,
         };
-        let plan = plan::plan_grow(new_ranges, &new_granules, &mapped, policy);
-        self.refuse_lent(&state, &plan.new_handles)?;
+        let plan = plan::plan_grow(new_ranges, new_granules, &mapped, policy);
+        self.refuse_lent(state, &plan.new_handles)?;
         if plan.new_handles.len() > 1 {
             // All the new handles at once: a grow that cannot fit fails before its first create
             // rather than after taking what it could (one handle's create checks itself).
@@ -87,7 +133,8 @@ impl ExtensibleTensor {
         if let Err(err) = self.map_and_zero(&plan, &mapped, &mut zeroing, &mut fresh) {
             if zeroing.queued {
                 // Queued memsets may still write to the fresh mappings: fence first.
-                self.inner.ctx.defer(self.inner.ctx.driver.synchronize());
+                let fence = self.inner.ctx.driver.fence(zeroing.stream);
+                self.inner.ctx.defer(fence);
             }
             drop(fresh);
             return Err(err);
@@ -96,7 +143,7 @@ impl ExtensibleTensor {
             state.mappings.insert(mapping);
         }
         state.segment_bytes.copy_from_slice(segment_bytes);
-        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        debug_assert_eq!(check_state(&self.inner, state), Ok(()));
         Ok(())
     }
 

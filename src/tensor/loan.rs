@@ -436,6 +436,9 @@ impl ExtensibleTensor {
         loan.validate()?;
         let mut state = self.lock_owned("borrow")?;
         self.check_borrower(loan)?;
+        // The loan goes past each segment's end, where a shrink's mappings may still wait for
+        // their stream: let them go first.
+        self.inner.releaser.settle();
         let placement = self.place(&state, loan)?;
         let mut source = LoanFds::new(loan, fds)?;
         let board = Arc::new(loan.open_board(&mut source)?);

@@ -278,6 +278,14 @@ impl Mappings {
         Some(mapping)
     }
 
+    /// Takes every mapping out, in address order.
+    pub(super) fn take_all(&mut self) -> Vec<Mapping> {
+        self.bytes = 0;
+        std::mem::take(&mut self.by_first_granule)
+            .into_values()
+            .collect()
+    }
+
     /// Drops every mapping, in address order: each unmaps, then releases its handle.
     pub(super) fn clear(&mut self) {
         self.by_first_granule.clear();

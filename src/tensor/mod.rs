@@ -36,6 +36,7 @@ mod loan;
 mod mapping;
 mod options;
 mod reback;
+mod release;
 mod share;
 mod view;
 
@@ -52,7 +53,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use mapping::{completed_despite, relock, Ctx, Mapping, Mappings, PhysicalHandle, Reservation};
 
-use crate::driver::{DeviceKind, Driver, ExportTypes};
+use crate::driver::{DeviceKind, Driver, ExportTypes, Stream};
 use crate::error::{Error, Result};
 use crate::plan::{self, Geometry, HandlePolicy, Run};
 
@@ -137,6 +138,8 @@ struct Inner {
     /// A random id (never 0) naming the memory across processes: an owner's own, an
     /// importer's the owner's, so `refresh` can refuse another tensor's description.
     tensor_id: u128,
+    /// Mappings given back and waiting for their stream (`release.rs`).
+    releaser: Arc<release::Releaser>,
 }
 
 impl Inner {
@@ -157,10 +160,11 @@ impl Drop for Inner {
             .state
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !state.mappings.is_empty() {
+        if !state.mappings.is_empty() || self.releaser.pending_handles() > 0 {
             self.ctx.defer(self.ctx.driver.synchronize());
-            state.mappings.clear();
         }
+        self.releaser.shut_down();
+        state.mappings.clear();
         state.reservation = None;
     }
 }
@@ -274,6 +278,7 @@ impl ExtensibleTensor {
             next_loan_id: 0,
         };
         let inner = Inner {
+            releaser: release::Releaser::new(Arc::clone(&ctx)),
             ctx,
             geometry,
             policy,
@@ -337,24 +342,44 @@ impl ExtensibleTensor {
     /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
     /// Views stay valid for addressing; touching them faults until the next grow.
     ///
-    /// An error before the fence (the device's pending work failed) releases nothing. Driver
-    /// errors met while unmapping and releasing do not stop it: the tensor holds nothing
-    /// afterwards, and the first such error is returned saying so (the rest stay in
-    /// `take_deferred_errors`). Errors deferred by earlier operations are not returned here.
-    pub fn release_physical(&self) -> Result<()> {
+    /// The memory goes back once the work queued on `stream` so far has run, from a thread of
+    /// the tensor's (`release.rs`): the call never waits for the device. Until then it counts
+    /// in `physical_bytes` and `pending_release_bytes`; `wait_released` waits for it. An error
+    /// recording the stream's event releases nothing. Driver errors met while unmapping and
+    /// releasing do not stop it: the tensor holds nothing afterwards, and the first such error
+    /// is returned saying so when the release happened in this call, else kept for
+    /// `take_deferred_errors`. Errors deferred by earlier operations are not returned here.
+    pub fn release_physical(&self, stream: Stream) -> Result<()> {
         let mut state = self.lock_owned("release physical memory")?;
-        self.release_locked(&mut state)
-    }
-
-    fn release_locked(&self, state: &mut State) -> Result<()> {
-        let ctx = &self.inner.ctx;
-        if !state.mappings.is_empty() {
-            ctx.driver.synchronize()?;
+        let mark = self.inner.ctx.num_deferred();
+        let mappings = state.mappings.take_all();
+        if let Err((err, mappings)) = self.inner.releaser.release(mappings, stream, false) {
+            for mapping in mappings {
+                state.mappings.insert(mapping);
+            }
+            return Err(err);
         }
-        let mark = ctx.num_deferred();
-        state.mappings.clear();
         state.segment_bytes.fill(0);
         self.own_errors(mark, "the release went on: every segment holds 0 bytes now")
+    }
+
+    /// Bytes given back (by a shrink or `release_physical`) that are still mapped, waiting
+    /// for the work queued before on their stream; they count in `physical_bytes`.
+    pub fn pending_release_bytes(&self) -> u64 {
+        self.inner.releaser.pending_bytes()
+    }
+
+    /// Waits until every release given to the tensor's thread has happened, or for
+    /// `timeout`: whether none is pending. Errors the releases met are in
+    /// `take_deferred_errors`.
+    pub fn wait_released(&self, timeout: Option<std::time::Duration>) -> bool {
+        self.inner.releaser.wait_released(timeout)
+    }
+
+    /// Makes the host backend's events stay pending (`held`) or lets them complete: a test's
+    /// stand-in for a busy stream (`Driver::hold_events`).
+    pub fn hold_events(&self, held: bool) -> Result<()> {
+        self.inner.ctx.driver.hold_events(held)
     }
 
     /// The first error deferred since `mark` (what this operation met), saying that the
@@ -391,10 +416,11 @@ impl ExtensibleTensor {
         }
         let ctx = &self.inner.ctx;
         let mark = ctx.num_deferred();
-        if !state.mappings.is_empty() {
+        if !state.mappings.is_empty() || self.inner.releaser.pending_handles() > 0 {
             ctx.defer(ctx.driver.synchronize());
-            state.mappings.clear();
         }
+        self.inner.releaser.shut_down();
+        state.mappings.clear();
         state.loans.clear(); // a borrower keeps what it mapped
         state.segment_bytes.fill(0);
         state.reservation = None;
@@ -465,14 +491,15 @@ impl ExtensibleTensor {
         uniform(&self.segment_bytes(), "segment_bytes")
     }
 
-    /// Bytes of physical memory mapped (whole granules, so at least the committed bytes).
+    /// Bytes of physical memory mapped (whole granules, so at least the committed bytes),
+    /// counting what is still on its way back (`pending_release_bytes`).
     pub fn physical_bytes(&self) -> u64 {
-        self.snapshot(|s| s.physical_bytes)
+        self.snapshot(|s| s.physical_bytes) + self.inner.releaser.pending_bytes()
     }
 
-    /// How many physical handles are mapped.
+    /// How many physical handles are mapped, counting those still on their way back.
     pub fn num_handles(&self) -> usize {
-        self.snapshot(|s| s.num_handles)
+        self.snapshot(|s| s.num_handles) + self.inner.releaser.pending_handles()
     }
 
     /// The granule runs of the mapped handles, in address order.
@@ -584,6 +611,13 @@ fn check_state(inner: &Inner, state: &State) -> Result<(), String> {
             if !plan::intersect_run(run, &runs).is_empty() {
                 return Err(format!("granules {run:?} of loan {loan_id} are mapped"));
             }
+        }
+    }
+    for run in inner.releaser.pending_runs() {
+        if !plan::intersect_run(run, &runs).is_empty() {
+            return Err(format!(
+                "granules {run:?} are mapped and pending release at once"
+            ));
         }
     }
     if state.reservation.is_none() && !state.mappings.is_empty() {

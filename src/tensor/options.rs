@@ -190,7 +190,8 @@ pub struct ShrinkOptions {
     /// still needed, copying their bytes, so that no slack stays mapped. Otherwise such a
     /// handle stays whole and its slack counts in `physical_bytes`.
     pub exact: bool,
-    /// The stream the copies are ordered on.
+    /// The stream the copies are ordered on, and whose work queued so far the released
+    /// memory waits for (an event: the call never waits for the device).
     pub stream: Stream,
 }
 

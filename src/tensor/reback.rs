@@ -60,6 +60,8 @@ impl Drop for ScratchReservation {
 /// order: the scratch mappings, the handles not taken, then the scratch reservation.
 struct Staging {
     ctx: Arc<Ctx>,
+    /// Where the copies were queued.
+    stream: Stream,
     aliases: Vec<Alias>,
     handles: Vec<(Run, PhysicalHandle)>,
     scratch: Option<ScratchReservation>,
@@ -69,7 +71,7 @@ struct Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         if self.copying {
-            self.ctx.defer(self.ctx.driver.synchronize());
+            self.ctx.defer(self.ctx.driver.fence(self.stream));
         }
     }
 }
@@ -114,11 +116,33 @@ impl ExtensibleTensor {
             }
             old.sort_unstable();
         }
-        if !old.is_empty() {
+        if !new.is_empty() {
             self.reback(&mut state, &old, &new, options.stream)?;
+        } else if !old.is_empty() {
+            self.release_runs(&mut state, &old, options.stream)?;
         }
         state.segment_bytes.copy_from_slice(segment_bytes);
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(())
+    }
+
+    /// Gives the mappings over `runs` back once the work queued on `stream` so far has run
+    /// (`release.rs`): they leave the state now, and the call does not wait for the device.
+    /// An error recording the event leaves them where they were.
+    fn release_runs(&self, state: &mut State, runs: &[Run], stream: Stream) -> Result<()> {
+        let taken: Vec<Mapping> = runs
+            .iter()
+            .map(|run| {
+                let mapping = state.mappings.remove(run.first_granule);
+                mapping.expect("planned from the mappings")
+            })
+            .collect();
+        if let Err((err, taken)) = self.inner.releaser.release(taken, stream, true) {
+            for mapping in taken {
+                state.mappings.insert(mapping);
+            }
+            return Err(err);
+        }
         Ok(())
     }
 
@@ -144,9 +168,10 @@ impl ExtensibleTensor {
                 Some(staging) => staging,
                 None => self.stage(&step.new, stream)?,
             };
-            // The fence: this run's copies have landed, and queued work no longer touches its
-            // old mappings. Work queued after it (the next run's copy) reads other runs only.
-            self.inner.ctx.driver.synchronize()?;
+            // The fence: this run's copies have landed, and work queued on `stream` no longer
+            // touches its old mappings. Work queued after it (the next run's copy) reads other
+            // runs only.
+            self.inner.ctx.driver.fence(stream)?;
             staging.copying = false;
             if let Some(next) = steps.peek() {
                 ahead = self.stage_ahead(&next.new, stream);
@@ -184,22 +209,25 @@ impl ExtensibleTensor {
     fn reback(&self, state: &mut State, old: &[Run], new: &[Run], stream: Stream) -> Result<()> {
         let mut staging = self.stage(new, stream)?;
         let handles = std::mem::take(&mut staging.handles);
-        let replaced = self.replace(state, old, handles);
+        let replaced = self.replace(state, old, handles, stream);
         // The fence in `replace` has let the copies land, unless it failed.
         staging.copying = replaced.is_err();
         replaced
     }
 
     /// Replaces the mappings over the `old` runs by `handles` over their runs, all or nothing:
-    /// after the fence, `swap_in`.
+    /// after the fence on `stream`, `swap_in`.
     pub(super) fn replace(
         &self,
         state: &mut State,
         old: &[Run],
         handles: Vec<(Run, PhysicalHandle)>,
+        stream: Stream,
     ) -> Result<()> {
-        // The fence: queued work may still touch the old mappings (and copies must land).
-        self.inner.ctx.driver.synchronize()?;
+        // The fence: work queued on `stream` may still touch the old mappings, and the copies
+        // must land. An event, not a context synchronize: a decode loop on another stream is
+        // not waited for (the caller orders its own streams, as with any allocator).
+        self.inner.ctx.driver.fence(stream)?;
         self.swap_in(state, old, handles)
     }
 
@@ -235,6 +263,7 @@ impl ExtensibleTensor {
     fn stage(&self, runs: &[Run], stream: Stream) -> Result<Staging> {
         let mut staging = Staging {
             ctx: Arc::clone(&self.inner.ctx),
+            stream,
             aliases: Vec::with_capacity(runs.len()),
             handles: Vec::with_capacity(runs.len()),
             scratch: None,
@@ -265,8 +294,8 @@ impl ExtensibleTensor {
             ctx.driver.set_access(scratch_va, num_bytes)?;
             scratch_va += num_bytes;
         }
-        // Queued work may still be writing the bytes about to be copied.
-        ctx.driver.synchronize()?;
+        // The copies are queued on `stream`, after the work queued there that may still write
+        // the bytes they read.
         for (alias, (run, _)) in staging.aliases.iter().zip(&staging.handles) {
             let (src, _) = ctx.span(*run);
             staging.copying = true;

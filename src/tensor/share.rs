@@ -383,7 +383,9 @@ impl ExtensibleTensor {
         gone.sort_unstable();
         let handles = self.import_handles(description, &new, fds)?;
         if !gone.is_empty() || !handles.is_empty() {
-            self.replace(&mut state, &gone, handles)?;
+            // Work on any stream may still read the handles that went: wait for the device.
+            self.inner.ctx.driver.synchronize()?;
+            self.swap_in(&mut state, &gone, handles)?;
         }
         state.segment_bytes.clone_from(&description.segment_bytes);
         debug_assert_eq!(super::check_state(&self.inner, &state), Ok(()));

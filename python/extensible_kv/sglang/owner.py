@@ -278,6 +278,7 @@ class KvVmmBufferOwner:
             return
         sizes = self._buffer.segment_bytes
         self._buffer.release_physical()
+        self._buffer.wait_released()  # SGLang frees memory for another user: gone on return
         self._released = sizes
 
     def resume(self) -> None:
@@ -313,6 +314,7 @@ class KvVmmBufferOwner:
             return
         if buffer.live_views:
             buffer.release_physical()
+            buffer.wait_released()
         else:
             buffer.close()
 

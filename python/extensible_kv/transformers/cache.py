@@ -632,6 +632,7 @@ def _release(manager: Any, cache: Any, state: _State, keep: int) -> _PauseHolder
         # exact: the handle that straddles the frontier is cut too, so what stays is the
         # granule-rounded footprint of the trash and the kept sectors.
         state.tensor.shrink_((TRASH_SECTORS + keep) * state.bytes_per_sector, exact=True)
+        state.tensor.wait_released()  # released for another user: gone on return
         state.committed_sectors = keep
         state._synchronize()
         _hand_to_pool(cache, keep)

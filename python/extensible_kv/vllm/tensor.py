@@ -294,6 +294,7 @@ class ExtensibleTensor:
         """Drop all physical pages but keep the reservation and its views."""
         if self._tensor is not None:
             self._tensor.release_physical()
+            self._tensor.wait_released()  # vLLM's sleep frees memory: gone on return, as its own
 
     @property
     def num_bytes(self) -> int:
@@ -376,6 +377,7 @@ class ExtensibleTensor:
         if tensor is None:
             return
         tensor.release_physical()
+        tensor.wait_released()
         try:
             tensor.close()
         except BufferError:

@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 use super::{code_name, vmm};
 
 /// Every libcuda symbol this backend calls: cudarc panics on the first call of a missing one.
-const REQUIRED_SYMBOLS: [&str; 23] = [
+const REQUIRED_SYMBOLS: [&str; 27] = [
     "cuInit",
     "cuGetErrorName",
     "cuDeviceGetCount",
@@ -38,6 +38,10 @@ const REQUIRED_SYMBOLS: [&str; 23] = [
     "cuMemcpyDtoDAsync_v2",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
 ];
 
 /// The device's primary context, retained: the context torch's runtime uses on that device.

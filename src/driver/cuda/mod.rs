@@ -27,7 +27,7 @@ use cudarc::driver::sys;
 pub use self::context::vmm_unavailable_reason;
 use self::context::{Bound, PrimaryContext};
 use super::books::Books;
-use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
+use super::{DeviceKind, Driver, EventId, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
 // Sizes cross the trait as u64 and libcuda as usize; the casts below rely on equal widths.
@@ -74,6 +74,8 @@ pub struct CudaDriver {
     /// Set by the first fabric allocation the driver refused: fabric is offered no more.
     fabric_refused: AtomicBool,
     books: Mutex<Books<()>>,
+    /// The events `record_event` made and `destroy_event` has not: the only ones it waits on.
+    events: Mutex<std::collections::BTreeSet<u64>>,
     /// Last, so it is released after `Drop` has cleaned up with it.
     primary: PrimaryContext,
 }
@@ -89,6 +91,7 @@ impl CudaDriver {
             export_support: primary.export_support(),
             fabric_refused: AtomicBool::new(false),
             books: Mutex::default(),
+            events: Mutex::default(),
             primary,
         })
     }
@@ -107,6 +110,27 @@ impl CudaDriver {
         self.primary.bind().on(op, || {
             format!("binding the primary context of device {}", self.ordinal)
         })
+    }
+
+    /// `Error::Driver` for an event this driver did not record, or destroyed.
+    fn unknown_event(&self, event: EventId) -> Error {
+        Error::Driver {
+            op: Op::WaitEvent,
+            code: "CUDA_ERROR_INVALID_HANDLE".into(),
+            detail: format!("no live event {:#x} of device {}", event.0, self.ordinal),
+        }
+    }
+
+    fn check_event(&self, event: EventId) -> Result<()> {
+        match self
+            .events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&event.0)
+        {
+            true => Ok(()),
+            false => Err(self.unknown_event(event)),
+        }
     }
 
     fn out_of_memory(&self, err: DriverError, num_bytes: u64) -> Error {
@@ -386,6 +410,48 @@ impl Driver for CudaDriver {
                 self.ordinal
             )
         })
+    }
+
+    fn record_event(&self, stream: Stream) -> Result<Option<EventId>> {
+        let _bound = self.bind(Op::RecordEvent)?;
+        let raw_stream = stream.as_raw();
+        // SAFETY: `stream` is the legacy default or a live stream of this device's primary
+        // context (bound above), as whoever made it with `Stream::from_raw` vouched.
+        let event = unsafe { vmm::record_event(raw_stream as usize as sys::CUstream) }
+            .on(Op::RecordEvent, || {
+                format!("stream {raw_stream:#x} of device {}", self.ordinal)
+            })?;
+        let id = EventId(event as usize as u64);
+        self.events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id.0);
+        Ok(Some(id))
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<()> {
+        let _bound = self.bind(Op::WaitEvent)?;
+        self.check_event(event)?;
+        // SAFETY: the event is live (in `events`, recorded by this driver in its primary
+        // context, bound above); the owner destroys it only after its wait has returned.
+        unsafe { vmm::wait_event(event.0 as usize as sys::CUevent) }
+            .on(Op::WaitEvent, || format!("event {:#x}", event.0))
+    }
+
+    fn destroy_event(&self, event: EventId) -> Result<()> {
+        let _bound = self.bind(Op::WaitEvent)?;
+        if !self
+            .events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&event.0)
+        {
+            return Err(self.unknown_event(event));
+        }
+        // SAFETY: the event was live and is ours (just taken out of `events`, so destroyed
+        // once); the owner waits on it no more.
+        unsafe { vmm::destroy_event(event.0 as usize as sys::CUevent) }
+            .on(Op::WaitEvent, || format!("destroying event {:#x}", event.0))
     }
 
     fn mem_info(&self) -> Result<(u64, u64)> {

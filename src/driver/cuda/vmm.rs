@@ -154,6 +154,44 @@ pub unsafe fn fence(stream: sys::CUstream) -> Result<(), DriverError> {
     waited.and(destroyed)
 }
 
+/// An event recorded on `stream`, for another thread to wait on (`wait_event`): no timing, and
+/// a blocking wait (the waiting thread sleeps rather than spin a core beside a decode loop).
+///
+/// # Safety
+/// `stream` must be null (the legacy default stream) or a live stream of the bound context.
+pub unsafe fn record_event(stream: sys::CUstream) -> Result<sys::CUevent, DriverError> {
+    use cudarc::driver::result::event;
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+        | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: `raw` outlives the call, which writes one CUevent through it.
+    unsafe { sys::cuEventCreate(&mut raw, flags) }.result()?;
+    // SAFETY: `raw` was just created in the bound context; the caller vouches for `stream`.
+    match unsafe { event::record(raw, stream) } {
+        Ok(()) => Ok(raw),
+        Err(err) => {
+            // SAFETY: `raw` is live, unrecorded and destroyed once.
+            let _ = unsafe { event::destroy(raw) };
+            Err(err)
+        }
+    }
+}
+
+/// # Safety
+/// `event` must be a live event of the bound context (from `record_event`).
+pub unsafe fn wait_event(event: sys::CUevent) -> Result<(), DriverError> {
+    // SAFETY: the caller vouches for the event.
+    unsafe { cudarc::driver::result::event::synchronize(event) }
+}
+
+/// # Safety
+/// `event` must be a live event of the bound context, destroyed once, with no wait on it in
+/// progress.
+pub unsafe fn destroy_event(event: sys::CUevent) -> Result<(), DriverError> {
+    // SAFETY: the caller vouches for the event.
+    unsafe { cudarc::driver::result::event::destroy(event) }
+}
+
 /// # Safety
 /// `handle` must be live and created with the POSIX fd handle type.
 pub unsafe fn export_fd(handle: Handle) -> Result<std::os::fd::OwnedFd, DriverError> {

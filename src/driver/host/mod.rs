@@ -13,6 +13,7 @@
 //! clobber memory this driver does not own, whatever the caller passes.
 #![allow(unsafe_code)]
 
+mod events;
 pub mod headroom;
 pub mod stray;
 
@@ -22,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::books::Books;
-use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
+use super::{DeviceKind, Driver, EventId, ExportTypes, Exported, HandleId, ImportSource, Stream};
 use crate::error::{Error, Op, Result};
 
 /// What fresh memory of a `new_dirty` driver reads as.
@@ -43,6 +44,7 @@ pub struct HostDriver {
     memfd_name: CString,
     books: Mutex<Books<OwnedFd>>,
     next_handle: AtomicU64,
+    events: events::Events,
 }
 
 impl HostDriver {
@@ -63,6 +65,7 @@ impl HostDriver {
                 .expect("no NUL in a formatted name"),
             books: Mutex::new(Books::default()),
             next_handle: AtomicU64::new(1),
+            events: events::Events::default(),
         })
     }
 
@@ -515,6 +518,28 @@ impl Driver for HostDriver {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.events.synchronize();
+        Ok(())
+    }
+
+    fn fence(&self, _stream: Stream) -> Result<()> {
+        Ok(()) // work on any stream ran before its call returned; held events wait on nothing
+    }
+
+    fn record_event(&self, _stream: Stream) -> Result<Option<EventId>> {
+        Ok(self.events.record())
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<()> {
+        self.events.wait(event)
+    }
+
+    fn destroy_event(&self, event: EventId) -> Result<()> {
+        self.events.destroy(event)
+    }
+
+    fn hold_events(&self, held: bool) -> Result<()> {
+        self.events.hold(held);
         Ok(())
     }
 

@@ -7,7 +7,9 @@ pub mod timing;
 
 use std::sync::Arc;
 
-use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
+use crate::driver::{
+    DeviceKind, Driver, EventId, ExportTypes, Exported, HandleId, ImportSource, Stream,
+};
 use crate::error::{Op, Result};
 
 /// What a wrapper does around each call of the inner driver that does work.
@@ -135,6 +137,28 @@ impl<H: Hook> Driver for Wrap<H> {
     fn fence(&self, stream: Stream) -> Result<()> {
         let inner = &self.inner;
         self.hook.around(Op::Synchronize, 0, || inner.fence(stream))
+    }
+
+    fn record_event(&self, stream: Stream) -> Result<Option<EventId>> {
+        let inner = &self.inner;
+        self.hook
+            .around(Op::RecordEvent, 0, || inner.record_event(stream))
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<()> {
+        let inner = &self.inner;
+        self.hook
+            .around(Op::WaitEvent, 0, || inner.wait_event(event))
+    }
+
+    fn destroy_event(&self, event: EventId) -> Result<()> {
+        let inner = &self.inner;
+        self.hook
+            .around(Op::WaitEvent, 0, || inner.destroy_event(event))
+    }
+
+    fn hold_events(&self, held: bool) -> Result<()> {
+        self.inner.hold_events(held)
     }
 
     fn mem_info(&self) -> Result<(u64, u64)> {

@@ -1,0 +1,257 @@
+//! The deferred release (`src/tensor/release.rs`) on the host backend, whose held events stand
+//! in for a stream a decode loop keeps busy: memory given back by a shrink or
+//! `release_physical` stays mapped, counted, and readable until the stream's event completes,
+//! and goes back right after; a grow maps it again instead of waiting; teardown with releases
+//! pending leaks nothing.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use extensible_kv::driver::host::HostDriver;
+use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
+use extensible_kv::driver::wrap::timing::TimingDriver;
+use extensible_kv::{
+    Driver, Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options, ShrinkOptions, Stream,
+};
+
+const G: u64 = 4096;
+
+fn options() -> Options {
+    Options {
+        handle_sizing: HandleSizing::CapAligned { max_bytes: Some(G) },
+        ..Options::default()
+    }
+}
+
+/// A one-segment tensor of 8 granules over `driver`, 6 committed, each granule's bytes its
+/// index + 1.
+fn tensor_on(driver: Arc<dyn Driver>) -> ExtensibleTensor {
+    let tensor = ExtensibleTensor::with_equal_segments(driver, 8 * G, 1, options()).unwrap();
+    tensor.resize(6 * G, GrowOptions::zeroed()).unwrap();
+    for i in 0..6 {
+        common::write(&tensor, i * G, &[i as u8 + 1; G as usize]);
+    }
+    tensor
+}
+
+fn short() -> Option<Duration> {
+    Some(Duration::from_millis(50))
+}
+
+#[test]
+fn a_shrink_waits_for_the_stream_not_the_caller() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = tensor_on(host.clone());
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+    assert_eq!(tensor.segment_bytes(), [2 * G]);
+    assert_eq!(tensor.pending_release_bytes(), 4 * G);
+    assert_eq!(tensor.physical_bytes(), 6 * G, "counted until released");
+    assert_eq!(tensor.num_handles(), 6);
+    assert_eq!(
+        host.live_counts().1,
+        6,
+        "still mapped while the stream is busy"
+    );
+    assert!(
+        !tensor.wait_released(short()),
+        "nothing goes before its event"
+    );
+    assert_eq!(host.live_counts().1, 6);
+    tensor.check_invariants().unwrap();
+    tensor.hold_events(false).unwrap();
+    assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+    assert_eq!(tensor.pending_release_bytes(), 0);
+    assert_eq!((tensor.physical_bytes(), tensor.num_handles()), (2 * G, 2));
+    assert_eq!(host.live_counts(), (2, 2, 1));
+    assert_eq!(common::read(&tensor, G, G), vec![2; G as usize], "kept");
+    assert!(tensor.take_deferred_errors().is_empty());
+}
+
+#[test]
+fn releases_go_in_order_each_after_its_own_event() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = tensor_on(host.clone());
+    tensor.shrink(5 * G, ShrinkOptions::default()).unwrap();
+    assert_eq!(
+        tensor.pending_release_bytes(),
+        0,
+        "an idle stream: released at once"
+    );
+    assert_eq!(host.live_counts().1, 5);
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(3 * G, ShrinkOptions::default()).unwrap();
+    tensor.release_physical(Stream::DEFAULT).unwrap();
+    assert_eq!(tensor.segment_bytes(), [0]);
+    assert_eq!(tensor.pending_release_bytes(), 5 * G);
+    assert_eq!(host.live_counts().1, 5);
+    host.synchronize().unwrap(); // completes both events, as a device synchronize would
+    assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+    assert_eq!(host.live_counts(), (0, 0, 1));
+    tensor.check_invariants().unwrap();
+}
+
+#[test]
+fn a_grow_maps_pending_memory_again_and_zeroes_it() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let timing = Arc::new(TimingDriver::new(host.clone()));
+    let tensor = tensor_on(timing.clone());
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+    let creates = || {
+        timing
+            .report()
+            .into_iter()
+            .find(|c| c.0 == Op::Create)
+            .unwrap()
+            .1
+    };
+    let before = creates();
+    tensor.resize(4 * G, GrowOptions::zeroed()).unwrap();
+    assert_eq!(
+        creates(),
+        before,
+        "granules 2 and 3 were still mapped: no new handle"
+    );
+    assert_eq!(
+        tensor.pending_release_bytes(),
+        2 * G,
+        "granules 4 and 5 still go"
+    );
+    assert_eq!(common::read(&tensor, 2 * G, 2 * G), vec![0; 2 * G as usize]);
+    assert_eq!(common::read(&tensor, G, G), vec![2; G as usize]);
+    tensor.check_invariants().unwrap();
+    tensor.hold_events(false).unwrap();
+    assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+    assert_eq!(host.live_counts().1, 4);
+    assert_eq!(tensor.physical_bytes(), 4 * G);
+}
+
+#[test]
+fn a_failed_grow_leaves_what_it_took_back_pending() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    // `tensor_on` creates 6 one-granule handles; the 7th create is the grow's first new one.
+    let fault = Fault {
+        op: Op::Create,
+        nth: 7,
+        kind: FaultKind::OutOfMemory,
+    };
+    let tensor = tensor_on(Arc::new(FaultyDriver::new(host.clone(), fault)));
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+    let before = host.live_counts();
+    let err = tensor.resize(8 * G, GrowOptions::zeroed()).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory { .. }), "{err:?}");
+    assert_eq!(tensor.segment_bytes(), [2 * G]);
+    assert_eq!(
+        tensor.pending_release_bytes(),
+        4 * G,
+        "taken back, then pending again"
+    );
+    assert_eq!(host.live_counts(), before);
+    tensor.check_invariants().unwrap();
+    tensor.hold_events(false).unwrap();
+    assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+    assert_eq!(host.live_counts().1, 2);
+}
+
+#[test]
+fn a_failed_event_record_changes_nothing() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let fault = Fault {
+        op: Op::RecordEvent,
+        nth: 1,
+        kind: FaultKind::Driver,
+    };
+    let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
+    let tensor = tensor_on(faulty);
+    let err = tensor.shrink(2 * G, ShrinkOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Driver {
+                op: Op::RecordEvent,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(tensor.segment_bytes(), [6 * G]);
+    assert_eq!(
+        (tensor.physical_bytes(), tensor.pending_release_bytes()),
+        (6 * G, 0)
+    );
+    assert_eq!(host.live_counts().1, 6);
+    assert_eq!(common::read(&tensor, 5 * G, G), vec![6; G as usize]);
+    tensor.check_invariants().unwrap();
+}
+
+#[test]
+fn teardown_with_releases_pending_leaks_nothing() {
+    for close in [true, false] {
+        let host = Arc::new(HostDriver::new(G).unwrap());
+        let tensor = tensor_on(host.clone());
+        tensor.hold_events(true).unwrap();
+        tensor.shrink(G, ShrinkOptions::default()).unwrap();
+        assert_eq!(tensor.pending_release_bytes(), 5 * G);
+        match close {
+            true => tensor.close().unwrap(),
+            false => drop(tensor),
+        }
+        assert_eq!(host.live_counts(), (0, 0, 0), "close: {close}");
+        assert_eq!(common::proc_memfds(host.memfd_name()), (0, 0));
+    }
+}
+
+#[test]
+fn a_grow_on_another_thread_does_not_wait_for_a_busy_stream() {
+    // The release thread waits on the event; the state lock is not held meanwhile, so a grow
+    // (taking nothing back) and the getters go on.
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = ExtensibleTensor::with_equal_segments(host.clone(), 16 * G, 1, options());
+    let tensor = tensor.unwrap();
+    tensor.resize(8 * G, GrowOptions::zeroed()).unwrap();
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(4 * G, ShrinkOptions::default()).unwrap();
+    let grower = {
+        let tensor = tensor.clone();
+        std::thread::spawn(move || tensor.resize(6 * G, GrowOptions::zeroed()))
+    };
+    grower.join().unwrap().unwrap();
+    assert_eq!(tensor.segment_bytes(), [6 * G]);
+    assert_eq!(tensor.pending_release_bytes(), 2 * G);
+    tensor.hold_events(false).unwrap();
+    assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+    tensor.check_invariants().unwrap();
+}
+
+#[test]
+fn a_mapping_the_driver_would_not_unmap_is_kept_not_leaked() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let fault = Fault {
+        op: Op::Unmap,
+        nth: 1,
+        kind: FaultKind::Driver,
+    };
+    let tensor = tensor_on(Arc::new(FaultyDriver::new(host.clone(), fault)));
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+    tensor.hold_events(false).unwrap();
+    assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+    let errors = tensor.take_deferred_errors();
+    assert!(
+        matches!(errors[..], [Error::Driver { op: Op::Unmap, .. }]),
+        "{errors:?}"
+    );
+    assert_eq!(tensor.pending_release_bytes(), G, "the one the driver kept mapped");
+    assert_eq!(host.live_counts().1, 3);
+    tensor.check_invariants().unwrap();
+    tensor.resize(6 * G, GrowOptions::zeroed()).unwrap();
+    assert_eq!(tensor.pending_release_bytes(), 0, "the grow took it back");
+    assert_eq!(common::read(&tensor, 2 * G, 4 * G), vec![0; 4 * G as usize]);
+    tensor.check_invariants().unwrap();
+    tensor.close().unwrap();
+    assert_eq!(host.live_counts(), (0, 0, 0));
+}
