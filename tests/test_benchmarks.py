@@ -112,3 +112,28 @@ def test_bench_lend_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             assert ways[way]["checksum_ok"] == [True], way
         assert all(ways[w]["median_wall_ms"] > 0 for w in bench.WAYS)
     assert "### " in capsys.readouterr().out
+
+
+def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The decode loop runs through all three phases with the resizer cycling, every shrink's
+    memory is released, and the bursty trace serves identical tokens on both caches."""
+    pytest.importorskip("transformers")
+    bench = bench_scripts.load("bench_elastic")
+    argv = [
+        "--out", str(tmp_path), "--device", "cpu", "--phase-s", "0.3", "--resize-gib", "8",
+        "--bursts", "2", "--gap-s", "0.5", "--idle-s", "0.2", "--min-blocks", "2",
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    res = json.loads((tmp_path / "bench_elastic.json").read_text())
+    decode = res["decode"]
+    assert {"quiet", "ours", "synchronize"} <= set(decode["steps"])
+    assert all(decode["steps"][p]["n"] > 0 for p in ("quiet", "ours", "synchronize"))
+    for phase in ("ours", "synchronize"):
+        calls = decode[f"{phase}_calls"]
+        assert calls["grow_ms"]["n"] > 0 and calls["shrink_ms"]["n"] > 0
+        assert calls["released_after_ms"]["n"] == calls["shrink_ms"]["n"]
+    assert decode["release_physical"]["bytes"] == 8 << 20
+    serve = res["serve"]
+    assert serve["identical"] is True
+    assert serve["auto"]["blocks_seen"][0] < serve["fixed"]["blocks_seen"][0]
+    assert "### Bursty trace" in capsys.readouterr().out

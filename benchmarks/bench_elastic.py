@@ -1,0 +1,460 @@
+"""Resizing a live KV cache under decode: the step times, the host time of each shrink and
+release, and, end to end, transformers with the automatic resize policy against a fixed cache.
+
+    python3 benchmarks/bench_elastic.py --out DIR [--device cuda:0] [--parts decode serve]
+
+`decode` (one run, three phases, each `--phase-s` long): a decode loop replays a CUDA graph on
+its own stream in one thread (an 8B-shaped attention step: 32 layers, 8 KV heads of 128, bf16,
+`--batch` sequences of `--context` tokens, over the first bytes of the cache) and waits for
+each step, as an engine does before it samples. Meanwhile another thread grows the same
+reservation by `--resize-gib` and shrinks it back, in steps of 1-8 GiB (seeded), giving the
+decode stream to every shrink:
+- `quiet`: no resizing;
+- `ours`: the shrinks return at once, the memory going back from the tensor's release thread
+  once the decode stream has passed the shrink (`src/tensor/release.rs`);
+- `synchronize`: what the peers do: a device synchronize before each shrink.
+Reported: the step time p50 / p99 / max per phase, the host time of every grow and shrink
+call, how long after a shrink returned its memory was released, and the host time of a
+`release_physical` of `--resize-gib` under the loop. The grows do not zero (paged KV is
+written before it is read; vLLM does not zero its cache either): `--zero` zeroes them.
+
+`serve`: transformers' continuous batching (random-weight model from a config, 8B-shaped on a
+GPU) on a bursty trace: `--bursts` bursts of requests of mixed length, idle gaps between them.
+Twice: with `AutoResize` (grow on demand, shrink to its floor after `--idle-s`), then with a
+fixed cache of the peak the first run reached. Reported: mean and peak KV memory over the
+trace (sampled every 10 ms), tokens/s over the bursts, and whether the tokens are identical.
+
+Markdown on stdout, DIR/bench_elastic.json. On the host backend (`--device cpu`) sizes are
+MiB and the model is tiny: a quick end-to-end run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common import GIB, MIB, environment, log
+
+KV_HEADS, HEAD_DIM, LAYERS, Q_HEADS = 8, 128, 32, 32
+
+
+def _live_bytes(gpu: bool, batch: int, context: int) -> int:
+    """The K and V of every layer the decode step reads (bf16 on a GPU, float32 on the host)."""
+    layers, itemsize = (LAYERS, 2) if gpu else (2, 4)
+    return 2 * layers * batch * KV_HEADS * context * HEAD_DIM * itemsize
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "mean_ms": 0.0}
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "n": len(ordered),
+        "p50_ms": at(0.50),
+        "p99_ms": at(0.99),
+        "max_ms": ordered[-1],
+        "mean_ms": statistics.fmean(ordered),
+    }
+
+
+class DecodeLoop:
+    """An attention step over the cache's first bytes, replayed (a CUDA graph on a GPU) on its
+    own stream by a thread that waits for every step; step times are filed under the phase
+    set at the time."""
+
+    def __init__(self, tensor: Any, batch: int, context: int) -> None:
+        import torch
+
+        self.device = torch.device(tensor.device)
+        self.gpu = self.device.type == "cuda"
+        dtype = torch.bfloat16 if self.gpu else torch.float32
+        layers = LAYERS if self.gpu else 2
+        shape = (batch, KV_HEADS, context, HEAD_DIM)
+        per = batch * KV_HEADS * context * HEAD_DIM * dtype.itemsize
+        self.live_bytes = _live_bytes(self.gpu, batch, context)
+        tensor.resize_(self.live_bytes, zero_new=True)
+        kv = [tensor.view(dtype, shape, offset=i * per) for i in range(2 * layers)]
+        self.stream = torch.cuda.Stream(self.device) if self.gpu else None
+        q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=self.device, dtype=dtype)
+        for view in kv:
+            view.normal_()
+        self.out = torch.zeros_like(q)
+
+        def step() -> None:
+            acc = self.out
+            acc.zero_()
+            for layer in range(layers):
+                k, v = kv[2 * layer], kv[2 * layer + 1]
+                acc += torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        self._step = step
+        self.graph: Any = None
+        if self.gpu:
+            assert self.stream is not None
+            with torch.cuda.stream(self.stream):
+                for _ in range(3):
+                    step()
+                self.stream.synchronize()
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.stream):
+                    step()
+        self.phase = "warm-up"
+        self.times: dict[str, list[float]] = {}
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    @property
+    def raw_stream(self) -> int | None:
+        return None if self.stream is None else int(self.stream.cuda_stream)
+
+    def _loop(self) -> None:
+        import torch
+
+        context = torch.cuda.stream(self.stream) if self.gpu else _nothing()
+        with context:
+            while self.running:
+                start = time.perf_counter()
+                if self.graph is not None:
+                    self.graph.replay()
+                    assert self.stream is not None
+                    self.stream.synchronize()
+                else:
+                    self._step()
+                took = (time.perf_counter() - start) * 1e3
+                self.times.setdefault(self.phase, []).append(took)
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _steps_bytes(total: int, unit: int, rng: random.Random) -> list[int]:
+    """Steps of 1, 2, 4 or 8 units (seeded) that sum to `total`."""
+    steps, left = [], total
+    while left > 0:
+        step = min(left, rng.choice([1, 2, 4, 8]) * unit)
+        steps.append(step)
+        left -= step
+    return steps
+
+
+def _resize_cycles(
+    tensor: Any,
+    loop: DecodeLoop,
+    resize_bytes: int,
+    unit: int,
+    until: float,
+    synchronize: bool,
+    zero: bool,
+    rng: random.Random,
+) -> dict[str, list[float]]:
+    """Grows by `resize_bytes` and shrinks back, in 1-8 `unit` steps, until `until`."""
+    import torch
+
+    calls: dict[str, list[float]] = {"grow_ms": [], "shrink_ms": [], "released_after_ms": []}
+    own = torch.cuda.Stream(loop.device) if loop.gpu else None
+    context = torch.cuda.stream(own) if own is not None else _nothing()
+    with context:
+        while time.monotonic() < until:
+            size = loop.live_bytes
+            for step in _steps_bytes(resize_bytes, unit, rng):
+                size += step
+                start = time.perf_counter()
+                tensor.resize_(size, zero_new=zero)
+                calls["grow_ms"].append((time.perf_counter() - start) * 1e3)
+            for step in _steps_bytes(resize_bytes, unit, rng):
+                size -= step
+                start = time.perf_counter()
+                if synchronize:
+                    torch.cuda.synchronize(loop.device) if loop.gpu else None
+                tensor.shrink_(size, stream=loop.raw_stream)
+                returned = time.perf_counter()
+                calls["shrink_ms"].append((returned - start) * 1e3)
+                while tensor.pending_release_bytes:
+                    time.sleep(0.0001)
+                calls["released_after_ms"].append((time.perf_counter() - returned) * 1e3)
+    return calls
+
+
+def decode_part(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from extensible_kv import ExtensibleTensor
+
+    gpu = args.device.startswith("cuda")
+    unit = GIB if gpu else MIB
+    resize_bytes = int(args.resize_gib * unit)
+    batch, context = (args.batch, args.context) if gpu else (2, 64)
+    capacity = _live_bytes(gpu, batch, context) + resize_bytes + 2 * unit
+    kw: dict[str, Any] = {} if gpu else {"granularity": 4096}
+    tensor = ExtensibleTensor(capacity, device=args.device, **kw)
+    loop = DecodeLoop(tensor, batch, context)
+    rng = random.Random(args.seed)
+    result: dict[str, Any] = {"live_bytes": loop.live_bytes, "resize_bytes": resize_bytes}
+    try:
+        time.sleep(1.0)  # warm-up steps
+        for phase in ("quiet", "ours", "synchronize"):
+            log(f"decode: phase {phase} ({args.phase_s} s)")
+            loop.phase = phase
+            until = time.monotonic() + args.phase_s
+            if phase == "quiet":
+                time.sleep(args.phase_s)
+                continue
+            result[phase] = _resize_cycles(
+                tensor, loop, resize_bytes, unit, until, phase == "synchronize", args.zero, rng
+            )
+        loop.phase = "release"
+        other = ExtensibleTensor(resize_bytes, device=args.device, **kw)
+        other.resize_(resize_bytes, zero_new=False)
+        time.sleep(0.2)
+        start = time.perf_counter()
+        other.release_physical(stream=loop.raw_stream)
+        returned = time.perf_counter()
+        other.wait_released()
+        result["release_physical"] = {
+            "bytes": resize_bytes,
+            "call_ms": (returned - start) * 1e3,
+            "released_after_ms": (time.perf_counter() - returned) * 1e3,
+        }
+        other.close()
+    finally:
+        loop.stop()
+    result["steps"] = {phase: _percentiles(times) for phase, times in loop.times.items()}
+    for phase in ("ours", "synchronize"):
+        calls = result.get(phase, {})
+        result[f"{phase}_calls"] = {name: _percentiles(v) for name, v in calls.items()}
+        result.pop(phase, None)
+    del loop, tensor  # the loop's views hold the memory: it goes with them
+    if gpu:
+        torch.cuda.synchronize()
+    return result
+
+
+def _bursts(args: argparse.Namespace, vocab: int, gpu: bool) -> list[list[list[int]]]:
+    """`--bursts` bursts, each of 8-48 requests (4-12 on the host) of mixed prompt lengths."""
+    rng = random.Random(args.seed)
+    low, high = (64, 512) if gpu else (5, 40)
+    counts = (8, 48) if gpu else (4, 12)
+    return [
+        [
+            [rng.randrange(1, vocab) for _ in range(rng.randint(low, high))]
+            for _ in range(rng.randint(*counts))
+        ]
+        for _ in range(args.bursts)
+    ]
+
+
+class _MemorySampler:
+    """Samples the cache's physical bytes every 10 ms on a thread."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.samples: list[int] = []
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while self.running:
+            self.samples.append(int(self.tensor.physical_bytes))
+            time.sleep(0.01)
+
+    def stop(self) -> dict[str, float]:
+        self.running = False
+        self.thread.join()
+        return {
+            "mean_gib": statistics.fmean(self.samples) / GIB,
+            "peak_gib": max(self.samples) / GIB,
+            "samples": len(self.samples),
+        }
+
+
+def _serve_once(
+    model: Any, options: Any, bursts: list[list[list[int]]], args: argparse.Namespace, auto: bool
+) -> dict[str, Any]:
+    import extensible_kv.transformers as ekt
+    from extensible_kv._demo import serve
+
+    device = model.device
+    enable: dict[str, Any] = {}
+    if device.type != "cuda":
+        enable["budget_bytes"] = (options.budget_mib or 64) * MIB
+    if auto:
+        enable["auto_resize"] = ekt.AutoResize(min_blocks=args.min_blocks, idle_s=args.idle_s)
+    tokens: list[list[list[int]]] = []
+    busy_s, generated = 0.0, 0
+    with ekt.enabled(**enable):
+        manager = serve.new_manager(model, options, [p for b in bursts for p in b])
+        # The processor and the warm-up before start(), as the demo does (the cache exists,
+        # and is extended, before the first request).
+        serve._start_up(manager, serve.Contender("elastic"), device, extensible=True)
+        manager.start()
+        try:
+            cache = manager.batch_processor.cache
+            sampler = _MemorySampler(cache._ekv.tensor)
+            blocks_seen = [int(cache.num_blocks)]
+            for index, burst in enumerate(bursts):
+                got, seconds, _ = serve.generate(manager, burst, options, f"burst {index}")
+                tokens.append(got)
+                busy_s += seconds
+                generated += sum(map(len, got))
+                blocks_seen.append(int(cache.num_blocks))
+                if index + 1 < len(bursts):
+                    time.sleep(args.gap_s)
+                    blocks_seen.append(int(cache.num_blocks))
+            memory = sampler.stop()
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+    return {
+        "tokens": tokens,
+        "tokens_per_s": generated / busy_s,
+        "busy_s": busy_s,
+        "blocks_seen": blocks_seen,
+        "peak_blocks": max(blocks_seen),
+        **memory,
+    }
+
+
+def serve_part(args: argparse.Namespace) -> dict[str, Any]:
+    from extensible_kv._demo import serve
+
+    options = serve.DemoOptions(
+        device=args.device, new_tokens=args.new_tokens, progress=False
+    ).resolved()
+    model = serve.build_model(options)
+    gpu = model.device.type == "cuda"
+    bursts = _bursts(args, model.config.vocab_size, gpu)
+    log(f"serve: {len(bursts)} bursts of {[len(b) for b in bursts]} requests, auto-resize")
+    auto = _serve_once(model, options, bursts, args, auto=True)
+    fixed_options = serve.DemoOptions(
+        device=args.device,
+        new_tokens=args.new_tokens,
+        progress=False,
+        num_blocks=auto["peak_blocks"],
+    ).resolved()
+    log(f"serve: fixed cache of {auto['peak_blocks']} blocks")
+    fixed = _serve_once(model, fixed_options, bursts, args, auto=False)
+    identical = auto.pop("tokens") == fixed.pop("tokens")
+    return {
+        "bursts": [len(b) for b in bursts],
+        "auto": auto,
+        "fixed": fixed,
+        "identical": identical,
+        "mean_memory_saved": 1 - auto["mean_gib"] / fixed["mean_gib"],
+        "tokens_per_s_ratio": auto["tokens_per_s"] / fixed["tokens_per_s"],
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def report(results: dict[str, Any]) -> str:
+    lines: list[str] = []
+    decode = results.get("decode")
+    if decode:
+        steps = decode["steps"]
+        quiet = steps["quiet"]
+        lines += [
+            "### Decode step while resizing (ms)",
+            "| phase | steps | p50 | p99 | max | p99 / quiet p99 | max / quiet p50 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for phase in ("quiet", "ours", "synchronize"):
+            s = steps.get(phase)
+            if not s or not s["n"]:
+                continue
+            lines.append(
+                f"| {phase} | {s['n']} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
+                f"{s['max_ms']:.3f} | {s['p99_ms'] / quiet['p99_ms']:.3f} | "
+                f"{s['max_ms'] / quiet['p50_ms']:.2f} |"
+            )
+        lines += [
+            "",
+            "### Host time of each call (ms)",
+            "| phase | call | n | p50 | p99 | max |",
+            "|---|---|---|---|---|---|",
+        ]
+        for phase in ("ours", "synchronize"):
+            for name, s in decode.get(f"{phase}_calls", {}).items():
+                lines.append(
+                    f"| {phase} | {name} | {s['n']} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
+                    f"{s['max_ms']:.3f} |"
+                )
+        rel = decode["release_physical"]
+        lines.append(
+            f"| ours | release_physical of {rel['bytes'] / GIB:.2f} GiB | 1 | "
+            f"{rel['call_ms']:.3f} | released {rel['released_after_ms']:.2f} ms after | |"
+        )
+    serve = results.get("serve")
+    if serve:
+        a, f = serve["auto"], serve["fixed"]
+        lines += [
+            "",
+            f"### Bursty trace ({serve['bursts']} requests per burst)",
+            "| cache | mean KV GiB | peak KV GiB | tokens/s | blocks seen |",
+            "|---|---|---|---|---|",
+            f"| auto-resize | {a['mean_gib']:.3f} | {a['peak_gib']:.3f} | "
+            f"{a['tokens_per_s']:.0f} | {a['blocks_seen']} |",
+            f"| fixed | {f['mean_gib']:.3f} | {f['peak_gib']:.3f} | {f['tokens_per_s']:.0f} | "
+            f"{f['blocks_seen']} |",
+            "",
+            f"mean KV memory saved: {serve['mean_memory_saved']:.1%}; tokens/s auto / fixed: "
+            f"{serve['tokens_per_s_ratio']:.3f}; identical: {_yes(serve['identical'])}",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench_elastic"))
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--parts", nargs="+", default=["decode", "serve"])
+    parser.add_argument("--phase-s", type=float, default=20.0)
+    parser.add_argument("--resize-gib", type=float, default=60.0, help="MiB on the host")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--zero", action="store_true")
+    parser.add_argument("--bursts", type=int, default=6)
+    parser.add_argument("--gap-s", type=float, default=4.0)
+    parser.add_argument("--idle-s", type=float, default=1.0)
+    parser.add_argument("--min-blocks", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    results: dict[str, Any] = {"environment": environment(torch.device(args.device))}
+    if "decode" in args.parts:
+        results["decode"] = decode_part(args)
+    if "serve" in args.parts:
+        results["serve"] = serve_part(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_elastic.json").write_text(json.dumps(results, indent=1))
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
