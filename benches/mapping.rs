@@ -115,7 +115,9 @@ fn incremental_grow(c: &mut Criterion) {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 if size == MAX_STEPS * g {
-                    t.release_physical().unwrap();
+                    // Released before the next timed grow, so that no grow takes it back.
+                    t.release_physical(stream()).unwrap();
+                    t.wait_released(None);
                     size = 0;
                 }
                 size += g;
