@@ -863,6 +863,55 @@ def test_a_shrink_past_live_blocks_waits_then_names_them(tf: Any) -> None:
         assert run(manager) == own  # eight blocks serve the prompts, a few at a time
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shrink_with_move_copies_live_blocks_down(
+    tf: Any, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`move=True`: requests that hold sectors past the new size are not waited for; their
+    sectors are copied below and their block tables renamed mid-generation, and their tokens
+    equal the same requests' run on an unmoved cache."""
+    from extensible_kv import transformers as ekt
+    from extensible_kv.transformers import cache as ekc
+
+    model, _, options = resizable(tf, kind)
+    caplog.set_level(logging.INFO, logger="extensible_kv")
+    long = prompts()[:3]
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        pool = cache.pool
+        ekt.resize(manager, NUM_BLOCKS)
+        reference = collect(manager, manager.add_requests(long, max_new_tokens=200))
+        # The lowest half of the sectors out of reach: the requests get sectors at the top
+        # (the reference's blocks, kept for prefix sharing, forgotten first).
+        with manager.pause():
+            ekc._evict_cached_blocks(cache, 0)
+            pool.try_to_free_sectors()
+            low = sorted(pool.free_sectors)[: len(pool.free_sectors) // 2]
+            pool.free_sectors[:] = [s for s in pool.free_sectors if s not in low]
+        ids = manager.add_requests(long, max_new_tokens=200)
+        deadline = time.monotonic() + 30
+        while not _requests_holding_blocks(cache) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with manager.pause():
+            pool.free_sectors.extend(low)
+        cut = min(low) + len(low) - 2  # every sector the requests hold is at or past it
+        report = ekt.resize(manager, state_blocks(cache, cut), move=True, timeout=0)
+        assert report.blocks_after == cache.num_blocks < report.blocks_before
+        assert collect(manager, ids) == reference
+    assert any(r.getMessage().startswith("Moved ") for r in caplog.records)
+
+
+def state_blocks(cache: Any, data_sectors: int) -> int:
+    """The blocks `data_sectors` sectors past the trash hold."""
+    return int(cache._ekv.blocks(data_sectors))
+
+
 def _requests_holding_blocks(cache: Any) -> bool:
     return any(a.block_table for a in cache.cache_allocators.values())
 

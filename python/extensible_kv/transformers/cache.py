@@ -797,7 +797,9 @@ def _shrink_if_idle(manager: Any, cache: Any, auto: _Auto) -> None:
     )
 
 
-def resize(manager: Any, cache: Any, num_blocks: int, timeout: float | None) -> ExtendReport:
+def resize(
+    manager: Any, cache: Any, num_blocks: int, timeout: float | None, move: bool = False
+) -> ExtendReport:
     """See `extensible_kv.transformers.resize`."""
     state = _state(cache)
     num_blocks = _args.size(num_blocks, "num_blocks", minimum=1)
@@ -825,7 +827,7 @@ def resize(manager: Any, cache: Any, num_blocks: int, timeout: float | None) -> 
             with _paused(manager):
                 _grow_live(cache, state, target)
         elif target < final:
-            _shrink_live(manager, cache, state, target, timeout)
+            _shrink_live(manager, cache, state, target, timeout, move)
     elapsed_ms = (time.perf_counter() - start) * 1e3
     state.report = ExtendReport(
         blocks_before=before[0],
@@ -879,7 +881,7 @@ def _grow_live(cache: Any, state: _State, target: int) -> None:
 
 
 def _shrink_live(
-    manager: Any, cache: Any, state: _State, target: int, timeout: float | None
+    manager: Any, cache: Any, state: _State, target: int, timeout: float | None, move: bool
 ) -> None:
     """Unmaps the sectors at and past `target` once they are all free at the same time (blocks
     cached only for prefix sharing are evicted first); until then the pool keeps them, so the
@@ -892,6 +894,9 @@ def _shrink_live(
     while True:
         with _paused(manager):
             busy = _requests_holding(cache, cut)
+            if busy and move:
+                _move_below(cache, state, cut)
+                busy = _requests_holding(cache, cut)
             if not busy:
                 _evict_cached_blocks(cache, cut)
                 pool.try_to_free_sectors()
@@ -930,6 +935,72 @@ def _still_held(state: _State, target: int, busy: list[str], timeout: float | No
         f"cannot shrink the KV cache to {state.blocks(target)} blocks: {held_by}, and {waited}; "
         "nothing changed: retry once they finish, or with a longer timeout"
     )
+
+
+def _sector_owners(cache: Any, cut: int) -> dict[int, Any]:
+    """The sectors at or past `cut` that an allocator holds (a block of them is in a request's
+    block table, the prefix cache's ledger, or free in that allocator's own pool), by owner."""
+    owners: dict[int, Any] = {}
+    for allocator in cache.cache_allocators.values():
+        per_sector = allocator.blocks_per_sector
+        ledger: Any = getattr(allocator, "ledger", None)
+        held = [b for blocks in allocator.block_table.values() for b in blocks]
+        if ledger is not None:
+            held += [*ledger.shared_ref_counts, *ledger.block_to_hash, *ledger.cached_blocks]
+        trees = cache.pool._free_blocks[allocator.index].trees
+        for sector in {b // per_sector for b in held} | set(trees):
+            if sector >= cut:
+                owners[sector] = allocator
+    return owners
+
+
+def _move_below(cache: Any, state: _State, cut: int) -> None:
+    """Copies every held sector at or past `cut` into a free sector below it, and renames its
+    blocks everywhere transformers keeps a block id (the block tables, the ledger, the free
+    blocks of the allocator's pool): all or nothing, the loop paused by the caller. The copy
+    is transformers' own (`copy_blocks`), after the device has finished the last step."""
+    pool = cache.pool
+    owners = _sector_owners(cache, cut)
+    below = sorted(sector for sector in pool.free_sectors if sector < cut)
+    if len(below) < len(owners):
+        raise RuntimeError(
+            f"cannot move {len(owners)} held sectors below sector {cut}: only {len(below)} are "
+            "free there; finish requests or shrink less"
+        )
+    moves = dict(zip(sorted(owners), below, strict=False))
+    state._synchronize()  # the last step's kernels may still write the sectors copied
+    for old, new in moves.items():
+        allocator = owners[old]
+        per_sector = allocator.blocks_per_sector
+        blocks = range(old * per_sector, (old + 1) * per_sector)
+        allocator.copy_blocks(list(blocks), [new * per_sector + b - blocks[0] for b in blocks])
+    state._synchronize()
+    for old, new in moves.items():
+        _rename_sector(cache, owners[old], old, new)
+    moved = set(moves.values())
+    pool.free_sectors[:] = [s for s in pool.free_sectors if s not in moved] + sorted(moves)
+    logger.info("Moved %d live KV sectors below sector %d", len(moves), cut)
+
+
+def _rename_sector(cache: Any, allocator: Any, old: int, new: int) -> None:
+    """Renames the blocks of sector `old` to those of sector `new` in `allocator`'s books."""
+    per_sector = allocator.blocks_per_sector
+    offset = (new - old) * per_sector
+
+    def rename(block: int) -> int:
+        return block + offset if block // per_sector == old else block
+
+    for request_id, blocks in allocator.block_table.items():
+        allocator.block_table[request_id] = [rename(b) for b in blocks]
+    ledger: Any = getattr(allocator, "ledger", None)
+    if ledger is not None:
+        ledger.shared_ref_counts = {rename(b): n for b, n in ledger.shared_ref_counts.items()}
+        ledger.hash_to_block = {h: rename(b) for h, b in ledger.hash_to_block.items()}
+        ledger.block_to_hash = {rename(b): h for b, h in ledger.block_to_hash.items()}
+        ledger.cached_blocks = {rename(b): None for b in ledger.cached_blocks}
+    trees = cache.pool._free_blocks[allocator.index].trees
+    if old in trees:
+        trees[new] = [rename(b) for b in trees.pop(old)]
 
 
 def _requests_holding(cache: Any, cut: int) -> list[str]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from extensible_kv import _torch
+from extensible_kv import _args, _torch
 from extensible_kv._native import UnsupportedError
 from extensible_kv._plugins import Patches, version_in
 from extensible_kv.flow import ExtendReport
@@ -330,7 +330,9 @@ def resume(manager: Any) -> None:
     _cache.resume(_cache_of(manager, "resume(manager)"))
 
 
-def resize(manager: Any, num_blocks: int, *, timeout: float | None = None) -> ExtendReport:
+def resize(
+    manager: Any, num_blocks: int, *, timeout: float | None = None, move: bool = False
+) -> ExtendReport:
     """Resizes a live manager's KV cache to `num_blocks` blocks (rounded up to whole sectors),
     while requests run, and returns the report (`last_report()` returns it too).
 
@@ -339,13 +341,16 @@ def resize(manager: Any, num_blocks: int, *, timeout: float | None = None) -> Ex
     cached only for prefix sharing included, so no request is given them meanwhile, then
     unmaps them; blocks requests hold are waited for, up to `timeout` seconds (None: until
     they finish), after which `TimeoutError` names those requests and nothing has changed.
-    Live blocks are not moved down yet. The pool hands out its lowest free sector first, so
-    live blocks gather at the bottom and the top is usually free.
+    With `move=True` they are not waited for: the loop paused, every sector past the new size
+    that requests hold is copied into a free sector below it and the block tables (and the
+    prefix cache's hashes) are renamed to the copy, so tokens are unchanged; `RuntimeError`
+    if too few sectors below are free (nothing has changed then). The pool hands out its
+    lowest free sector first, so live blocks gather at the bottom and the top is usually free.
 
     `TypeError` for a non-int `num_blocks`, `ValueError` below 1 or above the reservation's
     capacity; `RuntimeError` while released or before the first extension."""
     cache = _cache_of(manager, "resize(manager, num_blocks)")
-    report = _cache.resize(manager, cache, num_blocks, timeout)
+    report = _cache.resize(manager, cache, num_blocks, timeout, _args.flag(move, "move"))
     _state["report"] = report
     manager.continuous_batching_config.num_blocks = cache.num_blocks
     return report
