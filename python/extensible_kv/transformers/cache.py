@@ -781,7 +781,7 @@ def _shrink_if_idle(manager: Any, cache: Any, auto: _Auto) -> None:
     if not state.resizing.acquire(blocking=False):
         return
     try:
-        _shrink_live(manager, cache, state, auto.min_sectors, timeout=0)
+        _shrink_live(manager, cache, state, auto.min_sectors, timeout=0, move=False)
     except TimeoutError:
         return  # a request arrived meanwhile: the next idle period
     except Exception as error:  # the policy's thread must not die of one failure
