@@ -245,7 +245,11 @@ fn a_mapping_the_driver_would_not_unmap_is_kept_not_leaked() {
         matches!(errors[..], [Error::Driver { op: Op::Unmap, .. }]),
         "{errors:?}"
     );
-    assert_eq!(tensor.pending_release_bytes(), G, "the one the driver kept mapped");
+    assert_eq!(
+        tensor.pending_release_bytes(),
+        G,
+        "the one the driver kept mapped"
+    );
     assert_eq!(host.live_counts().1, 3);
     tensor.check_invariants().unwrap();
     tensor.resize(6 * G, GrowOptions::zeroed()).unwrap();

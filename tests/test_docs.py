@@ -105,7 +105,7 @@ FOREIGN = {
 }
 FOREIGN_NAMES = {name for names in FOREIGN.values() for name in names.split()}
 # CUDA driver API calls, types and error codes: `cuMemCreate`, `CUstream`, `CUDA_ERROR_…`.
-FOREIGN_PATTERNS = (re.compile(r"^(cu[A-Z]\w*|CU[a-z]\w*|CUDA_\w+)$"),)
+FOREIGN_PATTERNS = (re.compile(r"^(cu[A-Z]\w*|CU[a-z]\w*|CUDA_\w+|CU_\w+)$"),)
 # Modules of other projects: a dotted token starting with one of them is theirs.
 FOREIGN_MODULES = ("vllm", "sglang", "transformers", "torch", "triton", "numpy")
 # Aliases the docs' examples bind.

@@ -19,8 +19,10 @@
 //!    granule is mapped at most once (the dedup of shared granules);
 //! 3. every granule holding a committed byte is mapped and accessible;
 //! 4. every view handed out holds an `Arc` of the inner state: memory outlives the last view;
-//! 5. nothing is unmapped before the driver is synchronised (the fence), except mappings this
-//!    very call made and nothing has touched yet.
+//! 5. nothing is unmapped before the work that may touch it has run: the work queued on the
+//!    caller's stream (an event: waited for on the caller's thread before a swap, by the
+//!    release thread before a release, `release.rs`), or all of the device's at teardown,
+//!    except mappings this very call made and nothing has touched yet.
 //!
 //! Limitations: `release_physical` drops everything (no pool of handles is kept for a later
 //! grow); a consolidation is all or nothing per run of granules, not across runs.
