@@ -531,6 +531,63 @@ def test_a_smaller_finalize_shrinks_in_place_keeping_the_kept_tokens(
     pool._clear_buffers()
 
 
+def _allocator(pool: Any, size: int, paged: bool) -> Any:
+    import torch
+    from sglang.srt.mem_cache.allocator import paged as paged_module
+    from sglang.srt.mem_cache.allocator import token as token_module
+
+    if paged:
+        return paged_module.PagedTokenToKVPoolAllocator(
+            size, PAGE, torch.bfloat16, pool.device, pool, need_sort=True
+        )
+    return token_module.TokenToKVPoolAllocator(size, torch.bfloat16, pool.device, pool, True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["token", "paged"])
+def test_resize_a_live_pool_through_its_allocator(
+    plugged: Any, pool_device: str, paged: bool
+) -> None:
+    """`extensible_kv.sglang.resize`: a grow backs new slots and the allocator hands them
+    out; a shrink past held pages refuses and changes nothing; once they are freed it gives
+    the memory back, keeping the tokens below, and the allocator never hands out a slot past
+    the new size."""
+    from extensible_kv.sglang import resize
+
+    pool = _mha(plugged, pool_device, 8192)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=2048))
+    allocator = _allocator(pool, 2048, paged)
+    owner = pool._post_capture_owner
+    low = allocator.alloc(1024)  # held through every resize
+    _fill(pool, low, 2.0)
+    scheduler = SimpleNamespace(max_total_num_tokens=2048)
+    backed = resize(allocator, 8192, scheduler=scheduler)
+    assert backed == owner.backed_bytes > 0 and pool.size == 8192 == allocator.size
+    assert scheduler.max_total_num_tokens == 8192
+    # Slot ids run to the size; a paged allocator's last page ends PAGE - 1 past it.
+    last = PAGE - 1 if paged else 0
+    assert allocator.available_size() == 8192 - 1024
+    high = allocator.alloc(allocator.available_size())  # every slot, the new ones included
+    assert high is not None and int(high.max()) == 8192 + last
+    _fill(pool, high, 4.0)
+    before = (owner.backed_bytes, allocator.size, allocator.available_size())
+    with pytest.raises(RuntimeError, match="pages past it are held"):
+        resize(allocator, 2048)
+    assert (owner.backed_bytes, allocator.size, allocator.available_size()) == before
+    allocator.free(high)
+    assert resize(allocator, 2048, scheduler=scheduler) < before[0]
+    assert pool.size == allocator.size == scheduler.max_total_num_tokens == 2048
+    assert allocator.available_size() == 2048 - 1024
+    rest = allocator.alloc(allocator.available_size())
+    assert rest is not None and int(rest.max()) == 2048 + last
+    assert _values(pool, low) == _expected(pool, 2.0)
+    with pytest.raises(ValueError, match="to the 8192 tokens reserved"):
+        resize(allocator, 8192 + PAGE)
+    if paged:
+        with pytest.raises(ValueError, match="multiple of the page size"):
+            resize(allocator, 2048 + 1)
+    pool._clear_buffers()
+
+
 def test_release_and_resume_keep_the_addresses(plugged: Any, pool_device: str) -> None:
     import torch
 

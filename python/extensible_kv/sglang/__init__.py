@@ -2,7 +2,8 @@
 
 `KvVmmBufferOwner` has the API of `sglang.srt.mem_cache.kv_vmm_backing.KvVmmBufferOwner`;
 `owner`'s docstring says what it adds (shrink, release/resume) and what holds without zeroing.
-`plugin.register` is the `sglang.srt.plugins` entry point. Nothing here imports SGLang or torch.
+`plugin.register` is the `sglang.srt.plugins` entry point; `resize` resizes a live pool through
+SGLang's allocator, between scheduler steps. Nothing here imports SGLang or torch.
 """
 
 from extensible_kv.sglang.owner import (
@@ -13,6 +14,7 @@ from extensible_kv.sglang.owner import (
     resume_all,
 )
 from extensible_kv.sglang.plugin import ENV_VAR, MEMORY_SAVER_ENV_VAR, register, unregister
+from extensible_kv.sglang.resize import resize
 
 __all__ = [
     "ENV_VAR",
@@ -22,6 +24,7 @@ __all__ = [
     "KvVmmBufferOwner",
     "register",
     "release_all",
+    "resize",
     "resume_all",
     "unregister",
 ]
