@@ -92,6 +92,7 @@ class Ours:
 
     def release(self) -> None:
         self.t.release_physical()
+        self.t.wait_released()  # the next grow must find the memory free
 
     def teardown(self) -> None:
         self.t.close()
@@ -109,6 +110,7 @@ class Vllm:
 
     def release(self) -> None:
         self.t.release_physical()
+        self.t.wait_released()  # the next grow must find the memory free
 
     def teardown(self) -> None:
         self.t.free()

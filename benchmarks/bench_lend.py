@@ -136,6 +136,7 @@ def _a_main(conn: Any, device: str, num_bytes: int) -> None:
         elif command == "shrink":
             start = time.monotonic()
             tensor.shrink_(0)
+            tensor.wait_released()  # the driver's path: the memory is back when B creates
             _sync(device)
             conn.send((start, (time.monotonic() - start) * 1e3))
         elif command == "plain":
@@ -186,6 +187,7 @@ def _b_main(conn: Any, device: str, num_bytes: int) -> None:
             end = time.monotonic()
             conn.send((end, (end - start) * 1e3, _free(device)))
             tensor.shrink_(0)
+            tensor.wait_released()
         elif command == "create":
             start = time.monotonic()
             created = torch.empty(num_bytes, dtype=torch.uint8, device=device)

@@ -41,6 +41,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,8 @@ def shrink_once(total: int, keep: int, exact: bool, pause_s: float) -> dict[str,
     handles_before = t.num_handles
     settle(pause_s, torch.device(DEVICE))
     free_before = free_now()
-    ms, step_ops = timed_step(t, lambda: t.shrink_(keep, exact=exact))
+    # Timed until the memory is back (the release itself runs on the tensor's thread).
+    ms, step_ops = timed_step(t, lambda: (t.shrink_(keep, exact=exact), t.wait_released()))
     freed = free_now() - free_before
     out = {
         "ms": ms,
@@ -161,16 +163,22 @@ def consolidate_once(per_segment: int, segments: int, pause_s: float) -> dict[st
     # not the calls (one unmap over adjacent mappings cost as much as one per mapping).
     t = fragmented(per_segment, segments)
     settle(pause_s, torch.device(DEVICE))
-    out["old_teardown_ms"], out["old_teardown_ops"] = timed_step(t, t.release_physical)
+    out["old_teardown_ms"], out["old_teardown_ops"] = timed_step(t, _release_and_wait(t))
     t.close()
     return out
+
+
+def _release_and_wait(t: Any) -> Callable[[], object]:
+    """`release_physical`, then the wait for its release (done on the tensor's thread): the
+    teardown's whole cost, as before the release was deferred."""
+    return lambda: (t.release_physical(), t.wait_released())
 
 
 def recommit_once(total: int, pause_s: float) -> dict[str, Any]:
     t = new_tensor(total, 1)
     t.resize_(total)
     settle(pause_s, torch.device(DEVICE))
-    release_ms, release_ops = timed_step(t, t.release_physical)
+    release_ms, release_ops = timed_step(t, _release_and_wait(t))
     settle(pause_s, torch.device(DEVICE))
     grow_ms, grow_ops = timed_step(t, lambda: t.resize_(total))
     t.close()

@@ -13,6 +13,7 @@ mod common;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use extensible_kv::driver::host::events::DELAY_ENV_VAR;
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::ExportTypes;
 use extensible_kv::tensor::ViewRegion;
@@ -326,7 +327,7 @@ fn run(
                 held = hold;
             }
         }
-        if !held {
+        if !held && std::env::var_os(DELAY_ENV_VAR).is_none() {
             prop_assert_eq!(
                 tensor.pending_release_bytes(),
                 0,

@@ -72,6 +72,7 @@ def _state(t: ExtensibleTensor) -> tuple[Any, ...]:
 
 
 def _check_consistent(t: ExtensibleTensor) -> None:
+    assert t.wait_released(10)  # what a shrink or release gave back goes on the tensor's thread
     t._check_invariants()
     g = t.granularity
     needed: set[int] = set()

@@ -427,6 +427,7 @@ def test_a_stale_description_is_refused_and_never_reaches_other_memory(
     freed = old.handles[1].fd
     assert freed is not None
     a.shrink_(g)
+    assert a.wait_released(10)  # the handle and its exported fd are gone
     b = make_owner(4 * g, 1)
     b.resize_(g)
     b.full_view()[:g].copy_(pattern(g, 9).to(b.device))
@@ -504,6 +505,7 @@ def test_send_shared_refuses_a_stale_description(g: int, make_owner: MakeOwner) 
     owner.resize_(2 * g)
     old = owner.share()
     owner.shrink_(g)
+    assert owner.wait_released(10)
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with left, right, pytest.raises(ValueError, match="stale shared description"):
         send_shared(left, old)

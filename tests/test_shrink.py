@@ -7,6 +7,7 @@ their pattern, and blocks grown back must read zero.
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from conftest import MakeTensor, mapped_granules, needed_granules
 from extensible_kv import ClosedError, DriverError, ExtensibleTensor, HandleSizing, OutOfMemoryError
 
+HOST_EVENT_DELAY = "EXTENSIBLE_KV_HOST_EVENT_DELAY_US"
 BLOCK = 512  # bytes per block per segment
 
 
@@ -33,6 +35,8 @@ def expected(t: ExtensibleTensor, s: int, num_bytes: int, seed: int) -> torch.Te
 
 
 def check(t: ExtensibleTensor, exact: bool) -> None:
+    # What a shrink gives back goes on the tensor's thread once the stream has passed it.
+    assert t.wait_released(10)
     t._check_invariants()
     mapped = mapped_granules(t)
     assert len(mapped) == len(set(mapped)), "a granule is mapped twice"
@@ -92,12 +96,12 @@ def test_plain_shrink_keeps_the_straddling_handle_exact_trims_it(
     assert t.handle_runs() == [(0, 8), (8, 8)]
     t.shrink_(3 * g + 1)
     assert t.handle_runs() == [(0, 8)]  # the dead handle went, the straddler stayed whole
-    assert t.physical_bytes == 8 * g
+    assert t.wait_released(10) and t.physical_bytes == 8 * g
     t.shrink_(3 * g + 1, exact=True)
     assert t.handle_runs() == [(0, 4)]
-    assert t.physical_bytes == 4 * g
+    assert t.wait_released(10) and t.physical_bytes == 4 * g
     t.shrink_(0, exact=True)
-    assert t.handle_runs() == [] and t.physical_bytes == 0
+    assert t.handle_runs() == [] and t.wait_released(10) and t.physical_bytes == 0
 
 
 def test_a_granule_a_neighbour_still_needs_stays(make_tensor: MakeTensor, g: int) -> None:
@@ -153,7 +157,7 @@ def test_consolidate_after_a_plain_shrink_drops_the_slack(make_tensor: MakeTenso
     t.resize_(16 * g)
     fill_blocks(t, seed=1)
     t.shrink_(5 * g)
-    assert t.physical_bytes == 8 * g
+    assert t.wait_released(10) and t.physical_bytes == 8 * g
     t.consolidate()
     assert t.handle_runs() == [(0, 5)]
     assert torch.equal(t.segment_view(0).cpu(), expected(t, 0, 5 * g, 1))
@@ -254,9 +258,14 @@ def _snapshot(t: ExtensibleTensor) -> tuple[Any, ...]:
     return (list(t.segment_bytes), t.physical_bytes, list(t.handle_runs()), data)
 
 
+# Each waits for what it gave back (released on the tensor's thread once the stream has passed
+# the call), so that the driver calls counted are all of the operation's.
 OPERATIONS = {
-    "exact shrink": lambda t, g: t.shrink_per_segment_(4 * g + BLOCK, exact=True),
-    "plain shrink": lambda t, g: t.shrink_per_segment_(3 * g),
+    "exact shrink": lambda t, g: (
+        t.shrink_per_segment_(4 * g + BLOCK, exact=True),
+        t.wait_released(10),
+    ),
+    "plain shrink": lambda t, g: (t.shrink_per_segment_(3 * g), t.wait_released(10)),
     "consolidate": lambda t, g: t.consolidate(),
 }
 
@@ -290,13 +299,17 @@ def test_every_failed_call_leaves_the_tensor_unchanged(
                     run(t, g)  # only the nth call fails: the same operation now succeeds
                     injected += 1
                 else:
-                    # The call was a clean-up after the swap (unmapping the scratch copy):
-                    # the operation took effect and the failure is reported, not lost.
-                    assert op == "unmap", f"{op} call {k} ({kind}) did not fail the operation"
+                    # The call was a clean-up after the swap (unmapping the scratch copy), or
+                    # the release thread's (its wait, its event's destroy, its unmap): the
+                    # operation took effect and the failure is reported, not lost.
+                    assert op in ("unmap", "wait_event"), f"{op} call {k} ({kind}) did not fail"
                     assert any("INJECTED" in e for e in t.take_deferred_errors())
                 t._check_invariants()
                 for s in range(2):
                     got = t.segment_view(s).cpu().clone()
                     assert torch.equal(got, expected(t, s, got.numel(), 7))
                 t.close()
-    assert injected >= 10, calls
+    # A plain shrink whose release is deferred (CUDA; the host backend with delayed events)
+    # can fail only at its event's record: its unmaps run on the tensor's thread afterwards.
+    deferred = counter.backend != "host" or bool(os.environ.get(HOST_EVENT_DELAY))
+    assert injected >= (2 if deferred and operation == "plain shrink" else 10), calls

@@ -182,6 +182,7 @@ def test_grow_release_cycles_leak_nothing_and_stay_flat(
             assert int(view[g - 1]) == 0
             view[:g].fill_(7)
             t.release_physical()
+    assert t.wait_released(10)
     assert (t.num_handles, t.physical_bytes, t.live_views) == (0, 0, 1)
     assert view.data_ptr() == t.base_ptr and t.take_deferred_errors() == []
     after = probe()

@@ -1002,6 +1002,7 @@ def test_release_physical(make_tensor: MakeTensor, g: int, backend: str, leak_ch
     pointers = [v.data_ptr() for v in views]
 
     t.release_physical()  # allowed with live views: they must not be touched until regrown
+    assert t.wait_released(10)  # released on the tensor's thread once the stream has passed
     assert (t.segment_bytes, t.physical_bytes, t.num_handles) == ((0, 0), 0, 0)
     assert t.handle_runs() == []
     assert t.base_ptr == base and not t.closed

@@ -68,7 +68,15 @@ impl ExtensibleTensor {
         let new_granules = plan::granules_of(&new_ranges, geometry.granularity());
         // Mappings given back but not released yet are mapped again rather than waited for:
         // their memory is still there (and zeroed below like any mapped granule).
-        let taken_back = self.inner.releaser.take_back(&new_granules);
+        // One handle per run (vLLM's RDMA registrations) cannot reuse handles cut otherwise:
+        // wait for those pending release instead.
+        let taken_back = match options.one_handle_per_run {
+            true => {
+                self.inner.releaser.settle();
+                Vec::new()
+            }
+            false => self.inner.releaser.take_back(&new_granules),
+        };
         let taken_runs: Vec<u64> = taken_back
             .iter()
             .map(|(_, m)| m.run.first_granule)

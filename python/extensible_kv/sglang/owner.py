@@ -232,6 +232,7 @@ class KvVmmBufferOwner:
         self._grow_to(spans)
         if any(new < old for old, new in zip(buffer.segment_bytes, spans, strict=True)):
             buffer.shrink_per_segment_(list(spans), exact=True)
+            buffer.wait_released()  # SGLang reads the footprint a finalize leaves
 
     def ensure_prefix(self, num_tokens: int) -> None:
         """Backs (at least) the first `num_tokens` slots of every buffer (a negative count is a

@@ -82,7 +82,7 @@ def resize(allocator: Any, num_tokens: int, *, scheduler: Any = None) -> int:
                 "it are held (by requests or the radix cache); free them and retry. Nothing "
                 "changed"
             )
-        pool.finalize_backing(SimpleNamespace(max_total_num_tokens=num_tokens))
+        pool.finalize_backing(SimpleNamespace(max_total_num_tokens=num_tokens))  # waits for it
         allocator.free_pages = free[~past]
     allocator.size = num_tokens
     if hasattr(allocator, "num_pages"):

@@ -284,6 +284,8 @@ class ExtensibleTensor:
         if len(sizes) != self.num_segments:
             raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
         tensor.shrink_per_segment_(list(sizes), exact=True)
+        # vLLM measures the memory a commit leaves (as its own tensor's, freed on return).
+        tensor.wait_released()
 
     def consolidate(self) -> None:
         """Back each segment's committed prefix by one allocation, keeping its contents and

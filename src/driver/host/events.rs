@@ -3,12 +3,30 @@
 //! (the deferred release of `tensor/release.rs`) hold events instead: each recorded while held
 //! stays pending until let go, as on a stream a decode loop keeps busy, or until `synchronize`,
 //! which waits for everything as a device synchronize does.
+//!
+//! `EXTENSIBLE_KV_HOST_EVENT_DELAY_US=N` makes every event complete N microseconds after it is
+//! recorded, as a device's do a little after the call that queued them: the release then
+//! happens on the tensor's thread, as on CUDA. The CPU test suite runs once so
+//! (`scripts/test`), which keeps the tests that run on both backends honest about it.
 
-use std::collections::BTreeSet;
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::driver::EventId;
 use crate::error::{Error, Op, Result};
+
+/// The variable that delays every event's completion (microseconds), as a device's.
+pub const DELAY_ENV_VAR: &str = "EXTENSIBLE_KV_HOST_EVENT_DELAY_US";
+
+/// The delay `DELAY_ENV_VAR` asks for, read once; none when unset, 0 or not a number.
+fn delay() -> Option<Duration> {
+    static DELAY: OnceLock<Option<Duration>> = OnceLock::new();
+    *DELAY.get_or_init(|| {
+        let micros: u64 = std::env::var(DELAY_ENV_VAR).ok()?.trim().parse().ok()?;
+        (micros > 0).then(|| Duration::from_micros(micros))
+    })
+}
 
 #[derive(Default)]
 struct State {
@@ -17,6 +35,8 @@ struct State {
     pending: BTreeSet<u64>,
     /// Every event recorded and not destroyed, to refuse a wait on one that is not.
     live: BTreeSet<u64>,
+    /// When each delayed event (`DELAY_ENV_VAR`) completes on its own.
+    due: BTreeMap<u64, Instant>,
     next: u64,
 }
 
@@ -33,13 +53,17 @@ impl Events {
 
     pub(super) fn record(&self) -> Option<EventId> {
         let mut state = self.lock();
-        if !state.held {
+        let delay = delay();
+        if !state.held && delay.is_none() {
             return None;
         }
         state.next += 1;
         let id = state.next;
         state.pending.insert(id);
         state.live.insert(id);
+        if let (false, Some(delay)) = (state.held, delay) {
+            state.due.insert(id, Instant::now() + delay);
+        }
         Some(EventId(id))
     }
 
@@ -49,10 +73,23 @@ impl Events {
             return Err(unknown(event));
         }
         while state.pending.contains(&event.0) {
-            state = self
-                .completed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            let due = state.due.get(&event.0).copied();
+            state = match due {
+                None => self
+                    .completed
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner),
+                Some(due) if Instant::now() >= due => {
+                    state.pending.remove(&event.0);
+                    state.due.remove(&event.0);
+                    break;
+                }
+                Some(due) => {
+                    let left = due.saturating_duration_since(Instant::now());
+                    let waited = self.completed.wait_timeout(state, left);
+                    waited.unwrap_or_else(PoisonError::into_inner).0
+                }
+            };
         }
         Ok(())
     }
@@ -63,6 +100,7 @@ impl Events {
             return Err(unknown(event));
         }
         state.pending.remove(&event.0);
+        state.due.remove(&event.0);
         Ok(())
     }
 
@@ -82,6 +120,7 @@ impl Events {
 
     fn complete_all(&self, state: &mut State) {
         state.pending.clear();
+        state.due.clear();
         self.completed.notify_all();
     }
 }

@@ -13,7 +13,7 @@
 //! clobber memory this driver does not own, whatever the caller passes.
 #![allow(unsafe_code)]
 
-mod events;
+pub mod events;
 pub mod headroom;
 pub mod stray;
 
