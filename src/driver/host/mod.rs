@@ -283,20 +283,19 @@ impl Driver for HostDriver {
     }
 
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books();
-        if let Some(why) = books.refuse_free(va, num_bytes) {
-            return Err(invalid_range(Op::FreeReservation, va, num_bytes, why));
-        }
-        stray::unregister(va); // before the addresses can be anyone else's
-                               // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
-        if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
-            return Err(last_os_error(
-                Op::FreeReservation,
-                format!("{num_bytes} bytes"),
-            ));
-        }
-        books.reservations.remove(&va);
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::FreeReservation, va, num_bytes, why);
+        self.books().free_reservation(va, num_bytes, refused, || {
+            stray::unregister(va); // before the addresses can be anyone else's
+                                   // SAFETY: the books found the range exactly one live reservation of ours with
+                                   // nothing mapped in it.
+            if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
+                return Err(last_os_error(
+                    Op::FreeReservation,
+                    format!("{num_bytes} bytes"),
+                ));
+            }
+            Ok(())
+        })
     }
 
     fn supported_export_types(&self) -> ExportTypes {
@@ -407,76 +406,62 @@ impl Driver for HostDriver {
     }
 
     fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
-        let mut books = self.books();
         self.check_aligned(Op::Map, "address", va)?;
-        if let Some(why) = books.refuse_map(va, num_bytes, handle.0) {
-            return Err(invalid_range(Op::Map, va, num_bytes, &why));
-        }
-        let fd = books.handles[&handle.0].0.as_raw_fd();
-        let flags = libc::MAP_SHARED | libc::MAP_FIXED;
-        // SAFETY: the range lies inside one of our reservations and overlaps no live mapping,
-        // so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a live memfd of ours
-        // at least num_bytes long.
-        let raw = unsafe {
-            libc::mmap(
-                va as *mut _,
-                bytes_as_usize(num_bytes),
-                libc::PROT_NONE,
-                flags,
-                fd,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(last_os_error(
-                Op::Map,
-                format!("{num_bytes} bytes at {va:#x}"),
-            ));
-        }
-        books.mappings.insert(va, (num_bytes, false));
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::Map, va, num_bytes, why);
+        self.books().map(va, num_bytes, handle.0, refused, |fd| {
+            let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+            // SAFETY: the books found the range inside one of our reservations, overlapping no
+            // live mapping, so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a
+            // live memfd of ours of num_bytes.
+            let raw = unsafe {
+                libc::mmap(
+                    va as *mut _,
+                    bytes_as_usize(num_bytes),
+                    libc::PROT_NONE,
+                    flags,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if raw == libc::MAP_FAILED {
+                return Err(last_os_error(
+                    Op::Map,
+                    format!("{num_bytes} bytes at {va:#x}"),
+                ));
+            }
+            Ok(())
+        })
     }
 
     fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books();
-        let Some(starts) = books.tiling(va, num_bytes) else {
-            let why = "does not cover whole mappings";
-            return Err(invalid_range(Op::Unmap, va, num_bytes, why));
-        };
-        // SAFETY: the range is tiled by live mappings of ours, all inside our reservations.
-        if unsafe { map_inaccessible(va, num_bytes) } == libc::MAP_FAILED {
-            return Err(last_os_error(
-                Op::Unmap,
-                format!("{num_bytes} bytes at {va:#x}"),
-            ));
-        }
-        for start in starts {
-            books.mappings.remove(&start);
-        }
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::Unmap, va, num_bytes, why);
+        self.books().unmap(va, num_bytes, refused, || {
+            // SAFETY: the books found the range tiled by live mappings of ours, all inside our
+            // reservations.
+            if unsafe { map_inaccessible(va, num_bytes) } == libc::MAP_FAILED {
+                return Err(last_os_error(
+                    Op::Unmap,
+                    format!("{num_bytes} bytes at {va:#x}"),
+                ));
+            }
+            Ok(())
+        })
     }
 
     fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books();
-        let Some(starts) = books.tiling(va, num_bytes) else {
-            let why = "is not wholly mapped";
-            return Err(invalid_range(Op::SetAccess, va, num_bytes, why));
-        };
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // SAFETY: the range is tiled by live shared mappings of ours; mprotect changes only
-        // their protection.
-        if unsafe { libc::mprotect(va as *mut _, bytes_as_usize(num_bytes), prot) } != 0 {
-            return Err(last_os_error(
-                Op::SetAccess,
-                format!("{num_bytes} bytes at {va:#x}"),
-            ));
-        }
-        for start in starts {
-            if let Some(entry) = books.mappings.get_mut(&start) {
-                entry.1 = true;
+        let refused = |why: &str| invalid_range(Op::SetAccess, va, num_bytes, why);
+        self.books().set_access(va, num_bytes, refused, || {
+            let prot = libc::PROT_READ | libc::PROT_WRITE;
+            // SAFETY: the books found the range tiled by live shared mappings of ours; mprotect
+            // changes only their protection.
+            if unsafe { libc::mprotect(va as *mut _, bytes_as_usize(num_bytes), prot) } != 0 {
+                return Err(last_os_error(
+                    Op::SetAccess,
+                    format!("{num_bytes} bytes at {va:#x}"),
+                ));
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     fn memset_zero(&self, va: u64, num_bytes: u64, _stream: Stream) -> Result<()> {
