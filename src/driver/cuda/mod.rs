@@ -28,7 +28,7 @@ pub use self::context::vmm_unavailable_reason;
 use self::context::{Bound, PrimaryContext};
 use super::books::Books;
 use super::{DeviceKind, Driver, ExportTypes, Exported, HandleId, ImportSource, Stream};
-use crate::error::{Error, Op, Result};
+use crate::error::{Error, OnOp, Op, Result};
 
 // Sizes cross the trait as u64 and libcuda as usize; the casts below rely on equal widths.
 const _: () = assert!(usize::BITS == u64::BITS);
@@ -40,11 +40,6 @@ fn code_name(err: DriverError) -> String {
         // cuGetErrorName fails only for statuses it does not know; bindgen's name will do.
         Err(_) => format!("{:?}", err.0),
     }
-}
-
-trait OnOp<T> {
-    /// This crate's error for a failed `op`; `detail` is built only on failure.
-    fn on(self, op: Op, detail: impl FnOnce() -> String) -> Result<T>;
 }
 
 impl<T> OnOp<T> for Result<T, DriverError> {
