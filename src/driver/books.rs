@@ -84,11 +84,8 @@ impl<H> Books<H> {
         refused: impl FnOnce(&str) -> E,
         unmap: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
-        let starts = self
-            .tiling(va, num_bytes)
-            .ok_or_else(|| refused("does not cover whole mappings"))?;
-        unmap()?;
-        for start in starts {
+        let why = "does not cover whole mappings";
+        for start in self.call_on_tiling(va, num_bytes, why, refused, unmap)? {
             self.mappings.remove(&start);
         }
         Ok(())
@@ -103,16 +100,28 @@ impl<H> Books<H> {
         refused: impl FnOnce(&str) -> E,
         grant: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
-        let starts = self
-            .tiling(va, num_bytes)
-            .ok_or_else(|| refused("is not wholly mapped"))?;
-        grant()?;
-        for start in starts {
+        let why = "is not wholly mapped";
+        for start in self.call_on_tiling(va, num_bytes, why, refused, grant)? {
             self.mappings
                 .entry(start)
                 .and_modify(|(_, accessible)| *accessible = true);
         }
         Ok(())
+    }
+
+    /// The starts of the whole mappings that tile `[va, va + num_bytes)`, once `call` on the
+    /// range succeeded; `refused(why)` where they do not tile it, and `call` is not made.
+    fn call_on_tiling<E>(
+        &self,
+        va: u64,
+        num_bytes: u64,
+        why: &str,
+        refused: impl FnOnce(&str) -> E,
+        call: impl FnOnce() -> Result<(), E>,
+    ) -> Result<Vec<u64>, E> {
+        let starts = self.tiling(va, num_bytes).ok_or_else(|| refused(why))?;
+        call()?;
+        Ok(starts)
     }
 
     fn inside_reservation(&self, va: u64, num_bytes: u64) -> bool {
