@@ -239,3 +239,95 @@ impl Error {
 
 /// The crate's `Result`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An OS call's failure, as rustix returns it.
+pub(crate) use rustix::io::Errno;
+
+/// The name of an errno value (`ENOMEM`), as `Error::Driver` and `Error::OutOfMemory` carry it.
+pub(crate) fn errno_name(errno: Errno) -> String {
+    let name = match errno {
+        Errno::NOMEM => "ENOMEM",
+        Errno::NOSPC => "ENOSPC",
+        Errno::INVAL => "EINVAL",
+        Errno::BADF => "EBADF",
+        Errno::FAULT => "EFAULT",
+        Errno::MFILE => "EMFILE",
+        Errno::NFILE => "ENFILE",
+        Errno::PERM => "EPERM",
+        Errno::ACCESS => "EACCES",
+        Errno::OVERFLOW => "EOVERFLOW",
+        Errno::FBIG => "EFBIG",
+        Errno::INTR => "EINTR",
+        Errno::NOENT => "ENOENT",
+        Errno::SRCH => "ESRCH",
+        Errno::NOSYS => "ENOSYS",
+        Errno::NOTSOCK => "ENOTSOCK",
+        Errno::IO => "EIO",
+        _ => return format!("errno {}", errno.raw_os_error()),
+    };
+    name.to_string()
+}
+
+impl Error {
+    /// The error of an OS call for `op` that failed with `errno`.
+    pub(crate) fn os(op: Op, errno: Errno, detail: impl Into<String>) -> Error {
+        Error::Driver {
+            op,
+            code: errno_name(errno),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// A failed call's status as this crate's error: each backend's statuses (errno values here,
+/// `CUresult`s in the CUDA backend) implement it, so every call site reads `.on(op, detail)`.
+pub(crate) trait OnOp<T> {
+    /// This crate's error for a failed `op`; `detail` is built only on failure.
+    fn on(self, op: Op, detail: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> OnOp<T> for Result<T, Errno> {
+    fn on(self, op: Op, detail: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|errno| Error::os(op, errno, detail()))
+    }
+}
+
+/// For the std calls (files, fd clones): named by their errno, `EIO` for one without.
+impl<T> OnOp<T> for Result<T, std::io::Error> {
+    fn on(self, op: Op, detail: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|err| {
+            let errno = Errno::from_io_error(&err).unwrap_or(Errno::IO);
+            Error::os(op, errno, format!("{}: {err}", detail()))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn os_errors_are_named_by_their_errno() {
+        let refused: Result<(), Errno> = Err(Errno::NOMEM);
+        match refused.on(Op::Create, || "a memfd".into()) {
+            Err(Error::Driver { op, code, detail }) => {
+                assert_eq!(
+                    (op, code.as_str(), detail.as_str()),
+                    (Op::Create, "ENOMEM", "a memfd")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(errno_name(Errno::from_raw_os_error(4095)), "errno 4095");
+        let missing = std::fs::read("/nonexistent/extensible-kv").map(drop);
+        let err = missing.on(Op::MemInfo, || "reading".into()).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("mem_info failed: ENOENT (reading: "),
+            "{err}"
+        );
+        let plain: Result<(), std::io::Error> = Err(std::io::Error::other("no errno"));
+        let err = plain.on(Op::Import, || "fstat".into()).unwrap_err();
+        assert!(err.to_string().contains("EIO"), "{err}");
+    }
+}

@@ -15,17 +15,23 @@
 //! was taken (the owner clears the word before the number can be reused). Anything else is a
 //! stale description, refused before anything is mapped.
 //!
-//! Promises: the `unsafe` here wraps raw syscalls, whose fd results become `OwnedFd`s at once,
-//! and the registry's shared mapping, read and written only through atomics inside its
-//! bounds; nothing else of the process is touched.
+//! Promises: the system calls go through rustix, whose fd results are `OwnedFd`s; the
+//! `unsafe` here is the shared mapping of a registry or a loan board (read and written only
+//! through atomics inside its bounds) and the borrow of a caller's fd number for the one call
+//! that duplicates it; nothing else of the process is touched.
 #![allow(unsafe_code)]
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ffi::c_void;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::driver::host::os_error;
-use crate::error::{Error, Op, Result};
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::fs::MemfdFlags;
+use rustix::mm::{MapFlags, ProtFlags};
+use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
+
+use crate::error::{Errno, Error, OnOp, Op, Result};
 use crate::plan::Run;
 
 /// The name prefix of registry memfds (`/memfd:<prefix><id as 32 hex digits>`).
@@ -37,20 +43,23 @@ const FD_BITS: u32 = 24;
 /// open first (`F_GETFD`), so a number that names nothing is a `ValueError`, and never adopted,
 /// so no call can close a descriptor its caller uses elsewhere.
 pub fn borrow_fd(raw: i32) -> Result<OwnedFd> {
-    // SAFETY: F_GETFD reads the flags of fd number `raw`, which may name nothing (then -1).
-    if raw < 0 || unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
-        return Err(Error::invalid(format!(
+    let not_open = || {
+        Error::invalid(format!(
             "fd {raw} is not an open file descriptor of this process"
-        )));
+        ))
+    };
+    if raw < 0 {
+        return Err(not_open());
     }
-    // SAFETY: `raw` was open a moment ago; F_DUPFD_CLOEXEC makes a new fd, owned by us alone.
-    let copy = unsafe { libc::fcntl(raw, libc::F_DUPFD_CLOEXEC, 0) };
-    if copy < 0 {
-        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-        return Err(os_error(Op::Import, errno, format!("duplicating fd {raw}")));
-    }
-    // SAFETY: the kernel just returned this fd, owned by nothing else.
-    Ok(unsafe { OwnedFd::from_raw_fd(copy) })
+    // SAFETY: `BorrowedFd` asks that the number stay open while borrowed; the borrow lasts
+    // for one fcntl, which reads the descriptor table and touches no memory. Were the number
+    // closed (the caller's mistake, or another thread's close meanwhile) the kernel answers
+    // EBADF, refused below; nothing of this process is used through it.
+    let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+    rustix::io::fcntl_dupfd_cloexec(fd, 0).map_err(|errno| match errno {
+        Errno::BADF => not_open(),
+        _ => Error::os(Op::Import, errno, format!("duplicating fd {raw}")),
+    })
 }
 
 /// What `fd` is, as `/proc/self/fd` says (`/memfd:NAME (deleted)`, `/dev/nvidiactl`, ...).
@@ -90,30 +99,15 @@ unsafe impl Sync for Words {}
 impl Words {
     fn map(fd: &OwnedFd, num_words: usize, writable: bool) -> Result<Words> {
         let prot = match writable {
-            true => libc::PROT_READ | libc::PROT_WRITE,
-            false => libc::PROT_READ,
+            true => ProtFlags::READ | ProtFlags::WRITE,
+            false => ProtFlags::READ,
         };
         let len = num_words.max(1) * 8;
         // SAFETY: a fresh shared mapping of our own fd, placed where the kernel likes; it
         // touches no existing memory.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(
-                Op::Export,
-                errno,
-                format!("mapping a registry of {len} bytes"),
-            ));
-        }
+        let raw =
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0) }
+                .on(Op::Export, || format!("mapping a registry of {len} bytes"))?;
         let ptr = NonNull::new(raw.cast::<AtomicU64>()).expect("mmap never returns null here");
         Ok(Words { ptr, num_words })
     }
@@ -131,8 +125,13 @@ impl Words {
 
 impl Drop for Words {
     fn drop(&mut self) {
-        // SAFETY: exactly the mapping `map` made; no reference into it outlives `self`.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.num_words.max(1) * 8) };
+        let (ptr, len) = (
+            self.ptr.as_ptr().cast::<c_void>(),
+            self.num_words.max(1) * 8,
+        );
+        // SAFETY: exactly the mapping `map` made; no reference into it outlives `self`. A
+        // failed unmap leaves only a mapping of a memfd, which is nobody's to report to here.
+        let _ = unsafe { rustix::mm::munmap(ptr, len) };
     }
 }
 
@@ -145,35 +144,17 @@ pub struct ExportRegistry {
 impl ExportRegistry {
     /// A registry for a tensor of `num_granules` granules named by `tensor_id`.
     pub fn create(tensor_id: u128, num_granules: u64) -> Result<ExportRegistry> {
-        let name = std::ffi::CString::new(format!("{REGISTRY_PREFIX}{tensor_id:032x}"))
-            .expect("no NUL in a formatted name");
-        // SAFETY: `name` is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(
-                Op::Export,
-                errno,
-                "memfd for the export registry".into(),
-            ));
-        }
-        // SAFETY: memfd_create just returned this fd, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let name = format!("{REGISTRY_PREFIX}{tensor_id:032x}");
+        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)
+            .on(Op::Export, || "memfd for the export registry".into())?;
         let num_words = usize::try_from(num_granules)
             .ok()
             .and_then(|n| n.checked_mul(2))
             .filter(|n| n.checked_mul(8).is_some_and(|b| i64::try_from(b).is_ok()))
             .ok_or_else(|| Error::invalid(format!("{num_granules} granules is too many")))?;
-        // SAFETY: ftruncate on our own fd; the size fits off_t (checked above). Sparse: only
-        // the pages of words ever written take memory.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), (num_words.max(1) * 8) as libc::off_t) } != 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(
-                Op::Export,
-                errno,
-                "sizing the export registry".into(),
-            ));
-        }
+        // Sparse: only the pages of words ever written take memory.
+        rustix::fs::ftruncate(&fd, (num_words.max(1) * 8) as u64)
+            .on(Op::Export, || "sizing the export registry".into())?;
         let words = Words::map(&fd, num_words, true)?;
         Ok(ExportRegistry { fd, words })
     }
@@ -237,14 +218,7 @@ impl RegistryView {
                  {target})"
             )));
         }
-        let len = std::fs::File::from(
-            fd.try_clone()
-                .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?,
-        )
-        .metadata()
-        .map(|m| m.len())
-        .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?;
-        let num_words = usize::try_from(len / 8).unwrap_or(0);
+        let num_words = usize::try_from(file_bytes(&fd)? / 8).unwrap_or(0);
         Ok(RegistryView {
             words: Words::map(&fd, num_words, false)?,
         })
@@ -265,6 +239,12 @@ impl RegistryView {
     }
 }
 
+/// The bytes of the file behind `fd`: a registry's or a loan board's.
+fn file_bytes(fd: &OwnedFd) -> Result<u64> {
+    let stat = rustix::fs::fstat(fd).on(Op::Import, || "fstat of a shared memfd".into())?;
+    Ok(u64::try_from(stat.st_size).unwrap_or(0))
+}
+
 /// The error for a description whose memory the owner no longer holds as described.
 pub fn stale(why: String) -> Error {
     Error::invalid(format!(
@@ -281,49 +261,38 @@ pub struct Process {
 impl Process {
     /// Holds process `pid` (ESRCH when there is none).
     pub fn open(pid: i32) -> Result<Process> {
-        // SAFETY: pidfd_open takes a pid and flags by value and touches no memory of ours.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        let raw = i32::try_from(raw).unwrap_or(-1);
-        if raw < 0 {
-            return Err(syscall_error("pidfd_open", pid, None));
-        }
-        // SAFETY: the kernel just returned this fd, owned by nothing else.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // pid_t is positive; the kernel refuses 0 and below with EINVAL.
+        let pidfd = Pid::from_raw(pid.max(0))
+            .ok_or(Errno::INVAL)
+            .and_then(|id| rustix::process::pidfd_open(id, PidfdFlags::empty()))
+            .map_err(|errno| syscall_error("pidfd_open", pid, None, errno))?;
         Ok(Process { pid, pidfd })
     }
 
     /// A duplicate, in this process, of the process's fd number `fd` (close-on-exec).
     pub fn take(&self, fd: i32) -> Result<OwnedFd> {
-        // SAFETY: pidfd_getfd takes a live pidfd (borrowed for the call), an fd number and
-        // flags by value; it touches no memory of ours.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.pidfd.as_raw_fd(), fd, 0) };
-        let raw = i32::try_from(raw).unwrap_or(-1);
-        if raw < 0 {
-            return Err(syscall_error("pidfd_getfd", self.pid, Some(fd)));
-        }
-        // SAFETY: the kernel just returned this fd, owned by nothing else.
-        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+        rustix::process::pidfd_getfd(&self.pidfd, fd, PidfdGetfdFlags::empty())
+            .map_err(|errno| syscall_error("pidfd_getfd", self.pid, Some(fd), errno))
     }
 }
 
-fn syscall_error(call: &str, pid: i32, fd: Option<i32>) -> Error {
-    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+fn syscall_error(call: &str, pid: i32, fd: Option<i32>, errno: Errno) -> Error {
     let what = match fd {
         Some(fd) => format!("{call}: fd {fd} of process {pid}"),
         None => format!("{call}: process {pid}"),
     };
-    if let (libc::EBADF, Some(fd)) = (errno, fd) {
+    if let (Errno::BADF, Some(fd)) = (errno, fd) {
         return stale(format!("process {pid} no longer holds fd {fd}"));
     }
     let hint = match errno {
-        libc::EPERM | libc::EACCES => {
+        Errno::PERM | Errno::ACCESS => {
             "; this process may not trace the owner (Yama ptrace_scope, another user): pass \
              the fds over a Unix socket with send_shared/recv_shared"
         }
-        libc::ESRCH => "; the owner process is gone",
+        Errno::SRCH => "; the owner process is gone",
         _ => "",
     };
-    os_error(Op::Import, errno, format!("{what}{hint}"))
+    Error::os(Op::Import, errno, format!("{what}{hint}"))
 }
 
 /// The name prefix of loan boards (`/memfd:<prefix><tensor id, 32 hex>:<loan id, 16 hex>`).
@@ -387,22 +356,11 @@ impl LoanBoard {
         epoch: u64,
         entries: &[LoanEntry],
     ) -> Result<LoanBoard> {
-        let name = std::ffi::CString::new(board_name(tensor_id, loan_id))
-            .expect("no NUL in a formatted name");
-        // SAFETY: `name` is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(Op::Export, errno, "memfd for a loan board".into()));
-        }
-        // SAFETY: memfd_create just returned this fd, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = rustix::fs::memfd_create(board_name(tensor_id, loan_id), MemfdFlags::CLOEXEC)
+            .on(Op::Export, || "memfd for a loan board".into())?;
         let num_words = BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * entries.len();
-        // SAFETY: ftruncate on our own fd, to a small size.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), (num_words * 8) as libc::off_t) } != 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(os_error(Op::Export, errno, "sizing a loan board".into()));
-        }
+        rustix::fs::ftruncate(&fd, (num_words * 8) as u64)
+            .on(Op::Export, || "sizing a loan board".into())?;
         let board = LoanBoard {
             words: Words::map(&fd, num_words, true)?,
             fd,
@@ -439,13 +397,7 @@ impl LoanBoard {
                  board fd now names {target})"
             )));
         }
-        let len = std::fs::File::from(
-            fd.try_clone()
-                .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?,
-        )
-        .metadata()
-        .map(|m| m.len())
-        .map_err(|e| os_error(Op::Import, e.raw_os_error().unwrap_or(0), e.to_string()))?;
+        let len = file_bytes(&fd)?;
         let num_words = usize::try_from(len / 8).unwrap_or(0);
         if num_words < BOARD_HEADER_WORDS {
             return Err(stale_loan(format!("its board holds {len} bytes")));
@@ -630,14 +582,17 @@ impl Watched {
         let Some(pidfd) = &self.pidfd else {
             return true;
         };
-        let mut poll = libc::pollfd {
-            fd: pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one pollfd that outlives the call, count 1; the pidfd is open (borrowed).
-        let ready = unsafe { libc::poll(&raw mut poll, 1, timeout_ms) };
-        ready > 0 && poll.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+        // A negative timeout waits for as long as it takes, as poll(2)'s does.
+        let timeout = u64::try_from(timeout_ms).ok().map(|ms| Timespec {
+            tv_sec: (ms / 1000) as i64,
+            tv_nsec: (ms % 1000 * 1_000_000) as _,
+        });
+        let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+        let ready = rustix::event::poll(&mut fds, timeout.as_ref()).unwrap_or(0);
+        ready > 0
+            && fds[0]
+                .revents()
+                .intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR)
     }
 }
 

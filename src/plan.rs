@@ -563,24 +563,77 @@ pub fn granules_of(ranges: &[ByteRange], granularity: u64) -> Vec<Run> {
     runs
 }
 
+/// Why runs fail `check_runs`: the first bad run, by its index, and what is wrong with it.
+/// Callers word it for what their runs are (a description's handles, a loan's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadRun {
+    /// `runs[index]` is empty, or ends past granule `num_granules` (or past 2^64).
+    Outside {
+        /// The run's index.
+        index: usize,
+        /// The run.
+        run: Run,
+        /// The granules the runs must lie in.
+        num_granules: u64,
+    },
+    /// `runs[index]` starts before the run before it ends: out of order or overlapping.
+    Overlapping {
+        /// The run's index.
+        index: usize,
+        /// The run.
+        run: Run,
+        /// Where the run before it ends.
+        end_of_previous: u64,
+    },
+}
+
+impl std::fmt::Display for BadRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            BadRun::Outside {
+                run, num_granules, ..
+            } => write!(f, "run {run:?} is empty or past granule {num_granules}"),
+            BadRun::Overlapping {
+                run,
+                end_of_previous,
+                ..
+            } => write!(
+                f,
+                "runs out of order or overlapping: {run:?} starts before granule \
+                 {end_of_previous}, where the run before it ends"
+            ),
+        }
+    }
+}
+
+/// The message, for the invariant checks whose errors are strings (`?` converts).
+impl From<BadRun> for String {
+    fn from(bad: BadRun) -> String {
+        bad.to_string()
+    }
+}
+
 /// Checks that `runs` are sorted, disjoint, non-empty and inside `num_granules`.
-pub fn check_runs(runs: &[Run], num_granules: u64) -> Result<(), String> {
+pub fn check_runs(runs: &[Run], num_granules: u64) -> Result<(), BadRun> {
     // Bounds first, in 64 bits checked: a description's runs may be anything, and a wrapped
     // end would pass both tests below. After it, `end_granule` fits for every run.
     let outside = |r: &Run| {
         r.num_granules == 0 || r.checked_end_granule().is_none_or(|end| end > num_granules)
     };
-    if let Some(run) = runs.iter().find(|r| outside(r)) {
-        return Err(format!(
-            "run {run:?} is empty or past granule {num_granules}"
-        ));
+    if let Some(index) = runs.iter().position(outside) {
+        return Err(BadRun::Outside {
+            index,
+            run: runs[index],
+            num_granules,
+        });
     }
-    for pair in runs.windows(2) {
+    for (index, pair) in runs.windows(2).enumerate() {
         if pair[0].end_granule() > pair[1].first_granule {
-            return Err(format!(
-                "runs out of order or overlapping: {:?} then {:?}",
-                pair[0], pair[1]
-            ));
+            return Err(BadRun::Overlapping {
+                index: index + 1,
+                run: pair[1],
+                end_of_previous: pair[0].end_granule(),
+            });
         }
     }
     Ok(())
@@ -772,7 +825,7 @@ mod tests {
     fn runs_past_64_bits_are_refused_not_wrapped() {
         // first + num wraps to 1, inside a 4-granule reservation.
         let err = check_runs(&[Run::new(u64::MAX, 2)], 4).unwrap_err();
-        assert!(err.contains("past granule 4"), "{err}");
+        assert!(err.to_string().contains("past granule 4"), "{err}");
         assert!(check_runs(&[Run::new(0, 1), Run::new(u64::MAX, 2)], 4).is_err());
         assert!(check_runs(&[Run::new(0, u64::MAX)], u64::MAX).is_ok());
         assert!(handle_granules(4096, 0).is_err());

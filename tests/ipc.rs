@@ -128,10 +128,13 @@ fn tampered_descriptions_are_refused() {
     twice.handles[1].serial = twice.handles[0].serial;
     let mut bigger = description.clone();
     bigger.handles[0].run.num_granules += 1;
+    let mut wrapping = description.clone();
+    wrapping.handles[0].run.first_granule = u64::MAX;
     for (bad, why) in [
         (grown, "no handle covers them"),
         (twice, "two handles have serial"),
         (bigger, "inside the handle before it"),
+        (wrapping, "handles[0] covers granules 18446744073709551615"),
     ] {
         match ExtensibleTensor::import(host_driver(), &bad, None) {
             Err(Error::InvalidArgument(message)) => assert!(message.contains(why), "{message}"),

@@ -12,7 +12,8 @@ use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::{ExportTypes, Stream};
 use extensible_kv::{
-    Error, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, Op, Options, ShrinkOptions,
+    Error, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, Op, Options, Run,
+    ShrinkOptions,
 };
 
 const G: u64 = 4096;
@@ -240,12 +241,21 @@ fn tampered_loans_are_refused_before_anything_is_mapped() {
     let mut t = loan.clone();
     t.epoch = 0;
     tampered.push(("zero epoch", t));
+    let mut t = loan.clone();
+    t.handles[0].run = Run::new(u64::MAX, 2);
+    tampered.push(("wrapping run", t));
+    let mut t = loan.clone();
+    t.handles[0].run.num_granules = 0;
+    tampered.push(("empty run", t));
     for (what, t) in tampered {
         let err = borrower
             .tensor
             .borrow(&t, None, false, Stream::DEFAULT)
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err:?}");
+        if what.ends_with(" run") {
+            assert!(err.to_string().contains("not a non-empty range"), "{err}");
+        }
         assert_eq!(borrower.snapshot(), before, "{what}");
     }
     // The genuine loan still goes through: refusals left the board offered.

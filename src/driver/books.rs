@@ -2,6 +2,10 @@
 //! access was granted) and physical handles. Both backends check every address range against
 //! these books before touching the OS or the driver — that check is what makes the `Driver`
 //! trait's methods safe to call with any arguments. Pure bookkeeping: no FFI.
+//!
+//! The mutating calls (`map`, `unmap`, `set_access`, `free_reservation`) take the backend's
+//! FFI call as a closure: the books check the range, run the call, and change only once it
+//! succeeded, so a backend states nothing but its call and how it names a refusal.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -35,7 +39,92 @@ impl<H> Books<H> {
         )
     }
 
-    pub fn inside_reservation(&self, va: u64, num_bytes: u64) -> bool {
+    /// Frees the reservation `[va, va + num_bytes)` with `free`, once the books allow it
+    /// (else `refused(why)`), and forgets it once `free` succeeded.
+    pub fn free_reservation<E>(
+        &mut self,
+        va: u64,
+        num_bytes: u64,
+        refused: impl FnOnce(&str) -> E,
+        free: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        if let Some(why) = self.refuse_free(va, num_bytes) {
+            return Err(refused(why));
+        }
+        free()?;
+        self.reservations.remove(&va);
+        Ok(())
+    }
+
+    /// Maps `handle` at `[va, va + num_bytes)` with `map`, given the backend's data of the
+    /// handle, once the books allow it (else `refused(why)`); books the mapping, not yet
+    /// accessible, once `map` succeeded.
+    pub fn map<E>(
+        &mut self,
+        va: u64,
+        num_bytes: u64,
+        handle: u64,
+        refused: impl FnOnce(&str) -> E,
+        map: impl FnOnce(&H) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if let Some(why) = self.refuse_map(va, num_bytes, handle) {
+            return Err(refused(&why));
+        }
+        map(&self.handles[&handle].0)?;
+        self.mappings.insert(va, (num_bytes, false));
+        Ok(())
+    }
+
+    /// Unmaps the whole mappings that tile `[va, va + num_bytes)` with `unmap` (else
+    /// `refused(why)`), and forgets them once `unmap` succeeded.
+    pub fn unmap<E>(
+        &mut self,
+        va: u64,
+        num_bytes: u64,
+        refused: impl FnOnce(&str) -> E,
+        unmap: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        let why = "does not cover whole mappings";
+        for start in self.call_on_tiling(va, num_bytes, why, refused, unmap)? {
+            self.mappings.remove(&start);
+        }
+        Ok(())
+    }
+
+    /// Grants access to the whole mappings that tile `[va, va + num_bytes)` with `grant` (else
+    /// `refused(why)`), and marks them accessible once `grant` succeeded.
+    pub fn set_access<E>(
+        &mut self,
+        va: u64,
+        num_bytes: u64,
+        refused: impl FnOnce(&str) -> E,
+        grant: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        let why = "is not wholly mapped";
+        for start in self.call_on_tiling(va, num_bytes, why, refused, grant)? {
+            self.mappings
+                .entry(start)
+                .and_modify(|(_, accessible)| *accessible = true);
+        }
+        Ok(())
+    }
+
+    /// The starts of the whole mappings that tile `[va, va + num_bytes)`, once `call` on the
+    /// range succeeded; `refused(why)` where they do not tile it, and `call` is not made.
+    fn call_on_tiling<E>(
+        &self,
+        va: u64,
+        num_bytes: u64,
+        why: &str,
+        refused: impl FnOnce(&str) -> E,
+        call: impl FnOnce() -> Result<(), E>,
+    ) -> Result<Vec<u64>, E> {
+        let starts = self.tiling(va, num_bytes).ok_or_else(|| refused(why))?;
+        call()?;
+        Ok(starts)
+    }
+
+    fn inside_reservation(&self, va: u64, num_bytes: u64) -> bool {
         let Some((&start, &len)) = self.reservations.range(..=va).next_back() else {
             return false;
         };
@@ -44,7 +133,7 @@ impl<H> Books<H> {
     }
 
     /// Why `[va, va + num_bytes)` cannot be freed as a reservation, if it cannot.
-    pub fn refuse_free(&self, va: u64, num_bytes: u64) -> Option<&'static str> {
+    fn refuse_free(&self, va: u64, num_bytes: u64) -> Option<&'static str> {
         if self.reservations.get(&va) != Some(&num_bytes) {
             return Some("is not a reservation");
         }
@@ -56,7 +145,7 @@ impl<H> Books<H> {
     }
 
     /// Why a mapping of `handle` cannot go at `[va, va + num_bytes)`, if it cannot.
-    pub fn refuse_map(&self, va: u64, num_bytes: u64, handle: u64) -> Option<String> {
+    fn refuse_map(&self, va: u64, num_bytes: u64, handle: u64) -> Option<String> {
         match self.handles.get(&handle) {
             None => return Some(format!("names no live handle ({handle:#x})")),
             Some((_, len)) if *len != num_bytes => {
@@ -74,7 +163,7 @@ impl<H> Books<H> {
     }
 
     /// The starts of the whole mappings that tile `[va, va + num_bytes)` exactly, if they do.
-    pub fn tiling(&self, va: u64, num_bytes: u64) -> Option<Vec<u64>> {
+    fn tiling(&self, va: u64, num_bytes: u64) -> Option<Vec<u64>> {
         let end = va.checked_add(num_bytes)?;
         let mut cursor = va;
         let mut starts = Vec::new();
@@ -270,6 +359,61 @@ mod tests {
             Some((u64::MAX, unmapped)),
             "wraps around"
         );
+    }
+
+    /// A call that records it ran and then succeeds or fails.
+    fn call(ran: &mut bool, ok: bool) -> Result<(), String> {
+        *ran = true;
+        ok.then_some(()).ok_or_else(|| "the call failed".into())
+    }
+
+    #[test]
+    fn books_change_only_after_the_call_succeeded() {
+        let mut books = books();
+        let refused = |why: &str| format!("refused: {why}");
+        let mut ran = false;
+        let err = books.unmap(64 * MIB, MIB, refused, || call(&mut ran, true));
+        assert_eq!(err.unwrap_err(), "refused: does not cover whole mappings");
+        assert!(!ran, "a refused range reaches no call");
+        let err = books.set_access(68 * MIB, 2 * MIB, refused, || call(&mut ran, true));
+        assert_eq!(err.unwrap_err(), "refused: is not wholly mapped");
+        let err = books.map(66 * MIB, 2 * MIB, 7, refused, |_| call(&mut ran, true));
+        assert!(err.unwrap_err().contains("already mapped"));
+        let err = books.free_reservation(64 * MIB, 8 * MIB, refused, || call(&mut ran, true));
+        assert_eq!(err.unwrap_err(), "refused: is still mapped");
+        assert!(!ran);
+
+        let failed = books.unmap(64 * MIB, 4 * MIB, refused, || call(&mut ran, false));
+        assert_eq!(failed.unwrap_err(), "the call failed");
+        assert!(ran);
+        assert!(books
+            .set_access(66 * MIB, 2 * MIB, refused, || call(&mut ran, false))
+            .is_err());
+        assert!(books
+            .map(68 * MIB, 2 * MIB, 7, refused, |_| call(&mut ran, false))
+            .is_err());
+        assert_eq!(books.mappings.len(), 2, "a failed call books nothing");
+        assert!(!books.accessible(66 * MIB, 1));
+
+        books
+            .set_access(66 * MIB, 2 * MIB, refused, || call(&mut ran, true))
+            .unwrap();
+        assert!(books.accessible(64 * MIB, 4 * MIB));
+        books
+            .map(68 * MIB, 2 * MIB, 7, refused, |()| call(&mut ran, true))
+            .unwrap();
+        assert_eq!(books.mappings.get(&(68 * MIB)), Some(&(2 * MIB, false)));
+        books
+            .unmap(64 * MIB, 6 * MIB, refused, || call(&mut ran, true))
+            .unwrap();
+        assert!(books.mappings.is_empty());
+        let failed = books.free_reservation(64 * MIB, 8 * MIB, refused, || call(&mut ran, false));
+        assert!(failed.is_err());
+        assert_eq!(books.live_counts(), (1, 0, 1));
+        books
+            .free_reservation(64 * MIB, 8 * MIB, refused, || call(&mut ran, true))
+            .unwrap();
+        assert_eq!(books.live_counts(), (1, 0, 0));
     }
 
     #[test]

@@ -36,6 +36,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::share::handles_refused;
 use super::{check_state, ExtensibleTensor, Mapping, PerSegment, PhysicalHandle, State};
 use crate::driver::{DeviceKind, ExportTypes, Exported, ImportSource, Stream};
 use crate::error::{Error, Result};
@@ -137,28 +138,12 @@ impl LoanDescription {
         if self.handles.is_empty() {
             return Err(bad("it names no handle".into()));
         }
-        let mut end_of_previous = 0;
-        for (i, h) in self.handles.iter().enumerate() {
-            let Some(end) = h
-                .run
-                .checked_end_granule()
-                .filter(|_| h.run.num_granules > 0)
-            else {
-                return Err(bad(format!(
-                    "handles[{i}] covers no valid range of granules"
-                )));
-            };
-            if h.run.first_granule < end_of_previous {
-                return Err(bad(format!(
-                    "handles[{i}] starts at granule {}, inside the handle before it: handles \
-                     must be sorted and disjoint",
-                    h.run.first_granule
-                )));
-            }
-            if h.fd < 0 {
-                return Err(bad(format!("handles[{i}].fd {} is not an fd number", h.fd)));
-            }
-            end_of_previous = end;
+        let runs: Vec<Run> = self.handles.iter().map(|h| h.run).collect();
+        // No reservation bounds a loan's runs here (the borrower checks them against its own):
+        // only that each ends inside 64 bits.
+        plan::check_runs(&runs, u64::MAX).map_err(|e| bad(handles_refused(e)))?;
+        if let Some((i, h)) = self.handles.iter().enumerate().find(|(_, h)| h.fd < 0) {
+            return Err(bad(format!("handles[{i}].fd {} is not an fd number", h.fd)));
         }
         Ok(())
     }

@@ -19,7 +19,7 @@ use super::{ExtensibleTensor, Mapping, PhysicalHandle};
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, ImportSource};
 use crate::error::{Error, Result};
 use crate::ipc::{self, ExportRegistry, Process, RegistryView};
-use crate::plan::{self, Geometry, HandlePolicy, Run};
+use crate::plan::{self, BadRun, Geometry, HandlePolicy, Run};
 
 /// How an importer gets one handle.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,29 +82,9 @@ impl SharedDescription {
         geometry
             .check_request(&self.segment_bytes)
             .map_err(|e| bad(format!("segment_bytes: {e}")))?;
-        let num_granules = geometry.num_granules();
-        let mut end_of_previous = 0;
+        let runs: Vec<Run> = self.handles.iter().map(|h| h.run).collect();
+        plan::check_runs(&runs, geometry.num_granules()).map_err(|e| bad(handles_refused(e)))?;
         for (i, handle) in self.handles.iter().enumerate() {
-            let Run {
-                first_granule,
-                num_granules: n,
-            } = handle.run;
-            let end = first_granule
-                .checked_add(n)
-                .filter(|&end| n > 0 && end <= num_granules);
-            let Some(end) = end else {
-                return Err(bad(format!(
-                    "handles[{i}] covers granules {first_granule} + {n}, not a non-empty \
-                     range inside the reservation's {num_granules}"
-                )));
-            };
-            if first_granule < end_of_previous {
-                return Err(bad(format!(
-                    "handles[{i}] starts at granule {first_granule}, inside the handle before \
-                     it (which ends at {end_of_previous}): handles must be sorted and disjoint"
-                )));
-            }
-            end_of_previous = end;
             if let SharedExport::Fd { pid, fd } = handle.export {
                 if pid != self.owner_pid {
                     return Err(bad(format!(
@@ -120,7 +100,6 @@ impl SharedDescription {
                 }
             }
         }
-        let runs: Vec<Run> = self.handles.iter().map(|h| h.run).collect();
         let missing = plan::subtract(&geometry.needed_runs(&self.segment_bytes), &runs);
         if let Some(run) = missing.first() {
             return Err(bad(format!(
@@ -135,6 +114,31 @@ impl SharedDescription {
             return Err(bad(format!("two handles have serial {}", pair[0])));
         }
         Ok(geometry)
+    }
+}
+
+/// Why `check_runs` refused the granule runs of a description's (or a loan's) handles, worded
+/// for handles.
+pub(super) fn handles_refused(bad: BadRun) -> String {
+    match bad {
+        BadRun::Outside {
+            index,
+            run,
+            num_granules,
+        } => format!(
+            "handles[{index}] covers granules {} + {}, not a non-empty range below granule \
+             {num_granules}",
+            run.first_granule, run.num_granules
+        ),
+        BadRun::Overlapping {
+            index,
+            run,
+            end_of_previous,
+        } => format!(
+            "handles[{index}] starts at granule {}, inside the handle before it (which ends at \
+             {end_of_previous}): handles must be sorted and disjoint",
+            run.first_granule
+        ),
     }
 }
 

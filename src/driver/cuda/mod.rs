@@ -28,7 +28,7 @@ pub use self::context::vmm_unavailable_reason;
 use self::context::{Bound, PrimaryContext};
 use super::books::Books;
 use super::{DeviceKind, Driver, EventId, ExportTypes, Exported, HandleId, ImportSource, Stream};
-use crate::error::{Error, Op, Result};
+use crate::error::{Error, OnOp, Op, Result};
 
 // Sizes cross the trait as u64 and libcuda as usize; the casts below rely on equal widths.
 const _: () = assert!(usize::BITS == u64::BITS);
@@ -40,11 +40,6 @@ fn code_name(err: DriverError) -> String {
         // cuGetErrorName fails only for statuses it does not know; bindgen's name will do.
         Err(_) => format!("{:?}", err.0),
     }
-}
-
-trait OnOp<T> {
-    /// This crate's error for a failed `op`; `detail` is built only on failure.
-    fn on(self, op: Op, detail: impl FnOnce() -> String) -> Result<T>;
 }
 
 impl<T> OnOp<T> for Result<T, DriverError> {
@@ -170,17 +165,14 @@ impl Driver for CudaDriver {
 
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
         let _bound = self.bind(Op::FreeReservation)?;
-        let mut books = self.books();
-        if let Some(why) = books.refuse_free(va, num_bytes) {
-            return Err(refused(Op::FreeReservation, va, num_bytes, why));
-        }
-        // SAFETY: the range is exactly one live reservation with nothing mapped in it, both
-        // checked under the lock that every map takes.
-        unsafe { vmm::address_free(va, num_bytes as usize) }.on(Op::FreeReservation, || {
-            format!("{num_bytes} bytes at {va:#x}")
-        })?;
-        books.reservations.remove(&va);
-        Ok(())
+        let refused = |why: &str| refused(Op::FreeReservation, va, num_bytes, why);
+        self.books().free_reservation(va, num_bytes, refused, || {
+            // SAFETY: the books found the range exactly one live reservation with nothing
+            // mapped in it, under the lock that every map takes.
+            unsafe { vmm::address_free(va, num_bytes as usize) }.on(Op::FreeReservation, || {
+                format!("{num_bytes} bytes at {va:#x}")
+            })
+        })
     }
 
     fn supported_export_types(&self) -> ExportTypes {
@@ -292,61 +284,36 @@ impl Driver for CudaDriver {
 
     fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
         let _bound = self.bind(Op::Map)?;
-        let mut books = self.books();
-        if let Some(why) = books.refuse_map(va, num_bytes, handle.0) {
-            return Err(refused(Op::Map, va, num_bytes, &why));
-        }
-        // SAFETY: `refuse_map` found a live handle of exactly this size and a range inside one
-        // of our reservations that overlaps no mapping.
-        unsafe { vmm::map(va, num_bytes as usize, handle.0) }
-            .on(Op::Map, || format!("{num_bytes} bytes at {va:#x}"))?;
-        books.mappings.insert(va, (num_bytes, false));
-        Ok(())
+        let refused = |why: &str| refused(Op::Map, va, num_bytes, why);
+        self.books().map(va, num_bytes, handle.0, refused, |()| {
+            // SAFETY: the books found a live handle of exactly this size and a range inside one
+            // of our reservations that overlaps no mapping.
+            unsafe { vmm::map(va, num_bytes as usize, handle.0) }
+                .on(Op::Map, || format!("{num_bytes} bytes at {va:#x}"))
+        })
     }
 
     fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
         let _bound = self.bind(Op::Unmap)?;
-        let mut books = self.books();
-        let Some(starts) = books.tiling(va, num_bytes) else {
-            return Err(refused(
-                Op::Unmap,
-                va,
-                num_bytes,
-                "does not cover whole mappings",
-            ));
-        };
-        // SAFETY: whole live mappings of ours tile the range. Device work still touching it is
-        // the owner's to fence; if it did not, the kernel faults, host memory is untouched.
-        unsafe { vmm::unmap(va, num_bytes as usize) }
-            .on(Op::Unmap, || format!("{num_bytes} bytes at {va:#x}"))?;
-        for start in starts {
-            books.mappings.remove(&start);
-        }
-        Ok(())
+        let refused = |why: &str| refused(Op::Unmap, va, num_bytes, why);
+        self.books().unmap(va, num_bytes, refused, || {
+            // SAFETY: the books found whole live mappings of ours tiling the range. Device work
+            // still touching it is the owner's to fence; if it did not, the kernel faults, host
+            // memory is untouched.
+            unsafe { vmm::unmap(va, num_bytes as usize) }
+                .on(Op::Unmap, || format!("{num_bytes} bytes at {va:#x}"))
+        })
     }
 
     fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
         let _bound = self.bind(Op::SetAccess)?;
-        let mut books = self.books();
-        let Some(starts) = books.tiling(va, num_bytes) else {
-            return Err(refused(
-                Op::SetAccess,
-                va,
-                num_bytes,
-                "is not wholly mapped",
-            ));
-        };
         let location = vmm::device_location(self.ordinal);
-        // SAFETY: whole live mappings of ours tile the range.
-        unsafe { vmm::set_access(va, num_bytes as usize, location) }
-            .on(Op::SetAccess, || format!("{num_bytes} bytes at {va:#x}"))?;
-        for start in starts {
-            books
-                .mappings
-                .entry(start)
-                .and_modify(|(_, accessible)| *accessible = true);
-        }
-        Ok(())
+        let refused = |why: &str| refused(Op::SetAccess, va, num_bytes, why);
+        self.books().set_access(va, num_bytes, refused, || {
+            // SAFETY: the books found whole live mappings of ours tiling the range.
+            unsafe { vmm::set_access(va, num_bytes as usize, location) }
+                .on(Op::SetAccess, || format!("{num_bytes} bytes at {va:#x}"))
+        })
     }
 
     fn memset_zero(&self, va: u64, num_bytes: u64, stream: Stream) -> Result<()> {

@@ -17,14 +17,17 @@ pub mod events;
 pub mod headroom;
 pub mod stray;
 
-use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ffi::{c_void, CString};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use rustix::fs::{FallocateFlags, FileType, MemfdFlags};
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+
 use super::books::Books;
 use super::{DeviceKind, Driver, EventId, ExportTypes, Exported, HandleId, ImportSource, Stream};
-use crate::error::{Error, Op, Result};
+use crate::error::{errno_name, Errno, Error, OnOp, Op, Result};
 
 /// What fresh memory of a `new_dirty` driver reads as.
 pub const DIRTY_BYTE: u8 = 0xa5;
@@ -95,14 +98,11 @@ impl HostDriver {
 
     fn check_aligned(&self, op: Op, what: &str, value: u64) -> Result<()> {
         if value % self.granularity != 0 {
-            return Err(Error::Driver {
-                op,
-                code: "EINVAL".into(),
-                detail: format!(
-                    "{what} {value:#x} is not a multiple of {}",
-                    self.granularity
-                ),
-            });
+            let detail = format!(
+                "{what} {value:#x} is not a multiple of {}",
+                self.granularity
+            );
+            return Err(Error::os(op, Errno::INVAL, detail));
         }
         Ok(())
     }
@@ -113,84 +113,25 @@ fn fill_dirty(fd: &OwnedFd, num_bytes: u64) -> Result<()> {
     let mut offset = 0u64;
     while offset < num_bytes {
         let len = chunk.len().min(bytes_as_usize(num_bytes - offset));
-        // SAFETY: fd is a live memfd we own; `chunk` is valid for `len` bytes of reading.
-        let written = unsafe {
-            libc::pwrite(
-                fd.as_raw_fd(),
-                chunk.as_ptr().cast(),
-                len,
-                offset as libc::off_t,
-            )
-        };
-        if written <= 0 {
-            return Err(last_os_error(
-                Op::Create,
-                format!("filling {num_bytes} bytes"),
-            ));
+        let filling = || format!("filling {num_bytes} bytes");
+        match rustix::io::pwrite(fd, &chunk[..len], offset).on(Op::Create, filling)? {
+            0 => return Err(Error::os(Op::Create, Errno::IO, filling())),
+            written => offset += written as u64,
         }
-        offset += written as u64;
     }
     Ok(())
 }
 
 fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions; _SC_PAGESIZE is always supported on Linux.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(size).unwrap_or(4096)
-}
-
-/// The name of an errno value (`ENOMEM`), as errors carry it.
-fn errno_name(errno: i32) -> String {
-    let name = match errno {
-        libc::ENOMEM => "ENOMEM",
-        libc::ENOSPC => "ENOSPC",
-        libc::EINVAL => "EINVAL",
-        libc::EBADF => "EBADF",
-        libc::EFAULT => "EFAULT",
-        libc::EMFILE => "EMFILE",
-        libc::ENFILE => "ENFILE",
-        libc::EPERM => "EPERM",
-        libc::EACCES => "EACCES",
-        libc::EOVERFLOW => "EOVERFLOW",
-        libc::EFBIG => "EFBIG",
-        libc::EINTR => "EINTR",
-        libc::ENOENT => "ENOENT",
-        libc::ESRCH => "ESRCH",
-        libc::ENOSYS => "ENOSYS",
-        libc::ENOTSOCK => "ENOTSOCK",
-        _ => return format!("errno {errno}"),
-    };
-    name.to_string()
-}
-
-fn last_os_error(op: Op, detail: String) -> Error {
-    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-    os_error(op, errno, detail)
-}
-
-fn io_error(op: Op, err: &std::io::Error, what: &str) -> Error {
-    os_error(
-        op,
-        err.raw_os_error().unwrap_or(0),
-        format!("{what}: {err}"),
-    )
-}
-
-/// The error of a failed system call, named by its errno.
-pub(crate) fn os_error(op: Op, errno: i32, detail: String) -> Error {
-    Error::Driver {
-        op,
-        code: errno_name(errno),
-        detail,
-    }
+    rustix::param::page_size() as u64
 }
 
 fn invalid_range(op: Op, va: u64, num_bytes: u64, why: &str) -> Error {
-    Error::Driver {
+    Error::os(
         op,
-        code: "EINVAL".into(),
-        detail: format!("[{va:#x}, +{num_bytes:#x}) {why}"),
-    }
+        Errno::INVAL,
+        format!("[{va:#x}, +{num_bytes:#x}) {why}"),
+    )
 }
 
 fn bytes_as_usize(num_bytes: u64) -> usize {
@@ -202,19 +143,18 @@ fn bytes_as_usize(num_bytes: u64) -> usize {
 /// # Safety
 /// The range must lie inside a live reservation of this driver: `MAP_FIXED` discards whatever
 /// was mapped there.
-unsafe fn map_inaccessible(va: u64, num_bytes: u64) -> *mut libc::c_void {
-    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED;
-    // SAFETY: the caller guarantees the range is ours; an anonymous mapping needs no fd.
+unsafe fn map_inaccessible(va: u64, num_bytes: u64) -> rustix::io::Result<()> {
+    let flags = MapFlags::PRIVATE | MapFlags::NORESERVE | MapFlags::FIXED;
+    // SAFETY: the caller guarantees the range is ours, page-aligned like every reservation.
     unsafe {
-        libc::mmap(
-            va as *mut _,
+        rustix::mm::mmap_anonymous(
+            va as *mut c_void,
             bytes_as_usize(num_bytes),
-            libc::PROT_NONE,
+            ProtFlags::empty(),
             flags,
-            -1,
-            0,
         )
     }
+    .map(drop)
 }
 
 impl Driver for HostDriver {
@@ -248,35 +188,34 @@ impl Driver for HostDriver {
         let padded = num_bytes
             .checked_add(self.granularity)
             .ok_or_else(|| out_of_address_space("EOVERFLOW"))?;
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        // SAFETY: no MAP_FIXED: the kernel picks fresh address space, which nothing else owns.
+        let flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
+        // SAFETY: no address and no MAP_FIXED: the kernel picks fresh address space, which
+        // nothing else owns.
         let raw = unsafe {
-            libc::mmap(
+            rustix::mm::mmap_anonymous(
                 std::ptr::null_mut(),
                 bytes_as_usize(padded),
-                libc::PROT_NONE,
+                ProtFlags::empty(),
                 flags,
-                -1,
-                0,
             )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(match std::io::Error::last_os_error().raw_os_error() {
-                Some(libc::ENOMEM) => out_of_address_space("ENOMEM"),
-                _ => last_os_error(Op::Reserve, format!("{num_bytes} bytes")),
-            });
         }
+        .map_err(|errno| match errno {
+            Errno::NOMEM => out_of_address_space("ENOMEM"),
+            _ => Error::os(Op::Reserve, errno, format!("{num_bytes} bytes")),
+        })?;
         let raw = raw as u64;
         let start = raw.next_multiple_of(self.granularity);
         let (head, tail) = (start - raw, padded - (start - raw) - num_bytes);
         // SAFETY: head and tail are the ends of the mapping made just above, outside the
-        // aligned range we keep; nobody else has seen these addresses yet.
+        // aligned range we keep; nobody else has seen these addresses yet. Were an unmap to
+        // fail, the end would stay reserved, inaccessible, which harms nothing.
         unsafe {
             if head > 0 {
-                libc::munmap(raw as *mut _, bytes_as_usize(head));
+                let _ = rustix::mm::munmap(raw as *mut c_void, bytes_as_usize(head));
             }
             if tail > 0 {
-                libc::munmap((start + num_bytes) as *mut _, bytes_as_usize(tail));
+                let _ =
+                    rustix::mm::munmap((start + num_bytes) as *mut c_void, bytes_as_usize(tail));
             }
         }
         let mut books = self.books();
@@ -286,20 +225,15 @@ impl Driver for HostDriver {
     }
 
     fn free_reservation(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books();
-        if let Some(why) = books.refuse_free(va, num_bytes) {
-            return Err(invalid_range(Op::FreeReservation, va, num_bytes, why));
-        }
-        stray::unregister(va); // before the addresses can be anyone else's
-                               // SAFETY: the range is exactly one live reservation of ours with nothing mapped in it.
-        if unsafe { libc::munmap(va as *mut _, bytes_as_usize(num_bytes)) } != 0 {
-            return Err(last_os_error(
-                Op::FreeReservation,
-                format!("{num_bytes} bytes"),
-            ));
-        }
-        books.reservations.remove(&va);
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::FreeReservation, va, num_bytes, why);
+        self.books().free_reservation(va, num_bytes, refused, || {
+            // Unregistered before the addresses can be anyone else's.
+            stray::unregister(va);
+            // SAFETY: the books found the range exactly one live reservation of ours with
+            // nothing mapped in it.
+            unsafe { rustix::mm::munmap(va as *mut c_void, bytes_as_usize(num_bytes)) }
+                .on(Op::FreeReservation, || format!("{num_bytes} bytes"))
+        })
     }
 
     fn supported_export_types(&self) -> ExportTypes {
@@ -310,32 +244,22 @@ impl Driver for HostDriver {
     fn create(&self, num_bytes: u64, _export: ExportTypes) -> Result<HandleId> {
         self.check_aligned(Op::Create, "size", num_bytes)?;
         self.check_room(num_bytes)?;
-        // SAFETY: memfd_name is a valid NUL-terminated string; MFD_CLOEXEC is a valid flag.
-        let fd = unsafe { libc::memfd_create(self.memfd_name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(last_os_error(
-                Op::Create,
-                format!("memfd for {num_bytes} bytes"),
-            ));
+        let fd = rustix::fs::memfd_create(self.memfd_name.as_c_str(), MemfdFlags::CLOEXEC)
+            .on(Op::Create, || format!("memfd for {num_bytes} bytes"))?;
+        if i64::try_from(num_bytes).is_err() {
+            return Err(Error::invalid(format!("{num_bytes} bytes is too large")));
         }
-        // SAFETY: fd was just returned by memfd_create and is owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let len = libc::off_t::try_from(num_bytes)
-            .map_err(|_| Error::invalid(format!("{num_bytes} bytes is too large")))?;
-        // SAFETY: fd is a valid memfd we own; fallocate does not touch our address space.
-        let rc = unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len) };
-        if rc != 0 {
-            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            return Err(match errno {
-                libc::ENOSPC | libc::ENOMEM | libc::EFBIG => Error::OutOfMemory {
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, num_bytes).map_err(|errno| {
+            match errno {
+                Errno::NOSPC | Errno::NOMEM | Errno::FBIG => Error::OutOfMemory {
                     op: Op::Create,
                     requested_bytes: num_bytes,
                     free_bytes: self.mem_info().ok().map(|(free, _)| free),
                     code: errno_name(errno),
                 },
-                _ => os_error(Op::Create, errno, format!("fallocate {num_bytes} bytes")),
-            });
-        }
+                _ => Error::os(Op::Create, errno, format!("fallocate {num_bytes} bytes")),
+            }
+        })?;
         if self.dirty_fresh_memory {
             fill_dirty(&fd, num_bytes)?;
         }
@@ -352,15 +276,12 @@ impl Driver for HostDriver {
         }
         let books = self.books();
         let Some((fd, _)) = books.handles.get(&handle.0) else {
-            return Err(Error::Driver {
-                op: Op::Export,
-                code: "EBADF".into(),
-                detail: format!("no live handle {}", handle.0),
-            });
+            let detail = format!("no live handle {}", handle.0);
+            return Err(Error::os(Op::Export, Errno::BADF, detail));
         };
         let copy = fd
             .try_clone()
-            .map_err(|e| io_error(Op::Export, &e, "duplicating a memfd"))?;
+            .on(Op::Export, || "duplicating a memfd".into())?;
         Ok(Exported::Fd(copy))
     }
 
@@ -371,29 +292,21 @@ impl Driver for HostDriver {
                 "the host backend imports POSIX fds only, not fabric handles".into(),
             ));
         };
-        let file = std::fs::File::from(
-            fd.try_clone_to_owned()
-                .map_err(|e| io_error(Op::Import, &e, "duplicating the fd"))?,
-        );
-        let meta = file
-            .metadata()
-            .map_err(|e| io_error(Op::Import, &e, "fstat of the fd"))?;
+        let stat = rustix::fs::fstat(fd).on(Op::Import, || "fstat of the fd".into())?;
+        let is_file = FileType::from_raw_mode(stat.st_mode) == FileType::RegularFile;
+        let len = u64::try_from(stat.st_size).unwrap_or(0);
         // A memfd of another size (or not a file at all) is not the handle described.
-        if !meta.is_file() || meta.len() != num_bytes {
-            return Err(Error::Driver {
-                op: Op::Import,
-                code: "EINVAL".into(),
-                detail: format!(
-                    "the fd is a {} of {} bytes, not a memfd of {num_bytes} bytes",
-                    if meta.is_file() { "file" } else { "non-file" },
-                    meta.len()
-                ),
-            });
+        if !is_file || len != num_bytes {
+            let what = if is_file { "file" } else { "non-file" };
+            let detail =
+                format!("the fd is a {what} of {len} bytes, not a memfd of {num_bytes} bytes");
+            return Err(Error::os(Op::Import, Errno::INVAL, detail));
         }
+        let fd = fd
+            .try_clone_to_owned()
+            .on(Op::Import, || "duplicating the fd".into())?;
         let id = self.next_handle.fetch_add(1, Ordering::Relaxed);
-        self.books()
-            .handles
-            .insert(id, (OwnedFd::from(file), num_bytes));
+        self.books().handles.insert(id, (fd, num_bytes));
         Ok(HandleId(id))
     }
 
@@ -401,85 +314,48 @@ impl Driver for HostDriver {
         let mut books = self.books();
         match books.handles.remove(&handle.0) {
             Some(_) => Ok(()), // the OwnedFd closes here; live mappings keep the file alive
-            None => Err(Error::Driver {
-                op: Op::Release,
-                code: "EBADF".into(),
-                detail: format!("no live handle {}", handle.0),
-            }),
+            None => {
+                let detail = format!("no live handle {}", handle.0);
+                Err(Error::os(Op::Release, Errno::BADF, detail))
+            }
         }
     }
 
     fn map(&self, va: u64, num_bytes: u64, handle: HandleId) -> Result<()> {
-        let mut books = self.books();
         self.check_aligned(Op::Map, "address", va)?;
-        if let Some(why) = books.refuse_map(va, num_bytes, handle.0) {
-            return Err(invalid_range(Op::Map, va, num_bytes, &why));
-        }
-        let fd = books.handles[&handle.0].0.as_raw_fd();
-        let flags = libc::MAP_SHARED | libc::MAP_FIXED;
-        // SAFETY: the range lies inside one of our reservations and overlaps no live mapping,
-        // so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a live memfd of ours
-        // at least num_bytes long.
-        let raw = unsafe {
-            libc::mmap(
-                va as *mut _,
-                bytes_as_usize(num_bytes),
-                libc::PROT_NONE,
-                flags,
-                fd,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(last_os_error(
-                Op::Map,
-                format!("{num_bytes} bytes at {va:#x}"),
-            ));
-        }
-        books.mappings.insert(va, (num_bytes, false));
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::Map, va, num_bytes, why);
+        self.books().map(va, num_bytes, handle.0, refused, |fd| {
+            let flags = MapFlags::SHARED | MapFlags::FIXED;
+            let len = bytes_as_usize(num_bytes);
+            // SAFETY: the books found the range inside one of our reservations, overlapping no
+            // live mapping, so MAP_FIXED replaces only our own PROT_NONE placeholder; fd is a
+            // live memfd of ours of num_bytes.
+            unsafe { rustix::mm::mmap(va as *mut c_void, len, ProtFlags::empty(), flags, fd, 0) }
+                .map(drop)
+                .on(Op::Map, || format!("{num_bytes} bytes at {va:#x}"))
+        })
     }
 
     fn unmap(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books();
-        let Some(starts) = books.tiling(va, num_bytes) else {
-            let why = "does not cover whole mappings";
-            return Err(invalid_range(Op::Unmap, va, num_bytes, why));
-        };
-        // SAFETY: the range is tiled by live mappings of ours, all inside our reservations.
-        if unsafe { map_inaccessible(va, num_bytes) } == libc::MAP_FAILED {
-            return Err(last_os_error(
-                Op::Unmap,
-                format!("{num_bytes} bytes at {va:#x}"),
-            ));
-        }
-        for start in starts {
-            books.mappings.remove(&start);
-        }
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::Unmap, va, num_bytes, why);
+        self.books().unmap(va, num_bytes, refused, || {
+            // SAFETY: the books found the range tiled by live mappings of ours, all inside our
+            // reservations.
+            unsafe { map_inaccessible(va, num_bytes) }
+                .on(Op::Unmap, || format!("{num_bytes} bytes at {va:#x}"))
+        })
     }
 
     fn set_access(&self, va: u64, num_bytes: u64) -> Result<()> {
-        let mut books = self.books();
-        let Some(starts) = books.tiling(va, num_bytes) else {
-            let why = "is not wholly mapped";
-            return Err(invalid_range(Op::SetAccess, va, num_bytes, why));
-        };
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        // SAFETY: the range is tiled by live shared mappings of ours; mprotect changes only
-        // their protection.
-        if unsafe { libc::mprotect(va as *mut _, bytes_as_usize(num_bytes), prot) } != 0 {
-            return Err(last_os_error(
-                Op::SetAccess,
-                format!("{num_bytes} bytes at {va:#x}"),
-            ));
-        }
-        for start in starts {
-            if let Some(entry) = books.mappings.get_mut(&start) {
-                entry.1 = true;
-            }
-        }
-        Ok(())
+        let refused = |why: &str| invalid_range(Op::SetAccess, va, num_bytes, why);
+        self.books().set_access(va, num_bytes, refused, || {
+            let prot = MprotectFlags::READ | MprotectFlags::WRITE;
+            let len = bytes_as_usize(num_bytes);
+            // SAFETY: the books found the range tiled by live shared mappings of ours; mprotect
+            // changes only their protection.
+            unsafe { rustix::mm::mprotect(va as *mut c_void, len, prot) }
+                .on(Op::SetAccess, || format!("{num_bytes} bytes at {va:#x}"))
+        })
     }
 
     fn memset_zero(&self, va: u64, num_bytes: u64, _stream: Stream) -> Result<()> {
@@ -581,14 +457,7 @@ pub const MEMINFO: &str = "/proc/meminfo";
 /// `(MemAvailable, MemTotal)` in bytes from a file in `/proc/meminfo`'s format: the host's
 /// free and total memory (available counts reclaimable caches, as a new allocation sees it).
 pub fn mem_info_from(path: &str) -> Result<(u64, u64)> {
-    let meminfo = std::fs::read_to_string(path).map_err(|e| Error::Driver {
-        op: Op::MemInfo,
-        code: e
-            .raw_os_error()
-            .map(errno_name)
-            .unwrap_or_else(|| "EIO".into()),
-        detail: format!("reading {path}"),
-    })?;
+    let meminfo = std::fs::read_to_string(path).on(Op::MemInfo, || format!("reading {path}"))?;
     let field = |name: &str| -> Option<u64> {
         let line = meminfo.lines().find(|l| l.starts_with(name))?;
         let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -596,11 +465,11 @@ pub fn mem_info_from(path: &str) -> Result<(u64, u64)> {
     };
     match (field("MemAvailable:"), field("MemTotal:")) {
         (Some(free), Some(total)) => Ok((free, total)),
-        _ => Err(Error::Driver {
-            op: Op::MemInfo,
-            code: "EINVAL".into(),
-            detail: format!("no MemAvailable/MemTotal in {path}"),
-        }),
+        _ => Err(Error::os(
+            Op::MemInfo,
+            Errno::INVAL,
+            format!("no MemAvailable/MemTotal in {path}"),
+        )),
     }
 }
 
@@ -613,8 +482,9 @@ impl Drop for HostDriver {
         for (&start, &len) in &books.reservations {
             stray::unregister(start);
             // SAFETY: each entry is a live reservation of ours; nothing can use it any more,
-            // since the driver that hands out its addresses is being dropped.
-            unsafe { libc::munmap(start as *mut _, bytes_as_usize(len)) };
+            // since the driver that hands out its addresses is being dropped. A destructor has
+            // no one to report a failed unmap to: the range would stay reserved, inaccessible.
+            let _ = unsafe { rustix::mm::munmap(start as *mut c_void, bytes_as_usize(len)) };
         }
     }
 }

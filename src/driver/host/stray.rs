@@ -377,12 +377,11 @@ impl Message {
         let mut written = 0;
         while written < self.len {
             let rest = &self.bytes[written..self.len];
-            // SAFETY: `rest` is valid for reading its length; write(2) is async-signal-safe.
-            let n = unsafe { libc::write(libc::STDERR_FILENO, rest.as_ptr().cast(), rest.len()) };
-            if n <= 0 {
-                return; // nothing better to do in a dying process
+            // rustix's write is the bare system call, which is async-signal-safe.
+            match rustix::io::write(rustix::stdio::stderr(), rest) {
+                Ok(n) if n > 0 => written += n,
+                _ => return, // nothing better to do in a dying process
             }
-            written += n as usize;
         }
     }
 }
