@@ -76,6 +76,7 @@ class Engine:
     physical_bytes: int = 0
     lent_bytes: int = 0
     borrowed_bytes: int = 0
+    lendable_blocks: int = 0  # what it could lend at once, as of its last heartbeat
     heartbeat: float = 0.0
     busy: bool = False
     stuck: bool = False  # a request to it expired since its last heartbeat
@@ -230,6 +231,7 @@ _ENGINE = {
     "physical_bytes": int,
     "lent_bytes": int,
     "borrowed_bytes": int,
+    "lendable_blocks": int,
     "heartbeat": float,
     "busy": bool,
     "stuck": bool,
@@ -313,6 +315,7 @@ def _engine(raw: object, where: str) -> Engine:
     for key in ("start_time", "committed_blocks", "physical_bytes", "lent_bytes"):
         _int(getattr(engine, key), f"{where}.{key}")
     _int(engine.borrowed_bytes, f"{where}.borrowed_bytes")
+    _int(engine.lendable_blocks, f"{where}.lendable_blocks")
     _int(engine.block_bytes, f"{where}.block_bytes", minimum=1)
     _int(engine.min_blocks, f"{where}.min_blocks")
     _int(engine.max_blocks, f"{where}.max_blocks")

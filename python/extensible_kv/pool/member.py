@@ -17,6 +17,7 @@ now; the engine learns the cache's new size from `on_resize(committed_blocks)`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -49,8 +50,10 @@ class PoolMember:
     for `cuda:N`). `zero` zeroes what it borrows and reclaims (across tenants). A request to a
     donor that does not answer within `answer_timeout_s` expires (the donor is then stuck, and
     not asked again until it heartbeats); a loan offered and not taken within
-    `take_timeout_s` is taken back. `move=True` (moving live blocks down before lending) is not
-    built: `NotImplementedError`."""
+    `take_timeout_s` is taken back. A loan is whole physical handles: `commit_step_blocks`
+    commits free memory in steps of that many blocks, so that each step's handles can be lent
+    on their own later (a CUDA cache's handles are at most 1 GiB anyway). `move=True` (moving
+    live blocks down before lending) is not built: `NotImplementedError`."""
 
     def __init__(
         self,
@@ -67,6 +70,7 @@ class PoolMember:
         move: bool = False,
         answer_timeout_s: float = 1.0,
         take_timeout_s: float = 1.0,
+        commit_step_blocks: int | None = None,
         stream: int | None = None,
     ) -> None:
         self.pool = Pool(pool) if isinstance(pool, str) else pool
@@ -95,6 +99,9 @@ class PoolMember:
         self.zero = _args.flag(zero, "zero")
         self.answer_timeout_s = answer_timeout_s
         self.take_timeout_s = take_timeout_s
+        self.commit_step_blocks = _args.optional_size(
+            commit_step_blocks, "commit_step_blocks", minimum=1
+        )
         self.stream = stream
         self.busy = False
         self._last_plan: list[tuple[str, str, int]] = []
@@ -192,8 +199,10 @@ class PoolMember:
         self._log_plan(decisions)
         if commit:
             target = self.cache.committed_blocks + commit
+            step = self.commit_step_blocks or commit
             try:
-                self.cache.commit(target)
+                while self.cache.committed_blocks < target:
+                    self.cache.commit(min(self.cache.committed_blocks + step, target))
             except OutOfMemoryError as error:
                 logger.info("pool: %s could not commit %d blocks: %s", self.name, commit, error)
             finally:
@@ -264,8 +273,11 @@ class PoolMember:
         lends = []
         engine = ledger.engines[self.name]
         free_tail = self._free_tail()
+        points = _lend_points(self.cache) if asked else set()
         for loan in sorted(asked, key=lambda loan: loan.loan_id):
             decision = plan_answer(ledger, self.name, loan.loan_id, free_tail_blocks=free_tail)
+            if decision.action == "lend":
+                decision = _at_a_handle_boundary(decision, engine.committed_blocks, points)
             self._log(decision)
             if decision.action == "refuse":
                 rules.refuse(ledger, loan.loan_id, decision.reason, self.pool.clock())
@@ -357,6 +369,11 @@ class PoolMember:
 
     def _record(self, ledger: Ledger) -> None:
         cache = self.cache
+        lendable = 0
+        if not any(t.borrowed_bytes for t in cache.buffers):  # a borrower lends nothing
+            committed, free_tail = cache.committed_blocks, self._free_tail()
+            fits = [committed - k for k in _lend_points(cache) if committed - k <= free_tail]
+            lendable = max(fits, default=0)
         rules.record(
             ledger,
             self.name,
@@ -366,6 +383,7 @@ class PoolMember:
                 "physical_bytes": cache.physical_bytes,
                 "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
                 "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
+                "lendable_blocks": lendable,
                 "busy": self.busy,
             },
         )
@@ -396,6 +414,41 @@ class PoolMember:
             for decision in decisions:
                 self._log(decision)
         self._last_plan = plan
+
+
+def _lend_points(cache: ExtensibleKVCache) -> set[int]:
+    """The block counts a lend may keep: those where every segment of every buffer has a
+    handle starting exactly at the cut, since a loan is whole handles (a handle that straddles
+    the cut stays with the lender) and must be whole blocks of every buffer."""
+    points: set[int] | None = None
+    for tensor, block_bytes in zip(cache.buffers, cache.segment_block_bytes, strict=True):
+        g = tensor.granularity
+        starts = {first * g for first, _ in tensor.handle_runs()}
+        if points is None:
+            offset = tensor.segment_offsets[0]
+            points = {
+                (start - offset) // block_bytes
+                for start in starts
+                if start >= offset and (start - offset) % block_bytes == 0
+            }
+        points = {
+            k
+            for k in points
+            if all(offset + k * block_bytes in starts for offset in tensor.segment_offsets)
+        }
+    return {k for k in points or () if k < cache.committed_blocks}
+
+
+def _at_a_handle_boundary(decision: Decision, committed: int, points: set[int]) -> Decision:
+    """`decision`'s lend cut down to the largest that keeps a lend point."""
+    fits = [committed - k for k in points if 0 < committed - k <= decision.blocks]
+    if not fits:
+        why = (
+            f"no handle starts within its {decision.blocks} free top blocks (a loan is "
+            "whole handles)"
+        )
+        return dataclasses.replace(decision, action="refuse", blocks=0, reason=why)
+    return dataclasses.replace(decision, blocks=max(fits))
 
 
 def _layout(cache: ExtensibleKVCache) -> str:

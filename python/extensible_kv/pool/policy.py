@@ -97,7 +97,7 @@ def plan_grow(
             break
         take = min(want, surplus)
         state = "busy" if donor.busy else "idle"
-        why = f"{donor.name} is {state} with {surplus} blocks above its minimum"
+        why = f"{donor.name} is {state} and can lend {surplus} blocks"
         decisions.append(Decision("ask", name, take, why, peer=donor.name))
         want -= take
     if want > 0:
@@ -141,8 +141,8 @@ def _free_blocks(ledger: Ledger, engine: Engine, free_bytes: int) -> int:
 
 
 def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int]]:
-    """Engines that may lend to `needy`, with the blocks each has above its minimum (less
-    what was asked of it already), idle ones first, then the largest surplus."""
+    """Engines that may lend to `needy`, with the blocks each can lend (less what was asked of
+    it already), idle ones first, then the largest surplus."""
     asked: dict[str, int] = {}
     busy_lenders = set()
     for loan in ledger.loans.values():
@@ -161,7 +161,10 @@ def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int
             or unresponsive(donor, ledger, now)
         ):
             continue
-        surplus = donor.committed_blocks - donor.min_blocks - asked.get(donor.name, 0)
+        # What it said it could lend at once (free top blocks at handle boundaries), never
+        # below its minimum, less what others asked of it already.
+        above_min = donor.committed_blocks - donor.min_blocks
+        surplus = min(above_min, donor.lendable_blocks) - asked.get(donor.name, 0)
         if surplus > 0:
             donors.append((donor, surplus))
     donors.sort(key=lambda pair: (pair[0].busy, -pair[1], pair[0].name))
