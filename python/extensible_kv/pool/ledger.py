@@ -41,7 +41,8 @@ MAX_LEDGER_BYTES = 1 << 24  # a ledger of thousands of loans is well under a MiB
 MAX_EVENTS = 64
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # asked: the borrower asked the lender for `blocks`; the lender answers by `deadline`.
-# offered: the lender lent; `loans` describe the memory; the borrower takes it by `deadline`.
+# offered: the lender lent what lay past its block `kept_blocks`; `loans` describe the
+# memory; the borrower takes it by `deadline`.
 # borrowed: the borrower maps it, from its block `start_block`.
 # returned: the borrower gave it back, or died: the lender reclaims it, then removes the entry.
 # refused / expired: the lender said no (`reason`) / did not answer in time; the borrower
@@ -86,7 +87,8 @@ class Engine:
 class LoanEntry:
     """A loan in flight, from the request to the reclaim (see `LOAN_STATES`). `lender` is
     empty once the lender died while the borrower held the memory: the borrower's give-back
-    then returns it to the driver. `loans` are the native tuples of the `Loan`s, one per
+    then returns it to the driver. `borrower` is empty once a returned loan's borrower is
+    gone. `loans` are the native tuples of the `Loan`s, one per
     buffer of the lender's cache."""
 
     loan_id: int
@@ -97,6 +99,7 @@ class LoanEntry:
     deadline: float
     num_bytes: int = 0
     start_block: int = 0
+    kept_blocks: int = 0
     recall: bool = False
     reason: str = ""
     loans: list[list[Any]] = field(default_factory=list)
@@ -245,6 +248,7 @@ _LOAN = {
     "deadline": float,
     "num_bytes": int,
     "start_block": int,
+    "kept_blocks": int,
     "recall": bool,
     "reason": str,
     "loans": list,
@@ -334,8 +338,8 @@ def _loan(raw: object, where: str, ledger: Ledger) -> LoanEntry:
         raise _Bad(f"{where}.state {loan.state[:32]!r} is not one of {LOAN_STATES}")
     for role in ("lender", "borrower"):
         name = getattr(loan, role)
-        if name == "" and role == "lender" and loan.state == "borrowed":
-            continue  # the lender died: the borrower holds the memory
+        if name == "" and loan.state == ("borrowed" if role == "lender" else "returned"):
+            continue  # the lender died while the borrower held it; or the borrower is gone
         if _name(name, f"{where}.{role}") not in ledger.engines:
             raise _Bad(f"{where}.{role} {name!r} is not an engine of the pool")
     if loan.lender == loan.borrower:
@@ -343,6 +347,7 @@ def _loan(raw: object, where: str, ledger: Ledger) -> LoanEntry:
     _int(loan.blocks, f"{where}.blocks", minimum=1)
     _int(loan.num_bytes, f"{where}.num_bytes")
     _int(loan.start_block, f"{where}.start_block")
+    _int(loan.kept_blocks, f"{where}.kept_blocks")
     loan.deadline = _float(loan.deadline, f"{where}.deadline")
     if len(loan.reason) > 1024:
         raise _Bad(f"{where}.reason is too long")

@@ -106,6 +106,7 @@ class PoolMember:
         self.busy = False
         self._last_plan: list[tuple[str, str, int]] = []
         self._refused: dict[str, float] = {}  # donor -> when it may be asked again
+        self._settling = False
 
     # ---------------------------------------------------------------------------------------
     # joining and leaving
@@ -129,36 +130,56 @@ class PoolMember:
             rules.join(ledger, engine, self.pool.clock())
             self._record(ledger)
 
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Ends every loan of this engine: gives back what it borrowed (the engine must not use
+        those blocks any more), refuses what it was asked, withdraws its own requests, and
+        recalls and reclaims what it lent, waiting up to `timeout_s` for the borrowers (who
+        must `serve`). Past the timeout, a `TimeoutError`."""
+        self._settle(timeout_s, leave=False)
+
     def leave(self, timeout_s: float = 10.0) -> None:
-        """Gives back what it borrowed, recalls and reclaims what it lent (waiting up to
-        `timeout_s` for the borrowers, who must `serve`), then leaves. Past the timeout, a
-        `TimeoutError`, still in the pool."""
+        """`settle`, then leaves the pool in the same transaction that finds no loan left."""
+        self._settle(timeout_s, leave=True)
+
+    def _settle(self, timeout_s: float, *, leave: bool) -> None:
+        self._settling = True
+        try:
+            self._settle_rounds(timeout_s, leave)
+        finally:
+            self._settling = False
+
+    def _settle_rounds(self, timeout_s: float, leave: bool) -> None:
         deadline = time.monotonic() + timeout_s
+        why = f"{self.name} {'leaves' if leave else 'settles'}"
         while True:
             with self.pool.transaction() as ledger:
-                mine = [
-                    loan
-                    for loan in ledger.loans_of(self.name)
-                    if loan.state not in ("refused", "expired")
-                ]
-                for loan in mine:
-                    if loan.lender == self.name:
-                        rules.recall(ledger, loan.loan_id, f"{self.name} leaves", self.pool.clock())
-                    elif loan.state == "asked":
-                        del ledger.loans[loan.loan_id]  # never answered: nothing to give back
-                if not [loan for loan in mine if loan.loan_id in ledger.loans]:
-                    rules.leave(ledger, self.name, self.pool.clock())
+                now = self.pool.clock()
+                for loan in ledger.loans_of(self.name):
+                    if loan.state == "asked" and loan.lender == self.name:
+                        rules.refuse(ledger, loan.loan_id, why, now)
+                    elif loan.state in ("asked", "refused", "expired"):
+                        rules.forget(ledger, loan.loan_id)
+                        ledger.loans.pop(loan.loan_id, None)  # a request of its own: withdrawn
+                    elif loan.lender == self.name:
+                        rules.recall(ledger, loan.loan_id, why, now)
+                        if loan.state == "offered":
+                            loan.deadline = 0.0  # not taken yet: this serve takes it back
+                if not any(
+                    loan.state not in ("refused", "expired") for loan in ledger.loans_of(self.name)
+                ):
+                    if leave:
+                        rules.leave(ledger, self.name, now, force=True)
                     return
                 borrowed = [
-                    loan for loan in mine if loan.borrower == self.name and loan.state == "borrowed"
+                    loan
+                    for loan in ledger.loans_of(self.name)
+                    if loan.borrower == self.name and loan.state == "borrowed"
                 ]
             for loan in sorted(borrowed, key=lambda loan: -loan.start_block):
-                self._give_back(loan, f"{self.name} leaves")
+                self._give_back(loan, why)
             self.serve()
             if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{self.name} could not leave within {timeout_s} s: loans still in flight"
-                )
+                raise TimeoutError(f"{why}, but loans were still in flight after {timeout_s} s")
             time.sleep(0.002)
 
     # ---------------------------------------------------------------------------------------
@@ -238,36 +259,57 @@ class PoolMember:
         with self.pool.transaction() as ledger:
             now = self.pool.clock()
             self._record(ledger)
-            mine = ledger.loans_of(self.name)
-            for loan in mine:
+            for loan in ledger.loans_of(self.name):
                 if loan.borrower == self.name and loan.state in ("refused", "expired"):
                     # Not asked again at once: its blocks are live (or it is stuck).
                     self._refused[loan.lender] = now + self.answer_timeout_s
                     rules.forget(ledger, loan.loan_id)
-            to_reclaim = [
-                loan
-                for loan in mine
-                if loan.lender == self.name
-                and (loan.state == "returned" or (loan.state == "offered" and loan.deadline < now))
-            ]
-            lends = self._answer(
-                ledger,
-                [loan for loan in mine if loan.lender == self.name and loan.state == "asked"],
-            )
-            to_take = [
-                loan for loan in mine if loan.borrower == self.name and loan.state == "offered"
-            ]
-            released = plan_release(ledger, self.name, free_tail_blocks=self._free_tail())
-        for loan in sorted(to_reclaim, key=lambda loan: -loan.loan_id):
-            # A returned loan's handles are back, or its borrower is dead (seen within a few
-            # ms); an offer past its deadline is untaken (closed at once) or taken meanwhile.
-            self._reclaim(loan, timeout=1.0 if loan.state == "returned" else 0.0)
+            to_reclaim = self._reclaimable(ledger, now)
+            if not to_reclaim:
+                lends, to_take = self._work(ledger)
+        if to_reclaim:
+            for loan in to_reclaim:
+                # A returned loan's handles are back, or its borrower is dead (seen within a
+                # few ms); an offer past its deadline is untaken (closed at once) or taken
+                # meanwhile (then it stops here, and the older loans wait their turn).
+                if not self._reclaim(loan, timeout=1.0 if loan.state == "returned" else 0.0):
+                    break
+            with self.pool.transaction() as ledger:  # answers planned on the cache as it is
+                self._record(ledger)
+                lends, to_take = self._work(ledger)
         for decision in lends:
             self._lend(decision)
         for loan in sorted(to_take, key=lambda loan: loan.loan_id):
             self._take(loan)
+        with self.pool.transaction() as ledger:  # after the takes: a give-back sees them
+            released = plan_release(ledger, self.name, free_tail_blocks=self._free_tail())
         for decision in released:
             self._release(decision)
+
+    def _reclaimable(self, ledger: Ledger, now: float) -> list[LoanEntry]:
+        """The loans it lent that it can take back now, newest first (the fewest blocks kept:
+        its cache grows back contiguously only in that order), up to the first it cannot."""
+        lent = sorted(
+            (
+                loan
+                for loan in ledger.loans_of(self.name)
+                if loan.lender == self.name and loan.state in ("offered", "borrowed", "returned")
+            ),
+            key=lambda loan: loan.kept_blocks,
+        )
+        ready = []
+        for loan in lent:
+            if not (loan.state == "returned" or (loan.state == "offered" and loan.deadline < now)):
+                break
+            ready.append(loan)
+        return ready
+
+    def _work(self, ledger: Ledger) -> tuple[list[Decision], list[LoanEntry]]:
+        """Requests to answer (lends planned) and offers to take."""
+        mine = ledger.loans_of(self.name)
+        asked = [loan for loan in mine if loan.lender == self.name and loan.state == "asked"]
+        offered = [loan for loan in mine if loan.borrower == self.name and loan.state == "offered"]
+        return self._answer(ledger, asked), offered
 
     def _answer(self, ledger: Ledger, asked: list[LoanEntry]) -> list[Decision]:
         lends = []
@@ -275,6 +317,9 @@ class PoolMember:
         free_tail = self._free_tail()
         points = _lend_points(self.cache) if asked else set()
         for loan in sorted(asked, key=lambda loan: loan.loan_id):
+            if self._settling:
+                rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
+                continue
             decision = plan_answer(ledger, self.name, loan.loan_id, free_tail_blocks=free_tail)
             if decision.action == "lend":
                 decision = _at_a_handle_boundary(decision, engine.committed_blocks, points)
@@ -304,6 +349,7 @@ class PoolMember:
             offered = rules.offer(
                 ledger,
                 decision.loan_id,
+                keep,
                 blocks,
                 sum(x.num_bytes for x in loans),
                 entry,
@@ -318,16 +364,17 @@ class PoolMember:
                 self._record(ledger)
             self._resized()
 
-    def _reclaim(self, entry: LoanEntry, timeout: float) -> None:
+    def _reclaim(self, entry: LoanEntry, timeout: float) -> bool:
         loans = _loans(entry)
         try:
             self.cache.reclaim(loans, zero=self.zero, timeout=timeout, stream=self.stream)
         except LoanTimeoutError:
-            return  # taken after all: the borrower posts it
+            return False  # taken after all: the borrower posts it
         with self.pool.transaction() as ledger:
             rules.reclaimed(ledger, entry.loan_id, self.pool.clock())
             self._record(ledger)
         self._resized()
+        return True
 
     def _take(self, entry: LoanEntry) -> None:
         start = self.cache.committed_blocks
@@ -348,7 +395,14 @@ class PoolMember:
     def _release(self, decision: Decision) -> None:
         self._log(decision)
         if decision.action == "shrink":
-            self.cache.shrink_to(self.cache.committed_blocks - decision.blocks)
+            # At a handle boundary: a cut inside a handle keeps its tail mapped as slack,
+            # which a later borrow refuses.
+            committed = self.cache.committed_blocks
+            target = committed - decision.blocks
+            cut = min((k for k in _lend_points(self.cache) if k >= target), default=committed)
+            if cut == committed:
+                return
+            self.cache.shrink_to(cut)
             with self.pool.transaction() as ledger:
                 self._record(ledger)
             self._resized()
@@ -359,6 +413,20 @@ class PoolMember:
             self._give_back(entry, decision.reason)
 
     def _give_back(self, entry: LoanEntry, reason: str) -> None:
+        with self.pool.transaction() as ledger:
+            above = [
+                loan.loan_id
+                for loan in ledger.loans_of(self.name)
+                if loan.borrower == self.name
+                and loan.state == "borrowed"
+                and loan.start_block > entry.start_block
+            ]
+        if above:
+            # Giving it back would drop every block above it too, these loans' with them.
+            logger.info(
+                "pool: %s keeps loan %d: loans %s lie above it", self.name, entry.loan_id, above
+            )
+            return
         self.cache.give_back(_loans(entry), stream=self.stream)
         with self.pool.transaction() as ledger:
             rules.returned(ledger, entry.loan_id, reason, self.pool.clock())

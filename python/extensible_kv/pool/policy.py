@@ -106,10 +106,10 @@ def plan_grow(
 
 
 def _recall(name: str, want: int, lent: list[LoanEntry]) -> list[Decision]:
-    """The newest loan lies right above what the lender kept: reclaiming newest first grows
-    its cache back contiguously."""
+    """The newest loan (the fewest blocks kept) lies right above what the lender kept: its
+    cache grows back contiguously only newest first, so that is the order of the reclaims."""
     decisions = []
-    for loan in sorted(lent, key=lambda loan: -loan.loan_id):
+    for loan in sorted(lent, key=lambda loan: loan.kept_blocks):
         if want <= 0:
             break
         if loan.state == "returned":
@@ -144,12 +144,10 @@ def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int
     """Engines that may lend to `needy`, with the blocks each can lend (less what was asked of
     it already), idle ones first, then the largest surplus."""
     asked: dict[str, int] = {}
-    busy_lenders = set()
     for loan in ledger.loans.values():
         if loan.state == "asked":
             asked[loan.lender] = asked.get(loan.lender, 0) + loan.blocks
-        if loan.state in ("offered", "borrowed"):
-            busy_lenders.add(loan.borrower)  # a borrower lends nothing: its top is borrowed
+    asking = borrowers(ledger)
     donors = []
     for donor in ledger.engines.values():
         if (
@@ -157,7 +155,7 @@ def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int
             or donor.device != needy.device
             or donor.layout != needy.layout
             or donor.borrowed_bytes
-            or donor.name in busy_lenders
+            or donor.name in asking
             or unresponsive(donor, ledger, now)
         ):
             continue
@@ -171,6 +169,17 @@ def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int
     return donors
 
 
+def borrowers(ledger: Ledger) -> set[str]:
+    """Engines that asked for memory, or hold borrowed memory: they lend nothing (a borrower's
+    top blocks are borrowed; two needy engines lending to each other would each be left
+    with a loan of its own that blocks its borrow)."""
+    return {
+        loan.borrower
+        for loan in ledger.loans.values()
+        if loan.state in ("asked", "offered", "borrowed")
+    }
+
+
 def plan_answer(
     ledger: Ledger, name: str, loan_id: int, *, free_tail_blocks: int, allow_move: bool = False
 ) -> Decision:
@@ -182,8 +191,9 @@ def plan_answer(
             "built: lend free top blocks only"
         )
     engine, loan = ledger.engines[name], ledger.loans[loan_id]
-    if engine.borrowed_bytes:
-        return Decision("refuse", name, 0, "it holds borrowed blocks", loan.borrower, loan_id)
+    if engine.borrowed_bytes or name in borrowers(ledger):
+        why = "it holds borrowed blocks or waits for memory itself"
+        return Decision("refuse", name, 0, why, loan.borrower, loan_id)
     above_min = engine.committed_blocks - engine.min_blocks
     lendable = min(free_tail_blocks, above_min)
     if lendable <= 0:

@@ -79,12 +79,14 @@ def _drop_engine(ledger: Ledger, name: str, now: float, why: str) -> None:
                 # process held the memory, and the kernel freed it when it died.
                 del ledger.loans[loan.loan_id]
                 _log(ledger, now, f"loan {loan.loan_id} ({loan.state}) ends with its lender")
-        elif loan.state in ("offered", "borrowed") and loan.lender:
+        elif loan.state in ("offered", "borrowed", "returned") and loan.lender:
             # The kernel unmapped the borrower's memory; the lender's reclaim sees it gone.
-            loan.state = "returned"
-            loan.reason = f"borrower {name} died"
-            _log(ledger, now, f"loan {loan.loan_id} returns to {loan.lender}: {loan.reason}")
-        elif loan.state != "returned" or not loan.lender:
+            if loan.state != "returned":
+                loan.state = "returned"
+                loan.reason = f"borrower {name} died"
+                _log(ledger, now, f"loan {loan.loan_id} returns to {loan.lender}: {loan.reason}")
+            loan.borrower = ""
+        else:
             del ledger.loans[loan.loan_id]
             _log(ledger, now, f"loan {loan.loan_id} ({loan.state}) ends with its borrower")
     del ledger.engines[name]
@@ -172,21 +174,23 @@ def ask(
 def offer(
     ledger: Ledger,
     loan_id: int,
+    kept_blocks: int,
     blocks: int,
     num_bytes: int,
     loans: list[list[Any]],
     deadline: float,
     now: float,
 ) -> bool:
-    """The lender lent: the loan is offered. False when the request is no longer asked (it
-    expired, or the borrower is gone): the lender then takes its memory back."""
+    """The lender lent the blocks past its `kept_blocks`: the loan is offered. False when the
+    request is no longer asked (it expired, or the borrower is gone): the lender then takes
+    its memory back."""
     loan = ledger.loans.get(loan_id)
     if loan is None or loan.state != "asked":
         state = "gone" if loan is None else loan.state
         _log(ledger, now, f"loan {loan_id}: lent, but the request is {state}: reclaimed")
         return False
     loan.state, loan.blocks, loan.num_bytes = "offered", blocks, num_bytes
-    loan.loans, loan.deadline = loans, deadline
+    loan.loans, loan.deadline, loan.kept_blocks = loans, deadline, kept_blocks
     _log(ledger, now, f"loan {loan_id}: {loan.lender} offers {loan.borrower} {blocks} blocks")
     return True
 
@@ -212,6 +216,7 @@ def took(ledger: Ledger, entry: LoanEntry, start_block: int, now: float) -> None
             "borrowed",
             entry.deadline,
             entry.num_bytes,
+            kept_blocks=entry.kept_blocks,
             reason=f"lender {entry.lender} died",
             loans=entry.loans,
         )
