@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from extensible_kv.pool import Pool, rules
+from extensible_kv.pool import Ledger, Pool, rules
 from pool_engine import (
     BLOCK_BYTES,
     MEMFD,
@@ -79,6 +79,7 @@ def check_consistent(
             assert getattr(entry, key) == numbers[name][key], (name, key, entry, numbers[name])
         assert mapped_bytes(proc.pid) == numbers[name]["physical_bytes"], f"{name} counted once"
     assert rules.used_bytes(ledger, "cpu") <= share
+    return ledger
 
 
 def check_settled(
@@ -108,7 +109,7 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
 ) -> None:
     rng = random.Random(seed)
     pool = Pool(POOL, directory=tmp_path)
-    share = 120 * BLOCK_BYTES  # 40 blocks an engine on average: they must borrow to grow
+    share = 96 * BLOCK_BYTES  # 32 blocks an engine on average: they must borrow to grow
     pool.set_share("cpu", share)
     live: dict[str, Proc] = {}
     numbers: dict[str, dict[str, int]] = {}
@@ -132,9 +133,16 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
     add(3)
     steps = 160
     kills = set(rng.sample(range(5, steps - 10), 4))
+    borrowed: set[int] = set()  # loans seen borrowed
+    killed_with_loans = 0
+    ledger = pool.snapshot()
     for step in range(steps):
         if step in kills:
-            victim = live.pop(rng.choice(sorted(live)))
+            lending = sorted(name for name in live if ledger.loans_of(name))
+            victim = live.pop(
+                rng.choice(lending if lending and rng.random() < 0.75 else sorted(live))
+            )
+            killed_with_loans += bool(ledger.loans_of(victim.name))
             if rng.random() < 0.5:  # in the middle of a command
                 victim.send(*rng.choice([("serve",), ("request", rng.randint(1, 24))]))
                 time.sleep(rng.uniform(0, 0.004))
@@ -154,19 +162,24 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
         else:
             name = rng.choice(sorted(live))
             proc = live[name]
-            action = rng.choices(["request", "serve", "use", "all"], [3, 3, 2, 2])[0]
+            action = rng.choices(["request", "serve", "use", "all"], [3, 2, 2, 3])[0]
             if action == "request":
-                _, numbers[name] = proc("request", rng.randint(1, 24))
+                _, numbers[name] = proc("request", rng.randint(4, 32))
             elif action == "serve":
                 _, numbers[name] = proc("serve")
             elif action == "use":
-                target = rng.randint(0, numbers[name]["committed_blocks"])
+                # Idle (a donor) or using what it has (its requests are live blocks).
+                target = rng.choice([0, rng.randint(0, numbers[name]["committed_blocks"])])
                 _, numbers[name] = proc("use", target)
             else:
                 for other in live.values():
                     _, numbers[other.name] = other("serve")
-        check_consistent(pool, live, numbers, share)
+        ledger = check_consistent(pool, live, numbers, share)
+        borrowed |= {x.loan_id for x in ledger.loans.values() if x.state == "borrowed"}
 
+    print(f"{len(borrowed)} loans borrowed, {killed_with_loans} of 4 killed with loans")
+    assert len(borrowed) >= 5, "the schedule hardly lent anything"
+    assert killed_with_loans >= 1, "no engine was killed with loans in flight"
     for proc in live.values():
         proc.send("settle", 30.0)
     for proc in live.values():
