@@ -67,7 +67,8 @@ def other_fds(pid: int) -> int:
 
 def check_consistent(
     pool: Pool, live: dict[str, Proc], numbers: dict[str, dict[str, int]], share: int
-) -> None:
+) -> Ledger:
+    """The ledger now, checked against what the engines say and what their processes map."""
     ledger = pool.snapshot()
     assert rules.check(ledger) == [], "\n".join(
         [*map(str, ledger.loans.values()), *(e.text for e in ledger.events)]
