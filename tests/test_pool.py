@@ -918,3 +918,23 @@ def test_ten_thousand_random_steps_against_a_model(tmp_path: Path) -> None:
     with open("/proc/self/maps") as maps:
         assert "extensible_kv-pool" not in maps.read()
     assert min(counts.values()) >= 50, counts  # every kind of step ran, many times
+
+
+def test_the_readmes_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = re.findall(r"```py pool\n(.*?)```", readme, flags=re.S)
+    monkeypatch.setenv("EXTENSIBLE_KV_POOL_DIR", str(tmp_path))
+    sizes: list[int] = []
+
+    class Engine:
+        def free_top_blocks(self) -> int:
+            return c.committed_blocks
+
+        def set_num_blocks(self, n: int) -> None:
+            sizes.append(n)
+
+    with cache() as c:
+        exec(compile(example, "README.md", "exec"), {"cache": c, "engine": Engine()})
+        assert c.committed_blocks == 32 and sizes[-1] == 32
+    assert Pool("node").snapshot().engines == {}
+    assert Path(tmp_path, "extensible_kv-pool-node").exists()
