@@ -207,7 +207,7 @@ def took(ledger: Ledger, entry: LoanEntry, start_block: int, now: float) -> None
     gone (its lender died meanwhile), it comes back as an orphan: the borrower holds the
     memory, and giving it back frees it."""
     loan = ledger.loans.get(entry.loan_id)
-    if loan is None or loan.state != "offered":
+    if loan is None:
         loan = LoanEntry(
             entry.loan_id,
             "",
