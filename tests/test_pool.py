@@ -85,6 +85,7 @@ def engine(
         BB,
         lo,
         hi,
+        capacity_blocks=128,
         committed_blocks=committed,
         physical_bytes=committed * BB,
         busy=busy,
@@ -171,6 +172,7 @@ def edit(path: list[Any], value: Any) -> dict[str, Any]:
         (["engines", 0, "pid"], 0, "pid is 0"),
         (["engines", 0, "busy"], 1, "busy is a int"),
         (["engines", 0, "min_blocks"], 99, "min_blocks 99 > max_blocks 64"),
+        (["engines", 0, "capacity_blocks"], 10, "max_blocks 64 > capacity 10"),
         (["engines", 0, "heartbeat"], float("nan"), "out of range"),
         (["engines", 0, "name"], "../etc", "not an engine name"),
         (["engines", 0, "device"], "cuda:x", "not a device"),
@@ -568,7 +570,8 @@ def test_status_limit_share_watch_and_reset(
     for args, message in [
         (("limit", "a"), "give --min, --max or both"),
         (("limit", "z", "--max", "3"), "no engine 'z' in the pool"),
-        (("limit", "a", "--max", "1"), "need 0 <= min <= max, got min 2, max 1"),
+        (("limit", "a", "--max", "1"), "need 0 <= min <= max <= capacity, got min 2, max 1"),
+        (("limit", "a", "--max", "200"), "max 200, capacity 128"),
         (("share", "gpu", "1"), "device 'gpu': cpu or cuda:N"),
     ]:
         code, _, err = cli(tmp_path, capsys, *args)
@@ -611,7 +614,7 @@ def test_member_arguments_are_checked(tmp_path: Path) -> None:
             PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=free, move=True)
         with pytest.raises(ValueError, match="more than the cache's capacity"):
             PoolMember(pool, "a", c, min_blocks=0, max_blocks=65, free_tail_blocks=free)
-        with pytest.raises(ValueError, match="need 0 <= min_blocks <= max_blocks"):
+        with pytest.raises(ValueError, match="need 0 <= min_blocks <= max_blocks <= capacity"):
             PoolMember(pool, "a", c, min_blocks=9, max_blocks=8, free_tail_blocks=free).join()
     with cache(export_handle_types=0) as c, pytest.raises(ValueError, match="posix_fd"):
         PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=lambda: 0)

@@ -288,4 +288,4 @@ def test_limits_changed_from_the_command_line_while_engines_run(
     assert "8..8" in line
     refused = run_cli(tmp_path, "limit", "a", "--min", "9")
     assert refused.returncode == 2
-    assert "need 0 <= min <= max, got min 9, max 8" in refused.stderr
+    assert "need 0 <= min <= max <= capacity, got min 9, max 8" in refused.stderr

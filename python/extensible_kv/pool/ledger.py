@@ -73,6 +73,7 @@ class Engine:
     block_bytes: int
     min_blocks: int
     max_blocks: int
+    capacity_blocks: int = 0  # its cache's: no limit goes past it
     committed_blocks: int = 0
     physical_bytes: int = 0
     lent_bytes: int = 0
@@ -230,6 +231,7 @@ _ENGINE = {
     "block_bytes": int,
     "min_blocks": int,
     "max_blocks": int,
+    "capacity_blocks": int,
     "committed_blocks": int,
     "physical_bytes": int,
     "lent_bytes": int,
@@ -325,6 +327,8 @@ def _engine(raw: object, where: str) -> Engine:
     _int(engine.max_blocks, f"{where}.max_blocks")
     if engine.min_blocks > engine.max_blocks:
         raise _Bad(f"{where}: min_blocks {engine.min_blocks} > max_blocks {engine.max_blocks}")
+    if engine.max_blocks > _int(engine.capacity_blocks, f"{where}.capacity_blocks"):
+        raise _Bad(f"{where}: max_blocks {engine.max_blocks} > capacity {engine.capacity_blocks}")
     engine.heartbeat = _float(engine.heartbeat, f"{where}.heartbeat")
     return engine
 

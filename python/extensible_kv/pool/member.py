@@ -125,6 +125,7 @@ class PoolMember:
             ),
             min_blocks=self.min_blocks,
             max_blocks=self.max_blocks,
+            capacity_blocks=cache.capacity_blocks,
         )
         with self.pool.transaction() as ledger:
             rules.join(ledger, engine, self.pool.clock())
@@ -236,7 +237,8 @@ class PoolMember:
         """Asks for `blocks` more blocks and serves until it has them or `timeout_s` passed;
         returns the committed blocks (its caller checks whether that is enough)."""
         target = self.cache.committed_blocks + _args.size(blocks, "blocks")
-        target = min(target, self.max_blocks)
+        with self.pool.transaction() as ledger:  # the limits may have changed since it joined
+            target = min(target, ledger.engines[self.name].max_blocks)
         deadline = time.monotonic() + timeout_s
         while self.cache.committed_blocks < target:
             self.request(target - self.cache.committed_blocks)

@@ -102,9 +102,11 @@ def join(ledger: Ledger, engine: Engine, now: float) -> None:
     if engine.name in ledger.engines:
         other = ledger.engines[engine.name]
         raise ValueError(f"engine {engine.name!r} is in the pool already (pid {other.pid})")
-    if not 0 <= engine.min_blocks <= engine.max_blocks:
+    engine.capacity_blocks = engine.capacity_blocks or engine.max_blocks
+    if not 0 <= engine.min_blocks <= engine.max_blocks <= engine.capacity_blocks:
         raise ValueError(
-            f"need 0 <= min_blocks <= max_blocks, got {engine.min_blocks}, {engine.max_blocks}"
+            f"need 0 <= min_blocks <= max_blocks <= capacity, got {engine.min_blocks}, "
+            f"{engine.max_blocks}, {engine.capacity_blocks}"
         )
     engine.heartbeat = now
     ledger.engines[engine.name] = engine
@@ -133,8 +135,11 @@ def set_limits(
     engine = _engine(ledger, name)
     low = engine.min_blocks if min_blocks is None else min_blocks
     high = engine.max_blocks if max_blocks is None else max_blocks
-    if not 0 <= low <= high:
-        raise ValueError(f"need 0 <= min <= max, got min {low}, max {high}")
+    if not 0 <= low <= high <= engine.capacity_blocks:
+        raise ValueError(
+            f"need 0 <= min <= max <= capacity, got min {low}, max {high}, capacity "
+            f"{engine.capacity_blocks}"
+        )
     engine.min_blocks, engine.max_blocks = low, high
     _log(ledger, now, f"{name}'s limits are now {low}..{high} blocks")
 
