@@ -1,5 +1,5 @@
-"""`python -m extensible_kv COMMAND`: the one command is `demo` (`extensible_kv._demo`);
-`--version` prints the installed version."""
+"""`python -m extensible_kv COMMAND`: `demo` (`extensible_kv._demo`) and `pool`
+(`extensible_kv.pool.cli`); `--version` prints the installed version."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from extensible_kv._demo import cli as demo_cli
+from extensible_kv.pool import cli as pool_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"extensible-kv {installed}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_cli.add_command(commands)
+    pool_cli.add_command(commands)
     return parser
 
 

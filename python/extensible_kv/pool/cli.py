@@ -1,0 +1,236 @@
+"""`python -m extensible_kv pool status|limit|share|watch|reset`: read and change a pool's ledger
+while its engines run. Errors (a corrupt ledger, an unknown engine, a lock held too long) are
+one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Any
+
+from extensible_kv.pool import rules
+from extensible_kv.pool.ledger import Ledger
+from extensible_kv.pool.policy import unresponsive
+from extensible_kv.pool.store import Pool, PoolLockTimeout
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds `pool` and its subcommands to the subcommands of `python -m extensible_kv`."""
+    pool = commands.add_parser(
+        "pool",
+        help="show and change a node-local memory pool: engines, limits, loans",
+        description="Shows and changes a node-local memory pool's ledger (extensible_kv.pool) "
+        "while its engines run.",
+    )
+    pool.add_argument("--pool", default="default", help="the pool's name (default: default)")
+    pool.add_argument(
+        "--dir", help="the ledger's directory (default: $EXTENSIBLE_KV_POOL_DIR, else /dev/shm)"
+    )
+    pool.set_defaults(run=run)
+    actions = pool.add_subparsers(dest="action", required=True)
+    status = actions.add_parser("status", help="each engine's holdings, limits and loans")
+    status.add_argument(
+        "--json", action="store_true", dest="as_json", help="the whole ledger, as JSON"
+    )
+    status.set_defaults(pool_run=_status)
+    limit = actions.add_parser("limit", help="change an engine's min/max blocks while it runs")
+    limit.add_argument("engine")
+    limit.add_argument("--min", type=_blocks, dest="min_blocks", help="blocks it never lends")
+    limit.add_argument("--max", type=_blocks, dest="max_blocks", help="blocks it never passes")
+    limit.set_defaults(pool_run=_limit)
+    share = actions.add_parser("share", help="cap the bytes the pool may hold on a device")
+    share.add_argument("device", help="cpu or cuda:N")
+    share.add_argument("size", type=_size, help="bytes (units B, KiB, MiB, GiB, TiB) or none")
+    share.set_defaults(pool_run=_share)
+    watch = actions.add_parser("watch", help="status, refreshed")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds (default: 1)")
+    watch.add_argument("--count", type=_blocks, help="refreshes, then exit (default: until ^C)")
+    watch.set_defaults(pool_run=_watch)
+    reset = actions.add_parser("reset", help="remove the ledger (a corrupt one too)")
+    reset.set_defaults(pool_run=_reset)
+
+
+def _blocks(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _size(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"a size like 40GiB, 512MiB or 1048576, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def run(options: dict[str, Any]) -> int:
+    """`python -m extensible_kv pool ...`: the exit status."""
+    pool = Pool(options.pop("pool"), directory=options.pop("dir"))
+    action = options.pop("action")
+    command = options.pop("pool_run")
+    try:
+        return int(command(pool, **options))
+    except (ValueError, PoolLockTimeout, OSError) as error:
+        print(f"pool {action}: {error}", file=sys.stderr)
+        return 2
+
+
+def _status(pool: Pool, as_json: bool) -> int:
+    ledger = pool.snapshot()
+    print(_as_json(ledger) if as_json else format_status(pool, ledger, pool.clock()))
+    return 0
+
+
+def _limit(pool: Pool, engine: str, min_blocks: int | None, max_blocks: int | None) -> int:
+    if min_blocks is None and max_blocks is None:
+        raise ValueError("give --min, --max or both")
+    pool.set_limits(engine, min_blocks=min_blocks, max_blocks=max_blocks)
+    engine_now = pool.snapshot().engines[engine]
+    print(f"{engine}: {engine_now.min_blocks}..{engine_now.max_blocks} blocks")
+    return 0
+
+
+def _share(pool: Pool, device: str, size: int | None) -> int:
+    if not re.fullmatch(r"cpu|cuda:\d{1,3}", device):
+        raise ValueError(f"device {device!r}: cpu or cuda:N")
+    pool.set_share(device, size)
+    return 0
+
+
+def _watch(pool: Pool, interval: float, count: int | None) -> int:
+    shown = 0
+    clear = "\033[H\033[J" if sys.stdout.isatty() else ""
+    try:
+        while count is None or shown < count:
+            if shown:
+                time.sleep(interval)
+            text = format_status(pool, pool.snapshot(), pool.clock())
+            print(f"{clear}{text}", flush=True)
+            shown += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _reset(pool: Pool) -> int:
+    pool.reset()
+    print(f"removed {pool.path}")
+    return 0
+
+
+def _as_json(ledger: Ledger) -> str:
+    return json.dumps(
+        {
+            "generation": ledger.generation,
+            "shares": ledger.shares,
+            "engines": [vars(e) for e in ledger.engines.values()],
+            "loans": [
+                {k: v for k, v in vars(x).items() if k != "loans"} for x in ledger.loans.values()
+            ],
+            "events": [vars(e) for e in ledger.events],
+        },
+        indent=1,
+    )
+
+
+def _bytes(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
+    """The text `pool status` prints."""
+    lines = [f"pool {pool.name} ({pool.path}), generation {ledger.generation}"]
+    devices = sorted({e.device for e in ledger.engines.values()} | set(ledger.shares))
+    for device in devices:
+        share = ledger.shares.get(device)
+        cap = "no share (its free memory)" if share is None else f"share {_bytes(share)}"
+        lines.append(f"{device}: {cap}, held {_bytes(rules.used_bytes(ledger, device))}")
+    if ledger.engines:
+        rows = [
+            [
+                "ENGINE",
+                "PID",
+                "DEVICE",
+                "STATE",
+                "BLOCKS",
+                "MIN..MAX",
+                "HELD",
+                "LENT",
+                "BORROWED",
+                "LENDABLE",
+                "HEARTBEAT",
+            ]
+        ]
+        for e in sorted(ledger.engines.values(), key=lambda e: e.name):
+            state = "busy" if e.busy else "idle"
+            if unresponsive(e, ledger, now):
+                state = "stuck" if e.stuck else "stale"
+            rows.append(
+                [
+                    e.name,
+                    str(e.pid),
+                    e.device,
+                    state,
+                    str(e.committed_blocks),
+                    f"{e.min_blocks}..{e.max_blocks}",
+                    _bytes(e.physical_bytes),
+                    _bytes(e.lent_bytes),
+                    _bytes(e.borrowed_bytes),
+                    str(e.lendable_blocks),
+                    f"{max(now - e.heartbeat, 0):.1f} s ago",
+                ]
+            )
+        lines += ["", *_table(rows)]
+    else:
+        lines += ["", "no engines"]
+    if ledger.loans:
+        rows = [["LOAN", "LENDER", "BORROWER", "STATE", "BLOCKS", "BYTES", "NOTE"]]
+        for x in sorted(ledger.loans.values(), key=lambda x: x.loan_id):
+            note = x.reason
+            if x.state in ("asked", "offered"):
+                note = f"due in {x.deadline - now:.2f} s"
+            if x.recall:
+                note = f"recalled; {note}" if note else "recalled"
+            rows.append(
+                [
+                    str(x.loan_id),
+                    x.lender or "(died)",
+                    x.borrower or "(gone)",
+                    x.state,
+                    str(x.blocks),
+                    _bytes(x.num_bytes),
+                    note,
+                ]
+            )
+        lines += ["", *_table(rows)]
+    problems = rules.check(ledger)
+    if problems:
+        lines += ["", "INCONSISTENT:", *(f"  {p}" for p in problems)]
+    if ledger.events:
+        lines += ["", "recent events:"]
+        lines += [f"  {max(now - e.time, 0):7.1f} s ago  {e.text}" for e in ledger.events[-10:]]
+    return "\n".join(lines)

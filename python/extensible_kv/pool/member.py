@@ -1,0 +1,555 @@
+"""An engine's side of the pool: `PoolMember` joins, heartbeats, asks for blocks and, as a
+donor, lends whole blocks of its `ExtensibleKVCache`.
+
+No daemon: requests and answers go through the ledger itself. A needy engine posts a request
+(`asked`) to each donor the policy picks; the donor, at its next `serve()`, lends its free top
+blocks (`ExtensibleKVCache.lend`) and posts the `Loan`s in the entry (`offered`); the borrower,
+at its next `serve()`, borrows them (the fds are taken from the lender by pid, as
+`extensible_kv.ipc` does) and posts `borrowed`. Giving back and reclaiming go the same way. The
+memory moves outside the pool's lock; each outcome is posted in the next transaction, together
+with the engine's own numbers, so the ledger is consistent between any two transactions.
+
+Call `serve()` from the engine's own thread between its steps, often (it is the heartbeat, and
+a donor answers only there): a lend takes blocks away from the cache, which must not happen
+while a step uses them. `free_tail_blocks()` says how many top blocks the engine does not use
+now; the engine learns the cache's new size from `on_resize(committed_blocks)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from extensible_kv import _args
+from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
+from extensible_kv.ipc import Loan
+from extensible_kv.kv_cache import ExtensibleKVCache
+from extensible_kv.pool import _proc, rules
+from extensible_kv.pool.ledger import Engine, Ledger, LoanEntry
+from extensible_kv.pool.policy import Decision, plan_answer, plan_grow, plan_release
+from extensible_kv.pool.store import Pool
+
+logger = logging.getLogger("extensible_kv.pool")
+
+__all__ = ["PoolMember"]
+
+
+class PoolMember:
+    """Engine `name` of `pool` (a `Pool`, or a pool name), over `cache`, created with
+    `export_handle_types="posix_fd"` (loans travel as POSIX fds).
+
+    `min_blocks` it never lends below; `max_blocks` it never grows past (at most the cache's
+    capacity). `free_tail_blocks()` returns how many of its top committed blocks it does not
+    use now; `on_resize(committed_blocks)` is called after every change of the cache's size.
+    `free_bytes()` measures the device's free memory (default: the host's for `cpu`, CUDA's
+    for `cuda:N`). `zero` zeroes what it borrows and reclaims (across tenants). A request to a
+    donor that does not answer within `answer_timeout_s` expires (the donor is then stuck, and
+    not asked again until it heartbeats); a loan offered and not taken within
+    `take_timeout_s` is taken back. A loan is whole physical handles: `commit_step_blocks`
+    commits free memory in steps of that many blocks, so that each step's handles can be lent
+    on their own later (a CUDA cache's handles are at most 1 GiB anyway). `move=True` (moving
+    live blocks down before lending) is not built: `NotImplementedError`."""
+
+    def __init__(
+        self,
+        pool: Pool | str,
+        name: str,
+        cache: ExtensibleKVCache,
+        *,
+        min_blocks: int,
+        max_blocks: int,
+        free_tail_blocks: Callable[[], int],
+        on_resize: Callable[[int], None] | None = None,
+        free_bytes: Callable[[], int] | None = None,
+        zero: bool = True,
+        move: bool = False,
+        answer_timeout_s: float = 1.0,
+        take_timeout_s: float = 1.0,
+        commit_step_blocks: int | None = None,
+        stream: int | None = None,
+    ) -> None:
+        self.pool = Pool(pool) if isinstance(pool, str) else pool
+        self.name = name
+        self.cache = cache
+        self.min_blocks = _args.size(min_blocks, "min_blocks")
+        self.max_blocks = _args.size(max_blocks, "max_blocks")
+        if self.max_blocks > cache.capacity_blocks:
+            raise ValueError(
+                f"max_blocks {self.max_blocks} is more than the cache's capacity "
+                f"({cache.capacity_blocks} blocks)"
+            )
+        if _args.flag(move, "move"):
+            raise NotImplementedError(
+                "move=True (moving live blocks down before lending them, the run-time "
+                "resize's move) is not built: a donor lends its free top blocks only"
+            )
+        if cache.legacy or not all(t.export_handle_types & 1 for t in cache.buffers):
+            raise ValueError(
+                "a pool member lends and borrows blocks as POSIX fds: create its cache with "
+                "export_handle_types='posix_fd' (and not legacy)"
+            )
+        self.free_tail_blocks = free_tail_blocks
+        self.on_resize = on_resize
+        self.free_bytes = free_bytes or _device_free_bytes(str(cache.buffers[0].device))
+        self.zero = _args.flag(zero, "zero")
+        self.answer_timeout_s = answer_timeout_s
+        self.take_timeout_s = take_timeout_s
+        self.commit_step_blocks = _args.optional_size(
+            commit_step_blocks, "commit_step_blocks", minimum=1
+        )
+        self.stream = stream
+        self.busy = False
+        self._last_plan: list[tuple[str, str, int]] = []
+        self._refused: dict[str, float] = {}  # donor -> when it may be asked again
+        self._settling = False
+
+    # ---------------------------------------------------------------------------------------
+    # joining and leaving
+
+    def join(self) -> None:
+        """Enters the pool (a `ValueError` if a live engine has the name)."""
+        cache = self.cache
+        engine = Engine(
+            name=self.name,
+            pid=os.getpid(),
+            start_time=_proc.own_start_time(),
+            device=str(cache.buffers[0].device),
+            layout=_layout(cache),
+            block_bytes=sum(
+                n * b for n, b in zip(cache.num_segments, cache.segment_block_bytes, strict=True)
+            ),
+            min_blocks=self.min_blocks,
+            max_blocks=self.max_blocks,
+            capacity_blocks=cache.capacity_blocks,
+        )
+        with self.pool.transaction() as ledger:
+            rules.join(ledger, engine, self.pool.clock())
+            self._record(ledger)
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Ends every loan of this engine: gives back what it borrowed (the engine must not use
+        those blocks any more), refuses what it was asked, withdraws its own requests, and
+        recalls and reclaims what it lent, waiting up to `timeout_s` for the borrowers (who
+        must `serve`). Past the timeout, a `TimeoutError`."""
+        self._settle(timeout_s, leave=False)
+
+    def leave(self, timeout_s: float = 10.0) -> None:
+        """`settle`, then leaves the pool in the same transaction that finds no loan left."""
+        self._settle(timeout_s, leave=True)
+
+    def _settle(self, timeout_s: float, *, leave: bool) -> None:
+        self._settling = True
+        try:
+            self._settle_rounds(timeout_s, leave)
+        finally:
+            self._settling = False
+
+    def _settle_rounds(self, timeout_s: float, leave: bool) -> None:
+        deadline = time.monotonic() + timeout_s
+        why = f"{self.name} {'leaves' if leave else 'settles'}"
+        while True:
+            with self.pool.transaction() as ledger:
+                now = self.pool.clock()
+                for loan in ledger.loans_of(self.name):
+                    if loan.state == "asked" and loan.lender == self.name:
+                        rules.refuse(ledger, loan.loan_id, why, now)
+                    elif loan.state in ("asked", "refused", "expired"):
+                        rules.forget(ledger, loan.loan_id)
+                        ledger.loans.pop(loan.loan_id, None)  # a request of its own: withdrawn
+                    elif loan.lender == self.name:
+                        rules.recall(ledger, loan.loan_id, why, now)
+                        if loan.state == "offered":
+                            loan.deadline = 0.0  # not taken yet: this serve takes it back
+                if not any(
+                    loan.state not in ("refused", "expired") for loan in ledger.loans_of(self.name)
+                ):
+                    if leave:
+                        rules.leave(ledger, self.name, now, force=True)
+                    return
+                borrowed = [
+                    loan
+                    for loan in ledger.loans_of(self.name)
+                    if loan.borrower == self.name and loan.state == "borrowed"
+                ]
+            for loan in sorted(borrowed, key=lambda loan: -loan.start_block):
+                self._give_back(loan, why)
+            self.serve()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{why}, but loans were still in flight after {timeout_s} s")
+            time.sleep(0.002)
+
+    # ---------------------------------------------------------------------------------------
+    # asking
+
+    def request(self, blocks: int) -> list[Decision]:
+        """Plans how to get `blocks` more blocks and starts it without waiting: commits what
+        the device has free, asks donors (answered at their `serve`), recalls its own loans.
+        Returns the decisions (each logged with its reason)."""
+        blocks = _args.size(blocks, "blocks")
+        commit = 0
+        with self.pool.transaction() as ledger:
+            now = self.pool.clock()
+            self._record(ledger)
+            refused = [name for name, until in self._refused.items() if until > now]
+            decisions = plan_grow(
+                ledger, self.name, blocks, free_bytes=self.free_bytes(), now=now, exclude=refused
+            )
+            for d in decisions:
+                if d.action == "commit":
+                    commit = d.blocks
+                    engine = ledger.engines[self.name]
+                    # Counted before it is done, so that no other engine takes the same memory.
+                    engine.committed_blocks += commit
+                    engine.physical_bytes += commit * engine.block_bytes
+                elif d.action == "ask":
+                    rules.ask(
+                        ledger,
+                        self.name,
+                        d.peer,
+                        d.blocks,
+                        now + self.answer_timeout_s,
+                        now,
+                        d.reason,
+                    )
+                elif d.action == "recall":
+                    rules.recall(ledger, d.loan_id, d.reason, now)
+        self._log_plan(decisions)
+        if commit:
+            target = self.cache.committed_blocks + commit
+            step = self.commit_step_blocks or commit
+            try:
+                while self.cache.committed_blocks < target:
+                    self.cache.commit(min(self.cache.committed_blocks + step, target))
+            except OutOfMemoryError as error:
+                logger.info("pool: %s could not commit %d blocks: %s", self.name, commit, error)
+            finally:
+                with self.pool.transaction() as ledger:
+                    self._record(ledger)
+            self._resized()
+        return decisions
+
+    def grow(self, blocks: int, timeout_s: float = 5.0) -> int:
+        """Asks for `blocks` more blocks and serves until it has them or `timeout_s` passed;
+        returns the committed blocks (its caller checks whether that is enough)."""
+        target = self.cache.committed_blocks + _args.size(blocks, "blocks")
+        with self.pool.transaction() as ledger:  # the limits may have changed since it joined
+            target = min(target, ledger.engines[self.name].max_blocks)
+        deadline = time.monotonic() + timeout_s
+        while self.cache.committed_blocks < target:
+            self.request(target - self.cache.committed_blocks)
+            self.serve()
+            if self.cache.committed_blocks >= target or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
+        return self.cache.committed_blocks
+
+    # ---------------------------------------------------------------------------------------
+    # serving: the heartbeat, and everything others asked of this engine
+
+    def serve(self, busy: bool | None = None) -> None:
+        """The heartbeat (`busy`, if given, is what `pool status` shows, and donors that are
+        idle are asked first), and one round of work: reclaim what borrowers gave back, take
+        back offers not taken in time, answer requests, borrow what was offered, give back
+        what was recalled or lies past the maximum."""
+        if busy is not None:
+            self.busy = _args.flag(busy, "busy")
+        with self.pool.transaction() as ledger:
+            now = self.pool.clock()
+            self._record(ledger)
+            for loan in ledger.loans_of(self.name):
+                if loan.borrower == self.name and loan.state in ("refused", "expired"):
+                    # Not asked again at once: its blocks are live (or it is stuck).
+                    self._refused[loan.lender] = now + self.answer_timeout_s
+                    rules.forget(ledger, loan.loan_id)
+            to_reclaim = self._reclaimable(ledger, now)
+            if not to_reclaim:
+                lends, to_take = self._work(ledger)
+        if to_reclaim:
+            for loan in to_reclaim:
+                # A returned loan's handles are back, or its borrower is dead (seen within a
+                # few ms); an offer past its deadline is untaken (closed at once) or taken
+                # meanwhile (then it stops here, and the older loans wait their turn).
+                if not self._reclaim(loan, timeout=1.0 if loan.state == "returned" else 0.0):
+                    break
+            with self.pool.transaction() as ledger:  # answers planned on the cache as it is
+                self._record(ledger)
+                lends, to_take = self._work(ledger)
+        for decision in lends:
+            self._lend(decision)
+        for loan in sorted(to_take, key=lambda loan: loan.loan_id):
+            self._take(loan)
+        with self.pool.transaction() as ledger:  # after the takes: a give-back sees them
+            released = plan_release(ledger, self.name, free_tail_blocks=self._free_tail())
+        for decision in released:
+            self._release(decision)
+
+    def _reclaimable(self, ledger: Ledger, now: float) -> list[LoanEntry]:
+        """The loans it lent that it can take back now, newest first (the fewest blocks kept:
+        its cache grows back contiguously only in that order), up to the first it cannot."""
+        lent = sorted(
+            (
+                loan
+                for loan in ledger.loans_of(self.name)
+                if loan.lender == self.name and loan.state in ("offered", "borrowed", "returned")
+            ),
+            key=lambda loan: loan.kept_blocks,
+        )
+        ready = []
+        for loan in lent:
+            if not (loan.state == "returned" or (loan.state == "offered" and loan.deadline < now)):
+                break
+            ready.append(loan)
+        return ready
+
+    def _work(self, ledger: Ledger) -> tuple[list[Decision], list[LoanEntry]]:
+        """Requests to answer (lends planned) and offers to take."""
+        mine = ledger.loans_of(self.name)
+        asked = [loan for loan in mine if loan.lender == self.name and loan.state == "asked"]
+        offered = [loan for loan in mine if loan.borrower == self.name and loan.state == "offered"]
+        return self._answer(ledger, asked), offered
+
+    def _answer(self, ledger: Ledger, asked: list[LoanEntry]) -> list[Decision]:
+        lends = []
+        engine = ledger.engines[self.name]
+        free_tail = self._free_tail()
+        points = _lend_points(self.cache) if asked else set()
+        for loan in sorted(asked, key=lambda loan: loan.loan_id):
+            if self._settling:
+                rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
+                continue
+            decision = plan_answer(ledger, self.name, loan.loan_id, free_tail_blocks=free_tail)
+            if decision.action == "lend":
+                decision = _at_a_handle_boundary(decision, engine.committed_blocks, points)
+            self._log(decision)
+            if decision.action == "refuse":
+                rules.refuse(ledger, loan.loan_id, decision.reason, self.pool.clock())
+                continue
+            lends.append(decision)
+            free_tail -= decision.blocks
+            engine.committed_blocks -= decision.blocks  # what the next answer sees
+        return lends
+
+    def _lend(self, decision: Decision) -> None:
+        keep = self.cache.committed_blocks - decision.blocks
+        try:
+            loans = self.cache.lend(keep, stream=self.stream)
+        except ValueError as error:  # nothing but a straddling handle past `keep`, say
+            with self.pool.transaction() as ledger:
+                rules.refuse(ledger, decision.loan_id, f"cannot lend: {error}", self.pool.clock())
+                self._record(ledger)
+            return
+        self._resized()
+        blocks = _loan_blocks(self.cache, loans[0])
+        entry = [list(_jsonable(loan._to_native())) for loan in loans]
+        with self.pool.transaction() as ledger:
+            now = self.pool.clock()
+            offered = rules.offer(
+                ledger,
+                decision.loan_id,
+                keep,
+                blocks,
+                sum(x.num_bytes for x in loans),
+                entry,
+                now + self.take_timeout_s,
+                now,
+            )
+            if offered:
+                self._record(ledger)
+        if not offered:  # expired, or the borrower is gone: never taken, so back at once
+            self.cache.reclaim(loans, zero=False, timeout=0, stream=self.stream)
+            with self.pool.transaction() as ledger:
+                self._record(ledger)
+            self._resized()
+
+    def _reclaim(self, entry: LoanEntry, timeout: float) -> bool:
+        loans = _loans(entry)
+        try:
+            self.cache.reclaim(loans, zero=self.zero, timeout=timeout, stream=self.stream)
+        except LoanTimeoutError:
+            return False  # taken after all: the borrower posts it
+        with self.pool.transaction() as ledger:
+            rules.reclaimed(ledger, entry.loan_id, self.pool.clock())
+            self._record(ledger)
+        self._resized()
+        return True
+
+    def _take(self, entry: LoanEntry) -> None:
+        start = self.cache.committed_blocks
+        try:
+            self.cache.borrow(_loans(entry), zero=self.zero, stream=self.stream)
+        except (ValueError, OSError) as error:  # stale, foreign, or no room: the lender's again
+            with self.pool.transaction() as ledger:
+                rules.returned(
+                    ledger, entry.loan_id, f"could not borrow: {error}", self.pool.clock()
+                )
+                self._record(ledger)
+            return
+        with self.pool.transaction() as ledger:
+            rules.took(ledger, entry, start, self.pool.clock())
+            self._record(ledger)
+        self._resized()
+
+    def _release(self, decision: Decision) -> None:
+        self._log(decision)
+        if decision.action == "shrink":
+            # At a handle boundary: a cut inside a handle keeps its tail mapped as slack,
+            # which a later borrow refuses.
+            committed = self.cache.committed_blocks
+            target = committed - decision.blocks
+            cut = min((k for k in _lend_points(self.cache) if k >= target), default=committed)
+            if cut == committed:
+                return
+            self.cache.shrink_to(cut)
+            with self.pool.transaction() as ledger:
+                self._record(ledger)
+            self._resized()
+            return
+        with self.pool.transaction() as ledger:
+            entry = ledger.loans.get(decision.loan_id)
+        if entry is not None and entry.state == "borrowed":
+            self._give_back(entry, decision.reason)
+
+    def _give_back(self, entry: LoanEntry, reason: str) -> None:
+        with self.pool.transaction() as ledger:
+            above = [
+                loan.loan_id
+                for loan in ledger.loans_of(self.name)
+                if loan.borrower == self.name
+                and loan.state == "borrowed"
+                and loan.start_block > entry.start_block
+            ]
+        if above:
+            # Giving it back would drop every block above it too, these loans' with them.
+            logger.info(
+                "pool: %s keeps loan %d: loans %s lie above it", self.name, entry.loan_id, above
+            )
+            return
+        self.cache.give_back(_loans(entry), stream=self.stream)
+        with self.pool.transaction() as ledger:
+            rules.returned(ledger, entry.loan_id, reason, self.pool.clock())
+            self._record(ledger)
+        self._resized()
+
+    # ---------------------------------------------------------------------------------------
+
+    def _record(self, ledger: Ledger) -> None:
+        cache = self.cache
+        lendable = 0
+        if not any(t.borrowed_bytes for t in cache.buffers):  # a borrower lends nothing
+            committed, free_tail = cache.committed_blocks, self._free_tail()
+            fits = [committed - k for k in _lend_points(cache) if committed - k <= free_tail]
+            lendable = max(fits, default=0)
+        rules.record(
+            ledger,
+            self.name,
+            self.pool.clock(),
+            {
+                "committed_blocks": cache.committed_blocks,
+                "physical_bytes": cache.physical_bytes,
+                "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
+                "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
+                "lendable_blocks": lendable,
+                "busy": self.busy,
+            },
+        )
+
+    def _free_tail(self) -> int:
+        free = _args.size(self.free_tail_blocks(), "free_tail_blocks()")
+        return min(free, self.cache.committed_blocks)
+
+    def _resized(self) -> None:
+        if self.on_resize is not None:
+            self.on_resize(self.cache.committed_blocks)
+
+    def _log(self, decision: Decision) -> None:
+        peer = f" {decision.peer}" if decision.peer else ""
+        logger.info(
+            "pool: %s: %s%s %d blocks: %s",
+            self.name,
+            decision.action,
+            peer,
+            decision.blocks,
+            decision.reason,
+        )
+
+    def _log_plan(self, decisions: list[Decision]) -> None:
+        """Logs a plan when it differs from the last: `grow` plans again every round."""
+        plan = [(d.action, d.peer, d.blocks) for d in decisions]
+        if plan != self._last_plan:
+            for decision in decisions:
+                self._log(decision)
+        self._last_plan = plan
+
+
+def _lend_points(cache: ExtensibleKVCache) -> set[int]:
+    """The block counts a lend may keep: those where every segment of every buffer has a
+    handle starting exactly at the cut, since a loan is whole handles (a handle that straddles
+    the cut stays with the lender) and must be whole blocks of every buffer."""
+    points: set[int] | None = None
+    for tensor, block_bytes in zip(cache.buffers, cache.segment_block_bytes, strict=True):
+        g = tensor.granularity
+        starts = {first * g for first, _ in tensor.handle_runs()}
+        if points is None:
+            offset = tensor.segment_offsets[0]
+            points = {
+                (start - offset) // block_bytes
+                for start in starts
+                if start >= offset and (start - offset) % block_bytes == 0
+            }
+        points = {
+            k
+            for k in points
+            if all(offset + k * block_bytes in starts for offset in tensor.segment_offsets)
+        }
+    return {k for k in points or () if k < cache.committed_blocks}
+
+
+def _at_a_handle_boundary(decision: Decision, committed: int, points: set[int]) -> Decision:
+    """`decision`'s lend cut down to the largest that keeps a lend point."""
+    fits = [committed - k for k in points if 0 < committed - k <= decision.blocks]
+    if not fits:
+        why = (
+            f"no handle starts within its {decision.blocks} free top blocks (a loan is "
+            "whole handles)"
+        )
+        return dataclasses.replace(decision, action="refuse", blocks=0, reason=why)
+    return dataclasses.replace(decision, blocks=max(fits))
+
+
+def _layout(cache: ExtensibleKVCache) -> str:
+    """What two caches must share for one to borrow the other's blocks."""
+    granularity = [t.granularity for t in cache.buffers]
+    return json.dumps([list(cache.num_segments), list(cache.segment_block_bytes), granularity])
+
+
+def _loan_blocks(cache: ExtensibleKVCache, loan: Loan) -> int:
+    return loan.num_bytes // (cache.num_segments[0] * cache.segment_block_bytes[0])
+
+
+def _jsonable(native: tuple[Any, ...]) -> list[Any]:
+    *head, handles = native
+    return [*head, [list(h) for h in handles]]
+
+
+def _loans(entry: LoanEntry) -> list[Loan]:
+    return [Loan._from_native(tuple(native)) for native in entry.loans]
+
+
+def _device_free_bytes(device: str) -> Callable[[], int]:
+    if device == "cpu":
+        from extensible_kv.sizing import host_free_bytes
+
+        return host_free_bytes
+
+    def cuda_free() -> int:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+
+    return cuda_free

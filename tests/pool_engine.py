@@ -1,0 +1,273 @@
+"""An engine process for the pool's tests: a `PoolMember` over a small host-backend
+`ExtensibleKVCache`, driven by commands over a pipe, and the checks that look into it from
+outside (`/proc/<pid>/fd` and `/proc/<pid>/maps`).
+
+The engine "uses" its lowest blocks: each used block holds a pattern of its engine's seed and
+its index, written when it is first used and checked after every command, so a loan that
+touched a live block fails the test at once. Its free top blocks are what it does not use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from extensible_kv import AttentionLayerSpec, ExtensibleKVCache, KVCacheTensorSpec
+from extensible_kv.pool import Pool, PoolMember
+
+GRANULE = 4096
+# FLASH_ATTN: 2 segments (K, V) of 32 tokens x 2 heads x 32 bf16 = one granule a block.
+SPEC = (
+    KVCacheTensorSpec(
+        2 * GRANULE, {"attn": AttentionLayerSpec("FLASH_ATTN", 32, 2, 32, torch.bfloat16)}
+    ),
+)
+BLOCK_BYTES = 2 * GRANULE
+CAPACITY = 96
+STEP = 4  # blocks a commit step: the unit a donor lends in
+TIMEOUT_S = 60
+MEMFD = "/memfd:extensible-kv:"
+BOARD = "/memfd:extensible-kv-loan:"
+
+
+def block_value(seed: int, block: int) -> float:
+    return float((seed * 31 + block * 7) % 200 + 1)  # small integers: exact in bf16
+
+
+class Engine:
+    """The engine in its process: its cache, its member and the blocks it uses."""
+
+    def __init__(
+        self,
+        directory: str,
+        pool: str,
+        name: str,
+        seed: int,
+        limits: tuple[int, int],
+        answer_timeout_s: float,
+    ) -> None:
+        self.seed = seed
+        self.used = 0
+        self.cache = ExtensibleKVCache(
+            SPEC, CAPACITY, "cpu", granularity=GRANULE, export_handle_types="posix_fd"
+        )
+        view = self.cache.views["attn"]
+        assert isinstance(view, torch.Tensor) and self.cache.block_dims["attn"] == 1
+        self.view = view.transpose(0, 1)  # blocks first: (blocks, K/V, tokens, heads, size)
+        self.member = PoolMember(
+            Pool(pool, directory=directory),
+            name,
+            self.cache,
+            min_blocks=limits[0],
+            max_blocks=limits[1],
+            free_tail_blocks=lambda: self.cache.committed_blocks - self.used,
+            on_resize=self.resized,
+            answer_timeout_s=answer_timeout_s,
+            take_timeout_s=2.0,
+            commit_step_blocks=STEP,
+        )
+        self.member.join()
+
+    def resized(self, committed: int) -> None:
+        assert committed >= self.used, f"the cache shrank to {committed} under {self.used} used"
+
+    def use(self, blocks: int) -> None:
+        """Uses the lowest `blocks` blocks (at most what is committed): new ones get their
+        pattern, the ones given up are free."""
+        blocks = min(blocks, self.cache.committed_blocks)
+        for block in range(self.used, blocks):
+            self.view[block].fill_(block_value(self.seed, block))
+        self.used = blocks
+
+    def check(self) -> None:
+        """The committed blocks are backed, and every used block still holds its pattern."""
+        cache = self.cache
+        for tensor, block_bytes in zip(cache.buffers, cache.segment_block_bytes, strict=True):
+            backed = min(tensor.segment_bytes)
+            assert backed >= cache.committed_blocks * block_bytes, (
+                f"{cache.committed_blocks} blocks committed, {backed} bytes backed"
+            )
+        if self.used:
+            expected = torch.tensor(
+                [block_value(self.seed, b) for b in range(self.used)], dtype=torch.bfloat16
+            )
+            got = self.view[: self.used].flatten(1)
+            assert torch.equal(got.min(dim=1).values, expected), "a used block lost its bytes"
+            assert torch.equal(got.max(dim=1).values, expected), "a used block lost its bytes"
+
+    def numbers(self) -> dict[str, int]:
+        cache = self.cache
+        return {
+            "committed_blocks": cache.committed_blocks,
+            "physical_bytes": cache.physical_bytes,
+            "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
+            "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
+            "used": self.used,
+        }
+
+    def settle(self, timeout_s: float) -> None:
+        """Gives back what it borrowed (giving up the blocks from the lowest loan up) and
+        serves until none of its loans is in flight."""
+        with self.member.pool.transaction() as ledger:
+            starts = [
+                loan.start_block
+                for loan in ledger.loans_of(self.member.name)
+                if loan.borrower == self.member.name and loan.state == "borrowed"
+            ]
+        self.use(min([self.used, *starts]))
+        self.member.settle(timeout_s)
+
+
+def _main(conn: Any, args: tuple[Any, ...]) -> None:
+    engine: Engine | None = None
+    try:
+        engine = Engine(*args)
+        conn.send(("ok", os.getpid()))
+        while True:
+            command, *rest = conn.recv()
+            if command == "stop":
+                conn.send(("ok",))
+                return
+            result: Any = None
+            if command == "request":
+                result = [(d.action, d.peer, d.blocks) for d in engine.member.request(rest[0])]
+            elif command == "grow":
+                result = engine.member.grow(rest[0], timeout_s=rest[1])
+            elif command == "serve":
+                engine.member.serve(busy=engine.used > 0)
+            elif command == "serve_for":
+                deadline = time.monotonic() + rest[0]
+                while time.monotonic() < deadline:
+                    engine.member.serve(busy=engine.used > 0)
+                    time.sleep(0.002)
+            elif command == "use":
+                engine.use(rest[0])
+            elif command == "settle":
+                engine.settle(rest[0])
+            elif command == "leave":
+                engine.member.leave(rest[0])
+            engine.check()
+            conn.send(("ok", result, engine.numbers()))
+    except BaseException as error:  # report, so the parent fails with the child's reason
+        conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+@dataclass
+class Proc:
+    """The parent's handle on an engine process."""
+
+    name: str
+    process: Any
+    conn: Any
+    pid: int = 0
+
+    def send(self, *command: Any) -> None:
+        self.conn.send(command)
+
+    def reply(self, timeout_s: float = TIMEOUT_S) -> tuple[Any, dict[str, int]]:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.name} did not answer")
+        status, *result = self.conn.recv()
+        assert status == "ok", f"{self.name}: {result[0]}"
+        return result[0], result[1]
+
+    def __call__(self, *command: Any) -> tuple[Any, dict[str, int]]:
+        self.send(*command)
+        return self.reply()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def context() -> Any:
+    """A fork server that imported torch and the library once: each engine starts in
+    milliseconds, not in a second torch import."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "extensible_kv", "pool_engine"])
+    return ctx
+
+
+def start(
+    ctx: Any,
+    directory: str,
+    pool: str,
+    name: str,
+    seed: int,
+    limits: tuple[int, int] = (4, CAPACITY),
+    answer_timeout_s: float = 1.0,
+) -> Proc:
+    """Starts engine `name`; `joined` waits for it to be in the pool."""
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=_main,
+        args=(child, (directory, pool, name, seed, limits, answer_timeout_s)),
+        daemon=True,
+    )
+    process.start()
+    return Proc(name, process, parent)
+
+
+def joined(proc: Proc) -> Proc:
+    if not proc.conn.poll(TIMEOUT_S):
+        raise TimeoutError(f"{proc.name} did not start")
+    status, *result = proc.conn.recv()
+    assert status == "ok", f"{proc.name}: {result[0]}"
+    proc.pid = result[0]
+    return proc
+
+
+# ---------------------------------------------------------------------------------------------
+# looking into a process from outside
+
+
+def memfds(pid: int) -> dict[str, set[int]]:
+    """The memfd inodes process `pid` holds: `mapped` (the host backend's memory it maps),
+    `held` (fds of its memory), `boards` (fds of loan boards)."""
+    mapped: set[int] = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(MEMFD):
+                mapped.add(int(parts[4]))
+    held: set[int] = set()
+    boards: set[int] = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            inode = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(MEMFD):
+            held.add(inode)
+        elif target.startswith(BOARD):
+            boards.add(inode)
+    return {"mapped": mapped, "held": held, "boards": boards}
+
+
+def mapped_bytes(pid: int) -> int:
+    """The bytes of the host backend's memory process `pid` maps."""
+    total = 0
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(MEMFD):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                total += end - start
+    return total

@@ -1,0 +1,291 @@
+"""The pool with real engine processes on the host backend (`pool_engine.py`): three engines
+borrow and give back under a seeded random schedule while engines are killed with SIGKILL at
+random steps (some in the middle of a command), limits changed at run time from the command
+line, and a donor stopped with SIGSTOP.
+
+After every step the ledger is consistent (`rules.check`), says what each engine's process
+holds (its own numbers, and the bytes of memory `/proc/<pid>/maps` shows it mapping), and the
+pool holds no more than its share. At the end every engine settles its loans: then each
+process maps and holds only memory it created, no loan board is open, its other fds are what
+they were after it joined, and the ledger has no loan left.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from extensible_kv.pool import Ledger, Pool, rules
+from pool_engine import (
+    BLOCK_BYTES,
+    MEMFD,
+    Proc,
+    context,
+    joined,
+    mapped_bytes,
+    memfds,
+    start,
+)
+
+POOL = "t"
+NUMBERS = ("committed_blocks", "physical_bytes", "lent_bytes", "borrowed_bytes")
+
+
+@pytest.fixture
+def ctx() -> Any:
+    return context()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Every engine process a test starts; stopped (or reaped) at the end."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def other_fds(pid: int) -> int:
+    """Fds of process `pid` that are not the host backend's memory or a loan board."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        count += not target.startswith(("/memfd:extensible-kv:", "/memfd:extensible-kv-loan:"))
+    return count
+
+
+def check_consistent(
+    pool: Pool, live: dict[str, Proc], numbers: dict[str, dict[str, int]], share: int
+) -> Ledger:
+    """The ledger now, checked against what the engines say and what their processes map."""
+    ledger = pool.snapshot()
+    assert rules.check(ledger) == [], "\n".join(
+        [*map(str, ledger.loans.values()), *(e.text for e in ledger.events)]
+    )
+    assert set(ledger.engines) == set(live), (set(ledger.engines), set(live))
+    for name, proc in live.items():
+        entry = ledger.engines[name]
+        for key in NUMBERS:
+            assert getattr(entry, key) == numbers[name][key], (name, key, entry, numbers[name])
+        assert mapped_bytes(proc.pid) == numbers[name]["physical_bytes"], f"{name} counted once"
+    assert rules.used_bytes(ledger, "cpu") <= share
+    return ledger
+
+
+def check_settled(
+    pool: Pool,
+    live: dict[str, Proc],
+    numbers: dict[str, dict[str, int]],
+    fds_after_join: dict[str, int],
+) -> None:
+    ledger = pool.snapshot()
+    assert ledger.loans == {}, ledger.loans
+    assert rules.check(ledger) == []
+    assert rules.used_bytes(ledger, "cpu") == sum(n["physical_bytes"] for n in numbers.values())
+    for name, proc in live.items():
+        held = memfds(proc.pid)
+        assert held["boards"] == set(), f"{name} keeps a loan board open"
+        assert held["held"] <= held["mapped"], f"{name} holds fds of memory it does not map"
+        own = f"{MEMFD}{proc.pid}:"
+        with open(f"/proc/{proc.pid}/maps") as maps:
+            foreign = [line for line in maps if MEMFD in line and own not in line]
+        assert foreign == [], f"{name} maps memory of another process: {foreign}"
+        assert other_fds(proc.pid) == fds_after_join[name], f"{name} leaked an fd"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_three_engines_borrow_and_give_back_through_kill_9s(
+    tmp_path: Path, ctx: Any, procs: list[Proc], seed: int
+) -> None:
+    rng = random.Random(seed)
+    pool = Pool(POOL, directory=tmp_path)
+    share = 96 * BLOCK_BYTES  # 32 blocks an engine on average: they must borrow to grow
+    pool.set_share("cpu", share)
+    live: dict[str, Proc] = {}
+    numbers: dict[str, dict[str, int]] = {}
+    fds_after_join: dict[str, int] = {}
+    serial = 0
+
+    def add(count: int) -> None:
+        nonlocal serial
+        new = []
+        for _ in range(count):
+            name = f"e{serial}"
+            new.append(start(ctx, str(tmp_path), POOL, name, seed * 100 + serial))
+            serial += 1
+        procs.extend(new)
+        for proc in new:
+            joined(proc)
+            live[proc.name] = proc
+            _, numbers[proc.name] = proc("serve")
+            fds_after_join[proc.name] = other_fds(proc.pid)
+
+    add(3)
+    steps = 160
+    kills = set(rng.sample(range(5, steps - 10), 4))
+    borrowed: set[int] = set()  # loans seen borrowed
+    killed_with_loans = 0
+    ledger = pool.snapshot()
+    for step in range(steps):
+        if step in kills:
+            lending = sorted(name for name in live if ledger.loans_of(name))
+            victim = live.pop(
+                rng.choice(lending if lending and rng.random() < 0.75 else sorted(live))
+            )
+            killed_with_loans += bool(ledger.loans_of(victim.name))
+            if rng.random() < 0.5:  # in the middle of a command
+                victim.send(*rng.choice([("serve",), ("request", rng.randint(1, 24))]))
+                time.sleep(rng.uniform(0, 0.004))
+            killed = time.monotonic()
+            victim.kill()  # never reaped here: a zombie, which is dead too
+            del numbers[victim.name]
+            # Whoever takes the lock next recovers the ledger, once the kernel has ended the
+            # process (a SIGKILL is delivered asynchronously).
+            ledger = pool.snapshot()
+            while victim.name in ledger.engines:
+                assert time.monotonic() - killed < 0.1, "not recovered within 100 ms"
+                ledger = pool.snapshot()
+            assert not ledger.loans_of(victim.name) or all(
+                loan.state == "returned" for loan in ledger.loans_of(victim.name)
+            )
+            add(1)
+        else:
+            name = rng.choice(sorted(live))
+            proc = live[name]
+            action = rng.choices(["request", "serve", "use", "all"], [3, 2, 2, 3])[0]
+            if action == "request":
+                _, numbers[name] = proc("request", rng.randint(4, 32))
+            elif action == "serve":
+                _, numbers[name] = proc("serve")
+            elif action == "use":
+                # Idle (a donor) or using what it has (its requests are live blocks).
+                target = rng.choice([0, rng.randint(0, numbers[name]["committed_blocks"])])
+                _, numbers[name] = proc("use", target)
+            else:
+                for other in live.values():
+                    _, numbers[other.name] = other("serve")
+        ledger = check_consistent(pool, live, numbers, share)
+        borrowed |= {x.loan_id for x in ledger.loans.values() if x.state == "borrowed"}
+
+    print(f"{len(borrowed)} loans borrowed, {killed_with_loans} of 4 killed with loans")
+    assert len(borrowed) >= 5, "the schedule hardly lent anything"
+    assert killed_with_loans >= 1, "no engine was killed with loans in flight"
+    for proc in live.values():
+        proc.send("settle", 30.0)
+    for proc in live.values():
+        _, numbers[proc.name] = proc.reply()
+    check_settled(pool, live, numbers, fds_after_join)
+    for proc in live.values():
+        proc.send("leave", 10.0)
+    for proc in live.values():
+        proc.reply()
+    assert pool.snapshot().engines == {}
+
+
+def test_a_stopped_donor_is_passed_over_within_the_bound(
+    tmp_path: Path, ctx: Any, procs: list[Proc]
+) -> None:
+    """The most attractive donor is stopped (SIGSTOP): the request to it expires within the
+    answer bound, it is marked stuck and not asked again, and the needy engine gets its blocks
+    from the other donor. Once resumed, it heartbeats and is a donor again."""
+    bound = 0.3
+    pool = Pool(POOL, directory=tmp_path)
+    pool.set_share("cpu", 72 * BLOCK_BYTES)
+    stuck, other, needy = (
+        start(ctx, str(tmp_path), POOL, n, i, answer_timeout_s=bound)
+        for i, n in enumerate(["stuck", "other", "needy"])
+    )
+    procs.extend([stuck, other, needy])
+    for proc in procs:
+        joined(proc)
+    stuck("grow", 40, 5.0)  # the largest surplus, idle: asked first
+    other("grow", 24, 5.0)
+    other("use", 4)  # busy, so asked after the idle one
+    needy("serve")
+    os.kill(stuck.pid, signal.SIGSTOP)
+    try:
+        other.send("serve_for", 3.0)
+        started = time.monotonic()
+        got, numbers = needy("grow", 16, 3.0)
+        took = time.monotonic() - started
+        other.reply()
+        assert got >= 16, numbers
+        assert took < bound + 1.0, f"the needy engine waited {took:.2f} s"
+        ledger = pool.snapshot()
+        assert ledger.engines["stuck"].stuck
+        assert any("stuck did not answer within the bound" in e.text for e in ledger.events)
+        assert [loan.lender for loan in ledger.loans.values()] == ["other"] * len(ledger.loans)
+        assert rules.check(ledger) == []
+    finally:
+        os.kill(stuck.pid, signal.SIGCONT)
+    _, numbers = stuck("serve")
+    ledger = pool.snapshot()
+    assert not ledger.engines["stuck"].stuck
+    assert ledger.engines["stuck"].committed_blocks == numbers["committed_blocks"] == 40
+    assert rules.check(ledger) == []
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "extensible_kv",
+            "pool",
+            "--pool",
+            POOL,
+            "--dir",
+            str(tmp_path),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_limits_changed_from_the_command_line_while_engines_run(
+    tmp_path: Path, ctx: Any, procs: list[Proc]
+) -> None:
+    pool = Pool(POOL, directory=tmp_path)
+    pool.set_share("cpu", 64 * BLOCK_BYTES)
+    a, b = (start(ctx, str(tmp_path), POOL, n, i) for i, n in enumerate(["a", "b"]))
+    procs.extend([a, b])
+    for proc in procs:
+        joined(proc)
+    a("grow", 40, 5.0)
+    a("use", 10)
+    # A lowered maximum: a gives back what lies past it, but never its used blocks.
+    result = run_cli(tmp_path, "limit", "a", "--max", "8")
+    assert result.returncode == 0, result.stderr
+    assert "a: 4..8 blocks" in result.stdout
+    _, numbers = a("serve")
+    assert numbers["committed_blocks"] == 12  # 10 used, cut at a handle boundary (steps of 4)
+    a("use", 2)
+    _, numbers = a("serve")
+    assert numbers["committed_blocks"] == 8
+    # A raised minimum: a is not asked below it, so b gets only the free memory.
+    assert run_cli(tmp_path, "limit", "a", "--min", "8").returncode == 0
+    got, _ = b("grow", 64, 0.5)
+    assert got == 56  # the share less a's 8 blocks
+    assert pool.snapshot().loans == {}
+    # The limits are the ledger's: status shows them.
+    status = run_cli(tmp_path, "status")
+    assert status.returncode == 0, status.stderr
+    line = next(line for line in status.stdout.splitlines() if line.startswith("a "))
+    assert "8..8" in line
+    refused = run_cli(tmp_path, "limit", "a", "--min", "9")
+    assert refused.returncode == 2
+    assert "need 0 <= min <= max <= capacity, got min 9, max 8" in refused.stderr
