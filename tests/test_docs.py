@@ -304,7 +304,7 @@ def rust_index() -> frozenset[str]:
 
 @functools.cache
 def file_names() -> frozenset[str]:
-    """File names, their stems, and directory names: `books`, `host.rs`, `cuda`."""
+    """File names, their stems, and directory names: `books`, `stray.rs`, `cuda`."""
     names = set()
     for f in repo_files():
         parts = f.split("/")
@@ -437,7 +437,7 @@ def check_path(text: str) -> str | None:
     if path in repo_files() or path in repo_dirs():
         return None
     if any(f.endswith(f"/{path}") for f in repo_files()):
-        return None  # a file named by its tail: `tensor.rs`, `driver/ipc.rs`
+        return None  # a file named by its tail: `mod.rs`, `host/stray.rs`
     return "no such file in the repository"
 
 

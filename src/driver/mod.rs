@@ -4,10 +4,10 @@
 //! knows nothing of CUDA or Linux. Every method is safe to call with any arguments: each backend
 //! checks that an address range lies inside a reservation it made (and, where touching memory,
 //! that it is mapped) before it reaches the OS or the driver, so a bad call is an error, never
-//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`. The one thing
-//! no backend can check is whether a stream is live, so a `Stream` other than the default can
-//! only be made through an `unsafe` constructor, by whoever vouches for it (the bindings, for
-//! a stream torch made).
+//! memory corruption. That check is what lets the owner (`src/tensor/`) stay free of `unsafe`.
+//! The one thing no backend can check is whether a stream is live, so a `Stream` other than the
+//! default can only be made through an `unsafe` constructor, by whoever vouches for it (the
+//! bindings, for a stream torch made).
 //!
 //! Semantics follow CUDA's VMM API: `reserve` takes address space only; `create` takes physical
 //! memory as a handle; `map` places a whole handle at an address (no partial maps);

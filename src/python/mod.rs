@@ -611,8 +611,8 @@ impl PyExtensibleTensor {
         Ok(self.core.base_ptr()?)
     }
 
-    /// The bytes reserved for all segments together (their capacities' sum): the most that
-    /// can ever be committed.
+    /// The bytes all segments can hold together (their capacities' sum): the most that can
+    /// ever be committed. The reservation is this rounded up to whole granules.
     #[getter]
     fn capacity_bytes(&self) -> u64 {
         self.core.capacity_bytes()
