@@ -151,7 +151,7 @@ def bulk_one(kind: str, per_segment: int, pause_s: float) -> dict[str, float]:
 def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
     big = gib_bytes(args.bulk_gib)
     variants = [
-        ("ours", "ours, adaptive (1 GiB cap, default)", big),
+        ("ours", "ours, cap-aligned handles of at most 1 GiB (default)", big),
         ("ours_4gib", "ours, cap-aligned handles of at most 4 GiB", big),
         (
             "ours_fixed_2mib",

@@ -657,7 +657,7 @@ mod tests {
     }
 
     #[test]
-    fn adaptive_cuts_aligned_powers_of_two() {
+    fn aligned_powers_of_two_cut_at_their_alignment() {
         let mut out = Vec::new();
         HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 1 << 20,

@@ -319,7 +319,7 @@ def test_handle_cut_of_later_grows(
 
 @CUDA_ONLY
 def test_rdma_contract_beyond_the_handle_cap(make: Callable[..., ExtensibleTensor]) -> None:
-    """Segments larger than the adaptive policy's 1 GiB cap: each still one allocation."""
+    """Segments larger than the default cap (`cap_aligned`, 1 GiB): each still one allocation."""
     gib = 1 << 30
     t = make(12 * gib, num_segments=4)
     t.resize_per_segment_(1 << 20)
