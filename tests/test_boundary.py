@@ -206,8 +206,8 @@ def _cases() -> list[Case]:
             lambda f, v, k=kwarg: f.extend_to_fit(**{"budget_bytes": G, k: v}))  # fmt: skip
         add("flow", kwarg, [-5, -1], ValueError,
             lambda f, v, k=kwarg: f.extend_to_fit(**{"budget_bytes": G, k: v}))  # fmt: skip
-    add("flow", "host_meminfo", ["yes", 1], TypeError,
-        lambda f, v: f.extend_to_fit(host_meminfo=v))  # fmt: skip
+    add("flow", "host_free", ["yes", 1], TypeError,
+        lambda f, v: f.extend_to_fit(host_free=v))  # fmt: skip
     add("flow", "num_blocks", [1.5, None], TypeError, lambda f, v: f.shrink_to(v))
     add("flow", "num_blocks", [-1], ValueError, lambda f, v: f.shrink_to(v))
     add("flow", "exact", ["yes"], TypeError, lambda f, v: f.shrink_to(0, exact=v))
@@ -405,7 +405,7 @@ def test_host_free_bytes_is_the_figure_commits_are_checked_against() -> None:
 def test_the_flow_and_the_demo_measure_host_free_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sizing, "host_free_bytes", lambda: (1 << 30) + (1 << 20))
     with _flow() as flow:
-        report = flow.extend_to_fit(host_meminfo=True)
+        report = flow.extend_to_fit(host_free=True)
     assert (report.budget_source, report.free_bytes) == ("host_free_bytes", (1 << 30) + (1 << 20))
     from decoder import demo
 

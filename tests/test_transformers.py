@@ -637,8 +637,8 @@ def test_options_take_any_integer_the_core_takes(tf: Any) -> None:
         ekt.enable(granularity=3000)
     with pytest.raises(TypeError, match="budget_bytes"):
         ekt.enable(budget_bytes=True)
-    with pytest.raises(TypeError, match="host_meminfo"):
-        ekt.enable(host_meminfo=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="host_free"):
+        ekt.enable(host_free=1)  # type: ignore[arg-type]
     assert not ekt.is_enabled()
 
 
@@ -697,7 +697,7 @@ def test_too_little_free_memory_is_refused(tf: Any, monkeypatch: pytest.MonkeyPa
     model = build_model(tf, "llama", "sdpa", "cpu")
     monkeypatch.setattr(sizing, "host_free_bytes", lambda: 512 << 20)  # under the 1 GiB margin
     with (
-        ekt.enabled(host_meminfo=True, granularity=4096),
+        ekt.enabled(host_free=True, granularity=4096),
         pytest.raises(OutOfMemoryError, match="less a margin of at least 1073741824"),
     ):
         generate_with(tf, model)
@@ -705,7 +705,7 @@ def test_too_little_free_memory_is_refused(tf: Any, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(sizing, "host_free_bytes", lambda: next(figures, 0))
     with (
-        ekt.enabled(host_meminfo=True, margin_bytes=0, granularity=4096),
+        ekt.enabled(host_free=True, margin_bytes=0, granularity=4096),
         pytest.raises(OutOfMemoryError, match=r"0 bytes free \(host_free_bytes\)"),
     ):
         generate_with(tf, model)
