@@ -412,15 +412,16 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     def consolidate(self, *, stream: int | None = None) -> None:
         """Backs every run of committed granules (each segment's prefix, where segments share
         no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
-        valid; RDMA registrations of the old pages must be renewed. Runs go largest first,
-        `OutOfMemoryError` on the first leaves the tensor as it was; extra memory is the
-        largest new handle, or also the next run's (whose copy then overlaps this run's swap)
-        when that fits in half the free memory. Copies run on `stream` (default torch's
+        valid; RDMA registrations of the old pages must be renewed. It goes in steps (a step
+        moves one run, with any run that shares one of its handles, to one new handle),
+        largest first; `OutOfMemoryError` on the first leaves the tensor as it was; extra
+        memory is the largest new handle, or also the next step's (whose copy then overlaps
+        this step's swap) when that fits in half the free memory. Copies run on `stream` (default torch's
         current one; one given is vouched for by the caller, as for
         `torch.cuda.ExternalStream`).
 
-        Each run is all or nothing, not the whole call: one that fails past the first run keeps
-        every committed byte, segment size and address, but the runs done before it stay
+        Each step is all or nothing, not the whole call: one that fails past the first keeps
+        every committed byte, segment size and address, but the steps done before it stay
         consolidated and the others in their old handles; calling again finishes. A write to
         the tensor issued while it runs (from another thread, on any stream) may be lost, since
         the new handles hold the bytes as copied, and an access during the swap may fault. Work

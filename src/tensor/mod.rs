@@ -23,7 +23,8 @@
 //!    very call made and nothing has touched yet.
 //!
 //! Limitations: `release_physical` drops everything (no pool of handles is kept for a later
-//! grow); a consolidation is all or nothing per run of granules, not across runs.
+//! grow); a consolidation is all or nothing per step (one run of granules moved to one new
+//! handle), not across steps.
 //!
 //! Files by concern: `options.rs` (what a tensor is built with and each call takes),
 //! `mapping.rs` (the RAII owners of driver resources), `grow.rs`, `reback.rs` (shrink and
