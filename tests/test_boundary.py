@@ -475,12 +475,12 @@ def test_the_report_chains_to_a_faulthandler_enabled_before() -> None:
 @pytest.mark.parametrize("off", ["0", "off", " False "])
 def test_the_report_can_be_switched_off(off: str) -> None:
     """As every switch: `0`, `false`, `no`, `off` in any case (the README's words)."""
-    run = _stray(EXTENSIBLE_KV_FAULT_REPORT=off)
+    run = _stray(EXTENSIBLE_KV_STRAY_REPORT=off)
     assert run.returncode == -11
     assert "stray access" not in run.stderr and "Fatal Python error" not in run.stderr
 
 
-def test_a_fault_outside_every_reservation_is_left_to_the_others() -> None:
+def test_a_segfault_outside_every_reservation_is_left_to_the_others() -> None:
     code = (
         "import ctypes\nfrom extensible_kv import ExtensibleTensor\n"
         "t = ExtensibleTensor(4096, device='cpu')\nctypes.string_at(8)\n"

@@ -763,7 +763,7 @@ def test_env_reads_sees_each_way_of_reading() -> None:
     reads = env_reads()
     # A constant in a plugin, a Rust const, a shell default, a Python os.environ.get literal.
     assert "python/extensible_kv/vllm/plugin.py" in reads["EXTENSIBLE_KV_VLLM"]
-    assert "src/driver/host/stray.rs" in reads["EXTENSIBLE_KV_FAULT_REPORT"]
+    assert "src/driver/host/stray.rs" in reads["EXTENSIBLE_KV_STRAY_REPORT"]
     assert "scripts/setup" in reads["EKV_SETUP_VLLM"]
     assert "benches/mapping.rs" in reads["EKV_BENCH_DEVICE"]
 

@@ -11,7 +11,7 @@ What such a stray access reports:
   (`base_ptr`, bytes reserved), the offset, the segment and its committed bytes, then the
   Python stack (the facade enables `faulthandler` unless it is on already). It chains to
   the handlers installed before it, and the exit status is the signal's, as without it.
-  `EXTENSIBLE_KV_FAULT_REPORT=0` (or `false`, `no`, `off`) leaves the signal handlers and
+  `EXTENSIBLE_KV_STRAY_REPORT=0` (or `false`, `no`, `off`) leaves the signal handlers and
   faulthandler alone.
 - on CUDA, `CUDA_ERROR_ILLEGAL_ADDRESS` ("an illegal memory access was encountered"),
   reported by a later call, usually the next synchronising one, and without the address.
@@ -103,11 +103,11 @@ def _close_all(fds: list[int] | None) -> None:
 
 
 @functools.cache
-def _enable_fault_report() -> None:
+def _enable_stray_report() -> None:
     """Turns Python's faulthandler on before the first tensor, so that the native report of a
     stray access (module docstring) is followed by the Python stack. Off with
-    `EXTENSIBLE_KV_FAULT_REPORT=0`."""
-    if not env_flag("EXTENSIBLE_KV_FAULT_REPORT", True):
+    `EXTENSIBLE_KV_STRAY_REPORT=0`."""
+    if not env_flag("EXTENSIBLE_KV_STRAY_REPORT", True):
         return
     import faulthandler
 
@@ -215,7 +215,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             raise TypeError(f"ExtensibleTensor() got an unexpected keyword argument {unknown[0]!r}")
         bits = _export_bits(export_handle_types)
         sizing = _handle_sizing(handle_sizing)
-        _enable_fault_report()
+        _enable_stray_report()
         tensor = super().__new__(
             cls,
             max_bytes,
