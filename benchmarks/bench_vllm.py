@@ -135,9 +135,9 @@ def one_run(
     def ops() -> dict[str, list[float]]:
         """The driver calls of ours since the last call (empty for vLLM's, or unprofiled)."""
         native = getattr(kv.buffer, "_tensor", None)
-        if native is None or not hasattr(native, "_op_times"):
+        if native is None or not hasattr(native, "_profile_report"):
             return {}
-        return common.driver_calls(native)
+        return common.driver_profile(native)
 
     out["allocate"], made = timed_ms(allocate, device)
     kv, views = made
@@ -167,9 +167,9 @@ def one_run(
     views.clear()
     native = getattr(kv.buffer, "_tensor", None)
     out["free"], _ = timed_ms(kv.free, device)
-    if native is not None and hasattr(native, "_op_times"):
+    if native is not None and hasattr(native, "_profile_report"):
         # free() dropped the buffer's tensor: its teardown calls are on the object we kept.
-        out["ops"]["free"] = common.driver_calls(native)
+        out["ops"]["free"] = common.driver_profile(native)
     return out
 
 

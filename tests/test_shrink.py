@@ -173,9 +173,9 @@ def _two_steps(make_tensor: MakeTensor, g: int, **kw: Any) -> ExtensibleTensor:
 def _calls_in_consolidate(make_tensor: MakeTensor, g: int, op: str) -> tuple[int, int]:
     """How many calls of `op` the two-step setup makes, and then its consolidate."""
     counter = _two_steps(make_tensor, g, _profile=True)
-    setup = counter._op_times()[op][0]
+    setup = counter._profile_report()[op][0]
     counter.consolidate()
-    total = counter._op_times()[op][0]
+    total = counter._profile_report()[op][0]
     counter.close()
     return setup, total - setup
 
@@ -268,9 +268,9 @@ def test_every_failed_call_leaves_the_tensor_unchanged(
 ) -> None:
     run = OPERATIONS[operation]
     counter = _setup(make_tensor, g, _profile=True)
-    setup_calls = {op: n for op, (n, _) in counter._op_times(reset=True).items()}
+    setup_calls = {op: n for op, (n, _) in counter._profile_report(reset=True).items()}
     run(counter, g)
-    calls = {op: n for op, (n, _) in counter._op_times().items() if n}
+    calls = {op: n for op, (n, _) in counter._profile_report().items() if n}
     counter.close()
     injected = 0
     for op, num_calls in calls.items():

@@ -282,7 +282,7 @@ def test_out_of_memory_in_a_100_handle_grow_leaves_free_memory_as_it_was() -> No
     )
     with pytest.raises(OutOfMemoryError) as info:
         t.resize_(request)
-    creates = t._op_times()["create"][0]
+    creates = t._profile_report()["create"][0]
     assert creates >= 100, f"only {creates} creates: not the middle of a large grow"
     assert (info.value.op, info.value.code) == ("create", "CUDA_ERROR_OUT_OF_MEMORY")
     assert (t.physical_bytes, t.num_handles, t.segment_bytes) == (0, 0, (0,))

@@ -1258,8 +1258,8 @@ def test_absurd_segment_counts_do_not_crash(exponent: int) -> None:
 def test_profile_counts_driver_calls(make_tensor: MakeTensor, g: int) -> None:
     t = make_tensor(8 * g, 2, handle_sizing=HandleSizing(max_bytes=g), _profile=True)
     t.resize_per_segment_(3 * g)
-    times = t._op_times(reset=True)
+    times = t._profile_report(reset=True)
     assert times["create"][0] == times["map"][0] == t.num_handles == 6
     assert all(ns >= 0 for _, ns in times.values())
-    assert t._op_times() == {}
-    assert make_tensor(8 * g)._op_times() == {}
+    assert t._profile_report() == {}
+    assert make_tensor(8 * g)._profile_report() == {}

@@ -416,8 +416,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         moves one run, with any run that shares one of its handles, to one new handle),
         largest first; `OutOfMemoryError` on the first leaves the tensor as it was; extra
         memory is the largest new handle, or also the next step's (whose copy then overlaps
-        this step's swap) when that fits in half the free memory. Copies run on `stream` (default torch's
-        current one; one given is vouched for by the caller, as for
+        this step's swap) when that fits in half the free memory. Copies run on `stream`
+        (default torch's current one; one given is vouched for by the caller, as for
         `torch.cuda.ExternalStream`).
 
         Each step is all or nothing, not the whole call: one that fails past the first keeps
