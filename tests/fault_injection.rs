@@ -1,6 +1,7 @@
 //! All or nothing: a grow that fails at any driver call leaves the tensor exactly as it was —
 //! same committed bytes, same handles, same contents — and leaks no memfd or mapping.
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::Arc;

@@ -22,7 +22,6 @@ import extensible_kv
 import numpy as np
 import pytest
 import torch
-from conftest import CPU_GRANULARITY
 from extensible_kv import (
     AttentionLayerSpec,
     ExtensibleKVCache,
@@ -37,6 +36,7 @@ from extensible_kv import (
 )
 from extensible_kv.vllm import ExtensibleTensor as DropIn
 from extensible_kv.vllm import granule_size
+from support.devices import CPU_GRANULARITY
 
 G = CPU_GRANULARITY
 PAGE = 2 * 16 * 2 * 32 * 2  # K and V of a 16-token block, 2 heads of 32, bf16
@@ -490,11 +490,7 @@ def test_a_segfault_outside_every_reservation_is_left_to_the_others() -> None:
     assert "stray access" not in run.stderr and "Fatal Python error" in run.stderr
 
 
-_CUDA_REASON = extensible_kv.vmm_unavailable_reason("cuda:0")
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_on_cuda_a_stray_access_is_a_sticky_illegal_address() -> None:
     """What CUDA reports for the same mistake (in a child: it may ruin the context). Seen on the
     H200 (torch 2.11): the write itself fails with `CUDA error: invalid argument`; an error

@@ -15,12 +15,12 @@ from pathlib import Path
 import extensible_kv
 import pytest
 import torch
-from conftest import settled_free
 from extensible_kv import sizing
 from extensible_kv.flow import ExtendReport, KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
 from extensible_kv.sizing import CacheFootprint, blocks_within
-from kv_helpers import CPU_GRANULARITY
+from support.devices import CPU_GRANULARITY
+from support.memory import settled_free
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -211,19 +211,10 @@ def test_readme_flow_example_runs() -> None:
 # CUDA
 
 
-def _cuda_reason() -> str | None:
-    reason = extensible_kv.vmm_unavailable_reason("cuda:0")
-    if reason is None and not torch.cuda.is_available():
-        reason = f"torch {torch.__version__} sees no CUDA device"
-    return reason
-
-
-_CUDA_REASON = _cuda_reason()
 TOLERANCE = 64 * MIB  # free memory moves by a few MiB of the driver's own (page tables)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_extend_to_fit_commits_device_memory() -> None:
     spec = _spec(num_layers=4)
     granularity = sizing.device_granularity("cuda:0")
@@ -246,7 +237,6 @@ def test_extend_to_fit_commits_device_memory() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_extend_to_fit_leaves_only_the_margin() -> None:
     spec = _spec(num_layers=4)
     granularity = sizing.device_granularity("cuda:0")
@@ -264,7 +254,6 @@ def test_extend_to_fit_leaves_only_the_margin() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_nothing_maps_while_a_stream_captures() -> None:
     with KVCacheFlow.reserve(_spec(), 64, "cuda:0") as flow:
         x = torch.zeros(16, device="cuda:0")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import stack_env
+from support import stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MakeTensor, mapped_granules, needed_granules
 from extensible_kv import ClosedError, DriverError, ExtensibleTensor, HandleSizing, OutOfMemoryError
+from support.memory import MakeTensor, mapped_granules, needed_granules
 
 BLOCK = 512  # bytes per block per segment
 

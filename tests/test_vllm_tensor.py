@@ -17,15 +17,16 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
-from conftest import BACKENDS, containing_mapping
 from extensible_kv import ClosedError, OutOfMemoryError, UnsupportedError
 from extensible_kv.vllm import HANDLES_ENV_VAR, ExtensibleTensor, granule_size
 from extensible_kv.vllm import tensor as dropin_module
+from support.devices import DEVICES
+from support.memory import containing_mapping
 
 MIB = 1 << 20
 G = 2 * MIB  # the host backend's granule, for the tests that run there only
-# For tests that only mean something on a GPU: the `backend` fixture's CUDA param alone.
-CUDA_ONLY = pytest.mark.parametrize("backend", [BACKENDS[1]])
+# For tests that only mean something on a GPU: the `device` fixture's CUDA param alone.
+CUDA_ONLY = pytest.mark.parametrize("device", [DEVICES[1]])
 
 
 @pytest.fixture
