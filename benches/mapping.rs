@@ -1,7 +1,7 @@
-//! Mapping benchmarks: bulk commit with the adaptive handle policy against fixed one-granule
-//! handles (what per-granule peers do) in the same run, incremental one-granule grows, the
-//! cost of planning over a 64 TiB reservation, and the orders a teardown could give its
-//! driver calls in (issue 21: a teardown within 1.1x of its `cuMemRelease` calls).
+//! Mapping benchmarks: bulk commit with the default handle policy (`CapAligned`) against fixed
+//! one-granule handles (what per-granule peers do) in the same run, incremental one-granule
+//! grows, the cost of planning over a 64 TiB reservation, and the orders a teardown could give
+//! its driver calls in (issue 21: a teardown within 1.1x of its `cuMemRelease` calls).
 //!
 //! `EKV_BENCH_DEVICE` picks the backend (`cpu`, the default, or `cuda:N` in a build with the
 //! `cuda` feature); `EKV_BENCH_MIB` the bytes committed per segment in the bulk bench
@@ -58,7 +58,7 @@ fn bulk_commit(c: &mut Criterion) {
         .sample_size(10)
         .measurement_time(Duration::from_secs(5));
     for (name, options) in [
-        ("adaptive", Options::default()),
+        ("cap_aligned", Options::default()),
         (
             "fixed_granule",
             Options {
@@ -135,7 +135,7 @@ fn incremental_grow(c: &mut Criterion) {
 fn planning(c: &mut Criterion) {
     let g = 2 * MIB;
     let geometry = Geometry::equal(64 << 40, 2, g).unwrap();
-    let adaptive = HandlePolicy::AlignedPowersOfTwo {
+    let aligned_powers_of_two = HandlePolicy::AlignedPowersOfTwo {
         max_handle_granules: (1 << 30) / g,
     };
     // What a grow plans from the old and new sizes (all of `mapped` passed: the tensor passes
@@ -143,7 +143,7 @@ fn planning(c: &mut Criterion) {
     let grow = |mapped: &[Run], old: &[u64], new: &[u64]| {
         let new_ranges = geometry.new_ranges(old, new);
         let new_granules = plan::granules_of(&new_ranges, g);
-        plan::plan_grow(new_ranges, &new_granules, mapped, adaptive)
+        plan::plan_grow(new_ranges, &new_granules, mapped, aligned_powers_of_two)
     };
     let mut group = c.benchmark_group("planning_64TiB");
     group.bench_function("full_grow_1GiB_cap", |b| {

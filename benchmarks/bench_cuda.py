@@ -33,8 +33,8 @@ from common import (
     KIB,
     MIB,
     child_json,
-    driver_calls,
     driver_memset,
+    driver_profile,
     log,
     median,
     settle,
@@ -153,7 +153,7 @@ def bulk_one(kind: str, per_segment: int, pause_s: float) -> dict[str, float]:
 def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
     big = gib_bytes(args.bulk_gib)
     variants = [
-        ("ours", "ours, adaptive (1 GiB cap, default)", big),
+        ("ours", "ours, cap-aligned handles of at most 1 GiB (default)", big),
         ("ours_4gib", "ours, cap-aligned handles of at most 4 GiB", big),
         (
             "ours_fixed_2mib",
@@ -216,7 +216,7 @@ def bench_bulk(args: argparse.Namespace) -> dict[str, Any]:
 
 def _pair_one(kind: str, per_segment: int, pause_s: float) -> dict[str, float]:
     """One bulk extend of `kind` after `pause_s` s, with the host time of its creates (ours:
-    `_op_times`; vLLM's: its driver's `create`, wrapped for the call)."""
+    `_profile_report`; vLLM's: its driver's `create`, wrapped for the call)."""
     zero = kind != "pages"
     if kind == "vllm":
         t = VllmExtensibleTensor(2 * per_segment, device=DEVICE, num_segments=2)
@@ -248,9 +248,9 @@ def _pair_one(kind: str, per_segment: int, pause_s: float) -> dict[str, float]:
         t.resize_per_segment_(BLOCK)
         sync()
         time.sleep(pause_s)
-        t._op_times(reset=True)
+        t._profile_report(reset=True)
         extend_s = timed(partial(t.resize_per_segment_, per_segment, zero_new=zero))
-        create_ms = driver_calls(t).get("create", [0, 0.0])[1]
+        create_ms = driver_profile(t).get("create", [0, 0.0])[1]
         handles = int(t.num_handles)
         teardown = t.close
     teardown_s = timed(teardown)
@@ -329,19 +329,19 @@ def bench_starts(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _profiled_extend(per_segment: int, pause_s: float) -> dict[str, Any]:
-    """One bulk extend of ours with per-call driver timing, then a second zeroing of the same
+    """One bulk extend of ours with its driver profile, then a second zeroing of the same
     range by cuMemsetD8Async alone (the driver's zeroing floor), then the teardown."""
     t = ExtensibleTensor(2 * per_segment, 2, device=DEVICE, _profile=True)
     t.resize_per_segment_(BLOCK)
     sync()
     time.sleep(pause_s)
-    t._op_times(reset=True)
+    t._profile_report(reset=True)
     extend_s = timed(partial(t.resize_per_segment_, per_segment))
     entry: dict[str, Any] = {
         "extend_ms": extend_s * 1e3,
         "tb_per_s": tbps(2 * per_segment, extend_s),
         "handles": t.num_handles,
-        "extend_ops_ms": driver_calls(t),
+        "extend_ops_ms": driver_profile(t),
     }
     try:
         starts = [t.base_ptr + offset for offset in t.segment_offsets]
@@ -357,7 +357,7 @@ def _profiled_extend(per_segment: int, pause_s: float) -> dict[str, Any]:
         entry["driver_memset_ms"] = f"skipped: {exc}"
     teardown_s = timed(t.close)
     entry["teardown_ms"] = teardown_s * 1e3
-    entry["teardown_ops_ms"] = driver_calls(t, reset=False)
+    entry["teardown_ops_ms"] = driver_profile(t, reset=False)
     del t
     gc.collect()
     return entry

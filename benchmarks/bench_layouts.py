@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from common import GIB, child_json, driver_calls, driver_memset, log, settle, sync, timed_ms
+from common import GIB, child_json, driver_memset, driver_profile, log, settle, sync, timed_ms
 from common import median as med
 
 DEVICE = "cuda:0"
@@ -222,14 +222,14 @@ def one_extend(name: str, geo: Geometry, target: int, pause_s: float, read: bool
     c.grow(geo.sizes(geo.min_blocks))
     settle(pause_s, torch.device(DEVICE))
     if isinstance(c, Ours):
-        c.t._op_times(reset=True)
+        c.t._profile_report(reset=True)
     start = time.perf_counter()
     c.grow(geo.sizes(target))
     sync(torch.device(DEVICE))
     ms = (time.perf_counter() - start) * 1e3
     out: dict[str, Any] = {"ms": ms, "handles": c.handles()}
     if isinstance(c, Ours):
-        ops = driver_calls(c.t)
+        ops = driver_profile(c.t)
         out["ops"] = ops
         out["create_ms"] = ops.get("create", [0, 0.0])[1]
     if read:

@@ -26,7 +26,7 @@ call and a `torch.cuda.synchronize()`:
               long as the process), from SGLang's vendored wheels;
   close       `close()`.
 Medians over the repetitions; markdown tables on stdout, DIR/bench_sglang.json. SGLang comes
-installed or from `.vendor` (tests/sglang_env.py: `scripts/vendor-sglang`).
+installed or from `.vendor` (tests/support/sglang_env.py: `scripts/vendor-sglang`).
 
 `--device cpu` runs ours alone on the host backend with small shapes: a smoke test.
 """
@@ -51,8 +51,8 @@ sys.path.insert(0, str(REPO / "tests"))
 # common is found next to this file when it runs as a script, not when a test loads it by path.
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import sglang_env  # noqa: E402  (after the path: it lives with the tests)
 from common import GIB, log, timed_ms  # noqa: E402
+from support import sglang_env  # noqa: E402  (after the path: it lives with the tests)
 
 MARGIN = 2 * GIB
 PAGE = 1

@@ -28,9 +28,9 @@ Steady state: a pause before each repetition (docs/design.md §2: the driver scr
 memory in the background). Prints a markdown table, writes DIR/bench_shrink.json.
 
 `--profile` builds the tensors with `_profile=True` and records, for each timed step, the
-driver calls it made and their host time (`_op_times`: create, map, set_access, memset, copy,
-synchronize, unmap, release, ...), printed as a second table: where the time goes, and what is
-left for the host side and Python. `--device cpu` runs it all on the host backend with small
+driver calls it made and their host time (`_profile_report`: create, map, set_access, memset,
+copy, synchronize, unmap, release, ...), printed as a second table: where the time goes, and
+what is left for the host side and Python. `--device cpu` runs it all on the host backend with small
 sizes (a smoke test of this script).
 """
 
@@ -46,7 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import GIB, driver_calls, free_bytes, log, settle, timed_ms
+from common import GIB, driver_profile, free_bytes, log, settle, timed_ms
 
 DEVICE = "cuda:0"
 PROFILE = False
@@ -80,7 +80,7 @@ def ops(t: Any) -> dict[str, list[float]]:
     """The driver calls since the last call, `{op: [calls, host ms]}` (empty unless profiling)."""
     if not PROFILE:
         return {}
-    return driver_calls(t)
+    return driver_profile(t)
 
 
 def timed_step(t: Any, fn: Any) -> tuple[float, dict[str, list[float]]]:
@@ -206,7 +206,7 @@ def scrub_once(num_bytes: int, delay_s: float, pause_s: float, created: int) -> 
     time.sleep(delay_s)
     new = one_handle_tensor(created, profile=True)
     ms, _ = timed_ms(lambda: new.resize_(created, zero_new=False), torch.device(DEVICE))
-    calls = driver_calls(new, reset=False)
+    calls = driver_profile(new, reset=False)
     new.close()
     settle(pause_s, torch.device(DEVICE))
     return {

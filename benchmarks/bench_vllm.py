@@ -22,7 +22,7 @@ worker runs, each timed with `time.perf_counter()` around the call and a
   free         `free()`.
 The capacity is the device's total memory (an upper bound, as vLLM's profiling gives).
 Medians over the repetitions. Prints markdown tables and writes DIR/bench_vllm.json
-(rewritten after every layout). vLLM comes installed or from `.vendor` (tests/vllm_env.py:
+(rewritten after every layout). vLLM comes installed or from `.vendor` (tests/support/vllm_env.py:
 `scripts/vendor-vllm`, carried to the GPU machine).
 
 `--device cpu` runs ours alone on the host backend (a smoke test of this script).
@@ -49,8 +49,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import common  # noqa: E402
-import vllm_env  # noqa: E402  (after the path: it lives with the tests)
 from common import GIB, log, settle, timed_ms  # noqa: E402
+from support import vllm_env  # noqa: E402  (after the path: it lives with the tests)
 
 MARGIN = 2 * GIB
 STEPS = ("allocate", "extend", "defragment", "sleep", "wake", "free")
@@ -62,7 +62,7 @@ torch: Any = None
 
 
 def cases(quick: bool) -> list[Any]:
-    from vllm_cases import Case, Shape
+    from support.vllm_cases import Case, Shape
 
     llama8b = Shape(num_layers=32, num_kv_heads=8, head_size=128)
     chosen = [
@@ -117,10 +117,10 @@ def one_run(
     case: Any, device: Any, capacity: int, target: int | None, budget: int, pause_s: float
 ) -> dict[str, Any]:
     """The worker's steps on one fresh cache; `target` None: sized from the free memory."""
+    from support.vllm_cases import kv_cache_config, layout
     from vllm.utils.extensible_tensor import granule_size
     from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache
     from vllm.v1.worker.utils import allocate_kv_cache
-    from vllm_cases import kv_cache_config, layout
 
     granule = granule_size(device.index if device.type == "cuda" else "cpu")
     config = kv_cache_config(case, capacity, granule)
@@ -135,9 +135,9 @@ def one_run(
     def ops() -> dict[str, list[float]]:
         """The driver calls of ours since the last call (empty for vLLM's, or unprofiled)."""
         native = getattr(kv.buffer, "_tensor", None)
-        if native is None or not hasattr(native, "_op_times"):
+        if native is None or not hasattr(native, "_profile_report"):
             return {}
-        return common.driver_calls(native)
+        return common.driver_profile(native)
 
     out["allocate"], made = timed_ms(allocate, device)
     kv, views = made
@@ -167,14 +167,14 @@ def one_run(
     views.clear()
     native = getattr(kv.buffer, "_tensor", None)
     out["free"], _ = timed_ms(kv.free, device)
-    if native is not None and hasattr(native, "_op_times"):
+    if native is not None and hasattr(native, "_profile_report"):
         # free() dropped the buffer's tensor: its teardown calls are on the object we kept.
-        out["ops"]["free"] = common.driver_calls(native)
+        out["ops"]["free"] = common.driver_profile(native)
     return out
 
 
 def bench_case(case: Any, device: Any, contender: Contender, args: argparse.Namespace):
-    from vllm_cases import kv_cache_config
+    from support.vllm_cases import kv_cache_config
 
     # One block of every layer, unpadded: the capacity fills the device before padding.
     bytes_per_block = (

@@ -87,10 +87,10 @@ def free_bytes(device: Any) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0])
 
 
-def driver_calls(tensor: Any, reset: bool = True) -> dict[str, list[float]]:
-    """A `_profile=True` tensor's driver calls since its last reset, `{op: [calls, host ms]}`
-    (`_op_times`, which counts nanoseconds); with `reset`, counting starts again."""
-    return {op: [n, ns / 1e6] for op, (n, ns) in tensor._op_times(reset=reset).items()}
+def driver_profile(tensor: Any, reset: bool = True) -> dict[str, list[float]]:
+    """A `_profile=True` tensor's profile since its last reset, `{op: [calls, host ms]}`
+    (`_profile_report`, which counts nanoseconds); with `reset`, counting starts again."""
+    return {op: [n, ns / 1e6] for op, (n, ns) in tensor._profile_report(reset=reset).items()}
 
 
 def driver_memset(ptr: int, num_bytes: int, stream: int = 0) -> None:

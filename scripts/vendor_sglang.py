@@ -8,7 +8,7 @@ Writes:
   .vendor/sglang0523-py.zip   the 0.5.23 wheel for the machine's Python without any compiled
                               module (`srt/rust_extensions/*.so`, the radix tree's `.so`: the
                               KV pools import neither) and without `multimodal_gen`
-                              (tests/sglang_env.py extracts it on the machine)
+                              (tests/support/sglang_env.py extracts it on the machine)
   .vendor/sglang0523-wheels/  wheels, for the machine's Python, of the packages SGLang's pool
                               modules import beyond what the machine has (torch 2.11, numpy,
                               transformers, pytest), at the versions installed in .venv; and
@@ -36,8 +36,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from vendor_common import download, log, run_as_device, write_wheels  # noqa: E402  (a sibling script)
 
 VERSION = "0.5.23"
-# Distributions SGLang 0.5.23's pool modules import (tests/sglang_env.py's MODULES, measured on
-# a CPU machine) that the device lacks. torchvision and Pillow are stubbed there instead.
+# Distributions SGLang 0.5.23's pool modules import (tests/support/sglang_env.py's MODULES,
+# measured on a CPU machine) that the device lacks. torchvision and Pillow are stubbed there
+# instead.
 WHEELS = [
     "aiohappyeyeballs",
     "aiohttp",

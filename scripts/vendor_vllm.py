@@ -7,7 +7,7 @@ network access to PyPI and the `.venv` of `scripts/setup` (with vLLM's light dep
 Writes:
   .vendor/vllm034/            vLLM's `extensible_tensor.py` and `vmm_driver.py` alone, under a
                               stub `vllm` package (benchmarks/bench_cuda.py's baseline)
-  .vendor/vllm034-py.zip      every `.py` file of the vLLM 0.34.0 wheel (tests/vllm_env.py
+  .vendor/vllm034-py.zip      every `.py` file of the vLLM 0.34.0 wheel (tests/support/vllm_env.py
                               extracts it on the machine)
   .vendor/vllm034-wheels/     wheels, for the machine's Python (`--python`, default 3.12), of
                               the packages vLLM's modules import beyond torch, numpy and
@@ -32,8 +32,8 @@ from pathlib import Path
 from vendor_common import REPO, log, pip, run_as_device, write_wheels
 
 VERSION = "0.34.0"
-# Distributions vLLM's modules import (tests/vllm_env.py's imports, measured on a CPU machine)
-# that a bare torch + transformers machine lacks. The three stubbed there instead (Pillow,
+# Distributions vLLM's modules import (tests/support/vllm_env.py's imports, measured on a CPU
+# machine) that a bare torch + transformers machine lacks. The three stubbed there instead (Pillow,
 # uvloop, llguidance: big, and never called by the code under test) are not in the list.
 WHEELS = [
     "aiohappyeyeballs",

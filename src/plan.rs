@@ -492,7 +492,7 @@ pub fn plan_shrink(mapped: &[Run], needed: &[Run]) -> ShrinkPlan {
 /// One all-or-nothing step of a consolidation: the handles over the `old` runs give way to one
 /// new handle per `new` run, holding the same bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Regroup {
+pub struct ConsolidateStep {
     /// The mapped runs to replace.
     pub old: Vec<Run>,
     /// The runs that replace them (each inside an old one), to be backed by new handles.
@@ -505,27 +505,28 @@ pub struct Regroup {
 /// first one fits in memory the rest do too (each step gives back what it takes); handles that
 /// hold no needed granule go in a last step with nothing new. Runs already backed by exactly
 /// one handle are left alone.
-pub fn plan_consolidate(mapped: &[Run], needed: &[Run]) -> Vec<Regroup> {
-    let mut groups: Vec<(std::ops::Range<usize>, Vec<Run>)> = Vec::new();
+pub fn plan_consolidate(mapped: &[Run], needed: &[Run]) -> Vec<ConsolidateStep> {
+    // Per step: the old handles (a range of `mapped`) and the needed runs they hold.
+    let mut joined: Vec<(std::ops::Range<usize>, Vec<Run>)> = Vec::new();
     for &run in needed {
         let lo = mapped.partition_point(|m| m.end_granule() <= run.first_granule);
         let hi = mapped.partition_point(|m| m.first_granule < run.end_granule());
-        match groups.last_mut() {
+        match joined.last_mut() {
             // The previous run's last handle also holds this run's first granules.
             Some((handles, runs)) if handles.end > lo => {
                 handles.end = hi;
                 runs.push(run);
             }
-            _ => groups.push((lo..hi, vec![run])),
+            _ => joined.push((lo..hi, vec![run])),
         }
     }
     let mut used = vec![false; mapped.len()];
-    let mut steps: Vec<Regroup> = Vec::new();
-    for (handles, runs) in groups {
+    let mut steps: Vec<ConsolidateStep> = Vec::new();
+    for (handles, runs) in joined {
         used[handles.clone()].fill(true);
         let old = mapped[handles].to_vec();
         if old != runs {
-            steps.push(Regroup { old, new: runs });
+            steps.push(ConsolidateStep { old, new: runs });
         }
     }
     steps.sort_by_key(|s| std::cmp::Reverse(s.new.iter().map(|r| r.num_granules).sum::<u64>()));
@@ -536,7 +537,7 @@ pub fn plan_consolidate(mapped: &[Run], needed: &[Run]) -> Vec<Regroup> {
         .map(|(&run, _)| run)
         .collect();
     if !dead.is_empty() {
-        steps.push(Regroup {
+        steps.push(ConsolidateStep {
             old: dead,
             new: Vec::new(),
         });
@@ -710,7 +711,7 @@ mod tests {
     }
 
     #[test]
-    fn adaptive_cuts_aligned_powers_of_two() {
+    fn aligned_powers_of_two_cut_at_their_alignment() {
         let mut out = Vec::new();
         HandlePolicy::AlignedPowersOfTwo {
             max_handle_granules: 1 << 20,

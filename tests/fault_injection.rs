@@ -1,6 +1,7 @@
 //! All or nothing: a grow that fails at any driver call leaves the tensor exactly as it was —
 //! same committed bytes, same handles, same contents — and leaks no memfd or mapping.
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::Arc;
@@ -343,7 +344,7 @@ fn two_steps_intact(tensor: &ExtensibleTensor) {
 }
 
 #[test]
-fn a_consolidation_copies_the_next_run_while_it_swaps_this_one_in() {
+fn a_consolidation_copies_the_next_step_while_it_swaps_this_one_in() {
     let (host, faulty, tensor) = build_two_steps(never(Op::Create));
     let skip = faulty.log().len();
     tensor.consolidate(extensible_kv::Stream::DEFAULT).unwrap();
@@ -357,20 +358,20 @@ fn a_consolidation_copies_the_next_run_while_it_swaps_this_one_in() {
     assert_eq!(copies.len(), 2, "{log:?}");
     assert!(
         copies[1] < releases[0],
-        "the second copy was not queued before the first run's old handles went: {log:?}"
+        "the second copy was not queued before the first step's old handles went: {log:?}"
     );
-    // The fence: each run's unmaps (its old mappings', then its scratch mapping's) come after
-    // a synchronize that follows the run's copy. The next run's copy may be queued in between:
-    // it reads and writes other memory.
-    let unmap_groups: Vec<usize> = (0..log.len())
+    // The fence: each step's unmaps (its old mappings', then its scratch mapping's) come after
+    // a synchronize that follows the step's copy. The next step's copy may be queued in
+    // between: it reads and writes other memory.
+    let unmap_stretches: Vec<usize> = (0..log.len())
         .filter(|&i| log[i] == Op::Unmap && (i == 0 || log[i - 1] != Op::Unmap))
         .collect();
-    assert_eq!(unmap_groups.len(), 4, "{log:?}");
-    for (run, &copy) in copies.iter().enumerate() {
-        let first_unmap = unmap_groups[2 * run];
+    assert_eq!(unmap_stretches.len(), 4, "{log:?}");
+    for (step, &copy) in copies.iter().enumerate() {
+        let first_unmap = unmap_stretches[2 * step];
         assert!(
             log[copy..first_unmap].contains(&Op::Synchronize),
-            "run {run} unmapped without a fence after its copy: {log:?}"
+            "step {step} unmapped without a fence after its copy: {log:?}"
         );
     }
 }
@@ -384,8 +385,8 @@ fn every_failed_call_of_a_pipelined_consolidation_keeps_the_bytes_and_leaks_noth
             let (host, _, tensor) = build_two_steps(fault);
             let before = tensor.handle_runs();
             let result = tensor.consolidate(extensible_kv::Stream::DEFAULT);
-            // A run is all or nothing, whichever call failed: in the staging ahead (the
-            // run is then staged again in its turn), in a run's own staging or swap, or
+            // A step is all or nothing, whichever call failed: in the staging ahead (the
+            // step is then staged again in its turn), in a step's own staging or swap, or
             // in a clean-up after the swap (kept for take_deferred_errors).
             two_steps_intact(&tensor);
             let after = tensor.handle_runs();

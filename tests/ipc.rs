@@ -2,6 +2,7 @@
 //! may take its own fds with pidfd_getfd, so one process plays owner and importer here; the
 //! Python tests run two processes).
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::Arc;

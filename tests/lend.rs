@@ -3,6 +3,7 @@
 //! and the all-or-nothing sweep: a lend, borrow, give-back or reclaim that fails at any driver
 //! call leaves both sides exactly as they were (tests/fault_injection.rs style).
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::Arc;

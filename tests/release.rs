@@ -4,6 +4,7 @@
 //! and goes back right after; a grow maps it again instead of waiting; teardown with releases
 //! pending leaks nothing.
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
-use extensible_kv::driver::wrap::timing::TimingDriver;
+use extensible_kv::driver::wrap::profile::ProfilingDriver;
 use extensible_kv::{
     Driver, Error, ExtensibleTensor, GrowOptions, HandleSizing, Op, Options, ShrinkOptions, Stream,
 };
@@ -96,7 +97,7 @@ fn releases_go_in_order_each_after_its_own_event() {
 #[test]
 fn a_grow_maps_pending_memory_again_and_zeroes_it() {
     let host = Arc::new(HostDriver::new(G).unwrap());
-    let timing = Arc::new(TimingDriver::new(host.clone()));
+    let timing = Arc::new(ProfilingDriver::new(host.clone()));
     let tensor = tensor_on(timing.clone());
     tensor.hold_events(true).unwrap();
     tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();

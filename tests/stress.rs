@@ -6,6 +6,7 @@
 //! hold its invariants, no view may be counted, and closing everything must leave the driver
 //! (and, on the host, /proc) with nothing.
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};

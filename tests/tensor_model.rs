@@ -8,6 +8,7 @@
 //! 200 cases by default; `EKV_PROPTEST_CASES=10000` for the long run (CI and
 //! `scripts/gpu-check` run it once).
 
+#[path = "support/common.rs"]
 mod common;
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import bench_scripts
 import pytest
+from support import bench_scripts
 
 pytestmark = pytest.mark.vllm
 

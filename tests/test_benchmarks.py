@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import bench_scripts
 import pytest
+from support import bench_scripts
 
 
 def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 import pytest
-import stack_env
+from support import stack_env
 
 torch = pytest.importorskip("torch")
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from extensible_kv.flow import KVCacheFlow
 from extensible_kv.kv_cache import AttentionLayerSpec, KVCacheTensorSpec
-from ranks import join_group, run_ranks
+from support.ranks import join_group, run_ranks
 
 WORLD_SIZE = 2
 GRANULARITY = 4096

@@ -1,6 +1,8 @@
-"""The docs stay true (issue 23): every repository path, Python name and Rust item that README.md
-and docs/design.md name in backticks exists, and the lists the code can make itself (the
-modules that allow `unsafe`, the environment variables) match the code.
+"""The docs stay true (issues 23 and 35): every repository path, Python name and Rust item that
+README.md, docs/design.md and docs/benchmarks.md name in backticks exists, and exists where the
+doc places it; a block introduced as verbatim equals its source; and the lists the code can
+make itself (the modules that allow `unsafe`, the environment variables, the `Driver` trait's
+methods) match the code.
 
 How a backticked token is read (in text, not in fenced code blocks, which other tests run):
 
@@ -24,6 +26,12 @@ How a backticked token is read (in text, not in fenced code blocks, which other 
   transformers, torch, CUDA or Linux, which this repository cannot check.
 - **environment variables** (`EKV_*`, `EXTENSIBLE_KV_*`) must be read by the code.
 
+Where a name is placed (`Claim`): a table with a `files` or `where` column places each
+unqualified name of a row's last column under that row's path; a sentence places one with
+`X` in `P`, `X` = value in `P`, `X` (`P`), `P` (.. `X` ..) or `P`: .. `X` ..; where the name
+is ours (some file defines it), one of `P`'s files must define it: a Rust item, field or
+variant, or a Python function, class, parameter or assignment target (an import is no home).
+
 Every failure is printed as `FILE:LINE: \\`token\\`: why`.
 """
 
@@ -34,6 +42,7 @@ import builtins
 import errno
 import fcntl
 import functools
+import keyword
 import mmap
 import os
 import re
@@ -45,7 +54,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "docs/design.md")
+DOCS = ("README.md", "docs/design.md", "docs/benchmarks.md")
 
 # Source extensions: a bare token ending in one of them names a file of ours.
 EXTENSIONS = (".rs", ".py", ".pyi", ".md", ".toml", ".sh")
@@ -75,7 +84,8 @@ FOREIGN = {
         pad_kv_cache_segments registers_kv_cache_memory recommit get_kv_cache_shape
         get_kv_cache_stride_order segments_backed_by_one_chunk resize_segments_ tvm_ffi
         commit vllm/utils/extensible_tensor.py vllm/v1/worker/extensible_kv_cache.py
-        BlockPool.__init__ free_block_queue num_gpu_blocks collective_rpc extend_kv_cache""",
+        BlockPool.__init__ free_block_queue num_gpu_blocks collective_rpc extend_kv_cache
+        create_kv_cache_views""",
     # SGLang 0.5.x
     "sglang": """HookRegistry KvVmmArena MHATokenToKVPool._create_buffers finalize_backing
         release_memory_occupation resume_memory_occupation load_inline TokenToKVPoolAllocator
@@ -125,11 +135,15 @@ class Token:
         return f"{self.file}:{self.line}: `{self.text}`: {why}"
 
 
+def prose(name: str) -> str:
+    """A doc with its fenced blocks blanked out, newlines kept so line numbers stay right."""
+    text = (ROOT / name).read_text()
+    return re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+
+
 def doc_tokens(name: str) -> list[Token]:
     """The inline code spans of a doc, outside fenced blocks, with their line numbers."""
-    text = (ROOT / name).read_text()
-    # Blank out fenced blocks, keeping their newlines so line numbers stay right.
-    text = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+    text = prose(name)
     return [
         Token(name, text.count("\n", 0, m.start()) + 1, " ".join(m.group(1).split()))
         for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", text)
@@ -271,6 +285,8 @@ def rust_items() -> dict[str, frozenset[str]]:
     items = {}
     for path in _sources("src", "tests", "benches", ext=".rs"):
         code = re.sub(r"//.*", "", path.read_text())
+        # An import defines nothing here: `pub use options::{.., DEFAULT_MAX_HANDLE_BYTES};`
+        code = re.sub(r"^\s*(?:pub(?:\([^)]*\))?\s+)?use\s[^;]*;", "", code, flags=re.M)
         found = {next(g for g in m.groups() if g) for m in RUST_ITEM.finditer(code)}
         items[path.relative_to(ROOT).as_posix()] = frozenset(found)
     return items
@@ -288,7 +304,7 @@ def rust_index() -> frozenset[str]:
 
 @functools.cache
 def file_names() -> frozenset[str]:
-    """File names, their stems, and directory names: `books`, `host.rs`, `cuda`."""
+    """File names, their stems, and directory names: `books`, `stray.rs`, `cuda`."""
     names = set()
     for f in repo_files():
         parts = f.split("/")
@@ -421,7 +437,7 @@ def check_path(text: str) -> str | None:
     if path in repo_files() or path in repo_dirs():
         return None
     if any(f.endswith(f"/{path}") for f in repo_files()):
-        return None  # a file named by its tail: `tensor.rs`, `driver/ipc.rs`
+        return None  # a file named by its tail: `mod.rs`, `host/stray.rs`
     return "no such file in the repository"
 
 
@@ -554,6 +570,7 @@ def _known(name: str) -> bool:
         or name.rstrip("!") in rust_index()
         or name in file_names()
         or hasattr(builtins, name)
+        or keyword.iskeyword(name)
         or any(hasattr(module, name) for module in (errno, mmap, fcntl, socket))
     )
 
@@ -746,7 +763,7 @@ def test_env_reads_sees_each_way_of_reading() -> None:
     reads = env_reads()
     # A constant in a plugin, a Rust const, a shell default, a Python os.environ.get literal.
     assert "python/extensible_kv/vllm/plugin.py" in reads["EXTENSIBLE_KV_VLLM"]
-    assert "src/driver/host/stray.rs" in reads["EXTENSIBLE_KV_FAULT_REPORT"]
+    assert "src/driver/host/stray.rs" in reads["EXTENSIBLE_KV_STRAY_REPORT"]
     assert "scripts/setup" in reads["EKV_SETUP_VLLM"]
     assert "benches/mapping.rs" in reads["EKV_BENCH_DEVICE"]
 
@@ -773,7 +790,7 @@ def heading_anchors(text: str) -> set[str]:
 def test_links_to_headings_resolve() -> None:
     """`[text](#anchor)` and `[text](file.md#anchor)` in the docs name a heading that exists."""
     problems = []
-    for doc in (*DOCS, "docs/benchmarks.md"):
+    for doc in DOCS:
         text = (ROOT / doc).read_text()
         for match in re.finditer(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
             target, anchor = match.groups()
@@ -789,3 +806,296 @@ def test_links_to_headings_resolve() -> None:
 def test_anchors_follow_github() -> None:
     anchors = heading_anchors("# A `b.py` (c, d)\n## A `b.py` (c, d)\n### µs — x\n")
     assert anchors == {"a-bpy-c-d", "a-bpy-c-d-1", "µs--x"}
+
+
+# ---------------------------------------------------------------------------------------------
+# claims of place: a name said to live in a file, a block said to be verbatim, a list said to
+# be a trait's methods
+
+
+@functools.cache
+def definitions() -> dict[str, frozenset[str]]:
+    """Source file -> the names it defines: Rust items, fields and variants; Python functions,
+    classes, parameters and assignment targets. Not its imports: a re-export is not a home."""
+    found = dict(rust_items())
+    tops = ("python", "tests", "benchmarks", "scripts", "examples")
+    for path in _sources(*tops, ext=".py") + _sources("python", ext=".pyi"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+        found[path.relative_to(ROOT).as_posix()] = frozenset(names)
+    return found
+
+
+@dataclass(frozen=True)
+class Claim:
+    """`name`, as a doc writes it, said to be defined in `home` (a file, a file's tail, or a
+    directory), read relative to `base` (the directory of the table row it stands in)."""
+
+    file: str
+    line: int
+    name: str
+    home: str
+    base: str = ""
+
+    def fail(self, why: str) -> str:
+        return f"{self.file}:{self.line}: `{self.name}` in `{self.home}`: {why}"
+
+
+def _claimed_name(text: str) -> str | None:
+    """The identifier a backticked token names (`a::b::c()` -> `c`), or None for a token that
+    is no identifier (a path, an expression, an environment variable)."""
+    name = re.sub(r"\(.*\)$", "", text.strip())
+    name = re.sub(r"\s*(=.*|[{<].*)$", "", name).rstrip("!")
+    if "/" in name or name.endswith(EXTENSIONS) or ENV_NAME.match(name):
+        return None
+    if not re.fullmatch(r"[A-Za-z_]\w*((::|\.)[A-Za-z_]\w*)*", name):
+        return None
+    return re.split(r"::|\.", name)[-1]
+
+
+def _is_source_path(text: str) -> bool:
+    path = re.split(r"[:§ ]", text)[0]
+    return (path.endswith("/") or path.endswith((".rs", ".py", ".pyi"))) and _is_repo_path(path)
+
+
+def home_files(home: str, base: str = "") -> list[str]:
+    """The source files a doc's path names: that file, the files a tail names (those under
+    `base` where some are), every file under a directory; `{a,b}` expands."""
+    path = re.split(r"[:§ ]", home)[0]
+    brace = re.search(r"\{([^}]*)\}", path)
+    if brace:
+        variants = [path[: brace.start()] + v + path[brace.end() :] for v in brace[1].split(",")]
+        return [f for v in variants for f in home_files(v, base)]
+    files = list(definitions())
+    if path.endswith("/"):
+        hits = [f for f in files if f.startswith(path) or f"/{path}" in f"/{f}"]
+    else:
+        hits = [f for f in files if f == path or f.endswith(f"/{path}")]
+    under = [f for f in hits if base and f.startswith(base)]
+    return under or hits
+
+
+def _where_column(header: list[str]) -> int | None:
+    for i, cell in enumerate(header):
+        if cell.strip().lower() in ("files", "where"):
+            return i
+    return None
+
+
+def _cells(row: str) -> list[str]:
+    """A table row's cells; `\\|` inside a cell is a literal bar."""
+    return re.split(r"(?<!\\)\|", row.strip().strip("|"))
+
+
+def _is_full_path(text: str) -> bool:
+    """A path from the repository's root (`examples/decoder/`), which says its own place."""
+    top = text.split("/")[0]
+    return "/" in text and top in {f.split("/")[0] for f in repo_files()}
+
+
+def _row_bases(text: str) -> dict[int, str]:
+    """Line -> the directory a table row with a `files` or `where` column is about."""
+    bases, where, previous = {}, None, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            where, previous = None, line
+            continue
+        cells = _cells(line)
+        if not previous.startswith("|"):  # the header
+            where, previous = _where_column(cells), line
+            continue
+        previous = line
+        if where is None or where >= len(cells):
+            continue
+        paths = re.findall(r"`([^`]+)`", cells[where])
+        if paths and _is_source_path(paths[0]):
+            bases[number] = paths[0] if paths[0].endswith("/") else paths[0].rsplit("/", 1)[0] + "/"
+    return bases
+
+
+def _table_claims(doc: str, text: str, bases: dict[int, str]) -> list[Claim]:
+    """In a table with a `files` or `where` column, each unqualified name of a row's last
+    column (`Books<H>`, `refuse_map`, a module such as `headroom`) lives under the row's path.
+    A qualified name (`Error::Closed`, `_torch.require`) or a full path says its own place,
+    and `name=value` is a use, not a home."""
+    claims = []
+    lines = text.splitlines()
+    for number, base in bases.items():
+        for token in re.findall(r"`([^`]+)`", _cells(lines[number - 1])[-1]):
+            bare = re.sub(r"\(.*\)$", "", token)
+            if "::" in bare or "." in bare or "=" in bare or _is_full_path(bare):
+                continue
+            claims.append(Claim(doc, number, token, base, base))
+    return claims
+
+
+# `NAME` in `PATH`, `NAME` = 1 GiB in `PATH`, `NAME` (in `PATH`)
+_IN_PATH = re.compile(r"`([^`]+)`(\s*=\s*[^`;,()]*?)?\s+\(?in\s+`([^`]+)`")
+# `NAME` (`PATH`...)
+_PATH_AFTER = re.compile(r"`([^`]+)`\s+\(`([^`]+)`[,;)]")
+# `PATH` (... `NAME` ...): the names in the parentheses after a path
+_NAMES_AFTER = re.compile(r"`([^`]+)`\s+\(([^()]*)\)")
+# `PATH`: ... `NAME` ...; up to the clause's end
+_PATH_COLON = re.compile(r"`([^`]+)`:\s+([^;|]*?)(?:;|\|| \(§|\.\s|\.$|$)", re.M)
+
+
+def _prose_claims(doc: str, text: str, bases: dict[int, str]) -> list[Claim]:
+    """Names a sentence places in a file: `X` in `P`, `X` (`P`), `P` (`X`, `Y`), `P`: `X`.
+    In a table row about a directory, a file's tail is read under that directory."""
+    found = []
+
+    def line_of(position: int) -> int:
+        return text.count("\n", 0, position) + 1
+
+    for match in _IN_PATH.finditer(text):
+        found.append((match.start(), match[1], match[3]))
+    for match in _PATH_AFTER.finditer(text):
+        if not _is_source_path(match[1]):
+            found.append((match.start(), match[1], match[2]))
+    for pattern in (_NAMES_AFTER, _PATH_COLON):
+        for match in pattern.finditer(text):
+            for token in re.finditer(r"`([^`]+)`", match[2]):
+                if not _is_full_path(token[1]):
+                    found.append((match.start(2) + token.start(), token[1], match[1]))
+    claims = []
+    for position, name, home in found:
+        line = line_of(position)
+        if _is_source_path(home) and " " not in home:
+            claims.append(Claim(doc, line, name, home, bases.get(line, "")))
+    return claims
+
+
+def home_claims(doc: str) -> list[Claim]:
+    text = prose(doc)
+    bases = _row_bases(text)
+    return _table_claims(doc, text, bases) + _prose_claims(doc, text, bases)
+
+
+def check_claim(claim: Claim) -> str | None:
+    """None when the claim holds or cannot be checked (the name is not ours), else why not."""
+    homes = home_files(claim.home, claim.base)
+    if not homes:
+        return None  # a missing path: the name check reports it
+    token = claim.name.strip()
+    if _is_source_path(token) or token.endswith(EXTENSIONS):
+        tail = re.split(r"[:§ ]", token)[0].rstrip("/")
+        if any(f"/{tail}/" in f"/{f}" or f.endswith(f"/{tail}") for f in homes):
+            return None
+        return "no such file there"
+    name = _claimed_name(token)
+    if name is None or name in STD_METHODS or token in FOREIGN_NAMES:
+        return None
+    defined = [f for f, names in definitions().items() if name in names]
+    modules = {part for f in homes for part in Path(f).with_suffix("").parts}
+    if any(f in defined for f in homes) or (claim.base and name in modules):
+        return None
+    if not defined:
+        return None  # not ours: vLLM's, CUDA's, Linux's (the name check vouches for the rest)
+    return f"not defined there; defined in {', '.join(sorted(defined)[:4])}"
+
+
+def test_names_said_to_live_in_a_file_are_defined_there() -> None:
+    claims = [c for doc in DOCS for c in home_claims(doc)]
+    assert len(claims) > 100  # the parser found the claims
+    failures = [c.fail(why) for c in claims if (why := check_claim(c)) is not None]
+    assert not failures, "\n" + "\n".join(failures)
+
+
+def test_the_claim_checker_catches_a_name_out_of_place() -> None:
+    text = (
+        "| layer | where | what |\n|---|---|---|\n"
+        "| driver | `src/driver/` | `books`, `ipc` (pidfds), `Books<H>`, `Error::Closed` |\n"
+        "\nThe cap (`DEFAULT_MAX_HANDLE_BYTES` = 1 GiB in `src/tensor/mod.rs`); `Geometry` "
+        "(`src/tensor/`); `src/plan.rs` (`plan_grow`, `Mapping`); `mapping.rs`: `Reservation`.\n"
+    )
+    bases = _row_bases(text)
+    claims = _table_claims("x.md", text, bases) + _prose_claims("x.md", text, bases)
+    failing = {c.name for c in claims if check_claim(c)}
+    assert failing == {"ipc", "DEFAULT_MAX_HANDLE_BYTES", "Geometry", "Mapping"}
+    assert {c.name for c in claims} >= {"books", "Books<H>", "plan_grow", "Reservation"}
+
+
+def _comment_text(source: str) -> str:
+    """A source's lines with comment and quote markers dropped, whitespace collapsed."""
+    lines = [re.sub(r"^\s*(//[!/]?|#|>)\s?", "", line) for line in source.splitlines()]
+    return " ".join(" ".join(lines).split())
+
+
+def verbatim_quotes(doc: str) -> list[tuple[int, str, str]]:
+    """(line, path, quote) for each block a line introduces as verbatim from a file: the
+    blockquote or fenced block after a line that says `verbatim` and ends with a colon."""
+    lines = (ROOT / doc).read_text().splitlines()
+    quotes = []
+    for number, line in enumerate(lines, 1):
+        if "verbatim" not in line.lower() or not line.rstrip().endswith(":"):
+            continue
+        paths = [p for p in re.findall(r"`([^`]+)`", line) if _is_repo_path(p)]
+        assert paths, f"{doc}:{number}: a verbatim quote names no file to compare it with"
+        rest = lines[number:]
+        while rest and not rest[0].strip():
+            rest = rest[1:]
+        if rest and rest[0].startswith("```"):
+            end = next(i for i in range(1, len(rest)) if rest[i].startswith("```"))
+            block = rest[1:end]
+        else:
+            quoted = (i for i, text in enumerate(rest) if not text.startswith(">"))
+            block = rest[: next(quoted, len(rest))]
+        assert block, f"{doc}:{number}: no block follows the verbatim claim"
+        quotes.append((number, paths[0], "\n".join(block)))
+    return quotes
+
+
+def test_verbatim_quotes_equal_their_source() -> None:
+    quotes = verbatim_quotes("docs/design.md")
+    assert quotes  # the invariants of src/tensor/mod.rs are quoted
+    problems = []
+    for doc in DOCS:
+        for line, path, quote in verbatim_quotes(doc):
+            source = _comment_text((ROOT / re.split(r"[:§ ]", path)[0]).read_text())
+            if _comment_text(quote) not in source:
+                problems.append(f"{doc}:{line}: the block quoted from `{path}` is not in it")
+    assert not problems, "\n" + "\n".join(problems)
+
+
+def test_the_verbatim_check_sees_a_drift() -> None:
+    source = "//! 1. one;\n//! 2. two words\n//!    wrapped;\n"
+    assert _comment_text("> 2. two words wrapped;") in _comment_text(source)
+    assert _comment_text("> 2. two words, wrapped;") not in _comment_text(source)
+
+
+def trait_methods(path: str, trait: str) -> list[str]:
+    """The methods a Rust trait declares, in order (default methods included)."""
+    code = re.sub(r"//.*", "", (ROOT / path).read_text())
+    start = re.search(rf"\btrait\s+{trait}\b[^{{]*\{{", code)
+    assert start, f"{path}: no trait {trait}"
+    depth, end = 1, start.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(code[end], 0)
+        end += 1
+    body = code[start.end() : end - 1]
+    while re.search(r"\{[^{}]*\}", body):  # default methods' bodies, innermost first
+        body = re.sub(r"\{[^{}]*\}", ";", body)
+    return re.findall(r"\bfn\s+(\w+)", body)
+
+
+def test_the_driver_methods_design_lists_are_the_trait_s() -> None:
+    first, lines = _section("docs/design.md", "### 3.1")
+    row = next((i for i, line in enumerate(lines) if "The `Driver` trait:" in line), None)
+    assert row is not None, f"docs/design.md:{first}: §3.1 no longer lists the `Driver` trait"
+    listed = lines[row].split("The `Driver` trait:", 1)[1].split(". ", 1)[0]
+    documented = re.findall(r"`(\w+)`", listed)
+    methods = trait_methods("src/driver/mod.rs", "Driver")
+    assert len(methods) >= 14  # the parser read the trait
+    where = f"docs/design.md:{first + row} (§3.1)"
+    assert sorted(documented) == sorted(methods), (
+        f"{where}: listed but not in the trait: {sorted(set(documented) - set(methods))}; "
+        f"in the trait but not listed: {sorted(set(methods) - set(documented))}"
+    )

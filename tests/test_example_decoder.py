@@ -141,19 +141,10 @@ def test_too_small_a_budget_is_an_error() -> None:
 # CUDA: the graph is captured before the extension and replayed after it
 
 
-def _cuda_reason() -> str | None:
-    reason = extensible_kv.vmm_unavailable_reason("cuda:0")
-    if reason is None and not torch.cuda.is_available():
-        reason = f"torch {torch.__version__} sees no CUDA device"
-    return reason
-
-
-_CUDA_REASON = _cuda_reason()
 GPU_CASES = {k: v for k, v in CASES.items() if k != "LHBNC"}
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 @pytest.mark.parametrize("overrides", GPU_CASES.values(), ids=GPU_CASES.keys())
 def test_cuda_graph_replays_into_extended_blocks(overrides: dict[str, Any]) -> None:
     options = demo.DemoOptions(device="cuda:0", max_blocks=1 << 16, steps=48).updated(**overrides)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import memfd_counts
 from extensible_kv import ClosedError, ExtensibleTensor, HandleSizing, OutOfMemoryError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.memory import memfd_counts
 
 G = 4096
 HANDLE_KINDS = ["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"]

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import MakeTensor, device_kwargs
 from extensible_kv import (
     DriverError,
     ExtensibleTensor,
@@ -29,8 +28,9 @@ from extensible_kv import (
     UnsupportedError,
     recv_shared,
     send_shared,
-    vmm_unavailable_reason,
 )
+from support.devices import device_kwargs
+from support.memory import MakeTensor
 
 TIMEOUT_S = 120
 
@@ -343,14 +343,14 @@ def test_bad_descriptions_are_typed_errors_and_leak_nothing(
 
 
 def test_a_failed_import_maps_nothing_and_keeps_no_fd(
-    backend: str, g: int, make_owner: MakeOwner
+    device: str, g: int, make_owner: MakeOwner
 ) -> None:
     owner = make_owner(8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g))
     owner.resize_per_segment_(7 * g)
     description = owner.share()
     assert len(description.handles) >= 4
     fds_before = open_fds()
-    kw = {**device_kwargs(backend), "granularity": description.granularity}
+    kw = {**device_kwargs(device), "granularity": description.granularity}
     injected = 0
     for op in ("reserve", "import", "map", "set_access"):
         for nth in range(1, len(description.handles) + 1):
@@ -377,11 +377,7 @@ def test_a_failed_import_maps_nothing_and_keeps_no_fd(
 # GPU only: importers that start from a raw pointer (LMCache, UCX cuda_ipc)
 
 
-_CUDA_REASON = vmm_unavailable_reason("cuda:0")
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_a_handle_retained_from_a_view_exports_and_imports() -> None:
     from cuda.bindings import driver as cu
 

@@ -22,8 +22,7 @@ from extensible_kv.kv_cache import (
     StandardLayerSpec,
 )
 from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
-from kv_helpers import (
-    DEVICES,
+from support.kv_helpers import (
     MakeCache,
     blocks,
     byte_sum,
@@ -37,11 +36,6 @@ N, H, D = 16, 2, 32  # tokens per block, KV heads, head size
 BF16 = torch.bfloat16
 PAGE = 2 * N * H * D * 2  # K and V of one block, bf16: 4096 bytes
 CAPACITY = 8
-
-
-@pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture
@@ -247,9 +241,9 @@ def test_kv_split_grows_both_halves(make_cache: MakeCache) -> None:
     assert torch.equal(k, kv[0, :3]) and torch.equal(v, kv[1, :3])
 
 
-@pytest.mark.parametrize("backend", ["FLASHINFER", "KV_SPLIT_BLOCK_MAJOR"])
-def test_block_major_grows_one_prefix(backend: str, make_cache: MakeCache) -> None:
-    cache = make_cache(_one_layer(backend), CAPACITY)
+@pytest.mark.parametrize("attention", ["FLASHINFER", "KV_SPLIT_BLOCK_MAJOR"])
+def test_block_major_grows_one_prefix(attention: str, make_cache: MakeCache) -> None:
+    cache = make_cache(_one_layer(attention), CAPACITY)
     cache.commit(3)
     assert cache.buffers[0].segment_bytes == (3 * PAGE,)
     # One prefix of 3 pages, in whole granules: 3 of 4 KiB on cpu, 1 of 2 MiB on cuda.
@@ -257,7 +251,7 @@ def test_block_major_grows_one_prefix(backend: str, make_cache: MakeCache) -> No
     assert cache.physical_bytes == -(-3 * PAGE // g) * g
     view = cache.views["attn"]
     assert isinstance(view, torch.Tensor)
-    kv_block_2 = view[:, 2] if backend == "KV_SPLIT_BLOCK_MAJOR" else view[2]
+    kv_block_2 = view[:, 2] if attention == "KV_SPLIT_BLOCK_MAJOR" else view[2]
     kv_block_2.fill_(1)
     assert committed_byte_sum(cache) == byte_sum(kv_block_2)
 

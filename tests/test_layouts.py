@@ -22,7 +22,7 @@ from extensible_kv.layouts import (
     standard_layout,
     stride_order,
 )
-from kv_helpers import DEVICES, cache_kwargs, pattern
+from support.kv_helpers import cache_kwargs, pattern
 
 B, N, H, D = 6, 16, 4, 32
 
@@ -41,11 +41,6 @@ PRESET_TABLE = {
 }
 L = 3
 STANDARD_TABLE = {"LBHNC": L, "LBNHC": L, "LHBNC": L * H, "BLHNC": 1, "BLNHC": 1, "BHLNC": 1}
-
-
-@pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def preset_layout(name: str, dtype: torch.dtype = torch.bfloat16) -> BlockLayout:

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import device_kwargs
 from extensible_kv import (
     ExtensibleTensor,
     HandleSizing,
@@ -29,6 +28,7 @@ from extensible_kv import (
     recv_loan,
     send_shared,
 )
+from support.devices import device_kwargs
 
 TIMEOUT_S = 120
 SEGMENTS = 2
@@ -51,14 +51,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make(backend: str, g: int, grow: int) -> ExtensibleTensor:
+def make(device: str, g: int, grow: int) -> ExtensibleTensor:
     """`SEGMENTS` segments of `CAPACITY` granules, handles of 2 granules, grown to `grow`."""
     t = ExtensibleTensor(
         SEGMENTS * CAPACITY * g,
         SEGMENTS,
         handle_sizing=HandleSizing(max_bytes=2 * g),
         export_handle_types="posix_fd",
-        **device_kwargs(backend),
+        **device_kwargs(device),
     )
     t.resize_per_segment_(grow * g)
     return t
@@ -78,14 +78,14 @@ def read(t: ExtensibleTensor, segment: int, start: int, end: int) -> torch.Tenso
 # the child: a small command loop, borrower or lender
 
 
-def _child_main(conn: Any, backend: str, g: int) -> None:
+def _child_main(conn: Any, device: str, g: int) -> None:
     t: ExtensibleTensor | None = None
     loan: Loan | None = None
     try:
         while True:
             command, *args = conn.recv()
             if command == "make":
-                t = make(backend, g, args[0])
+                t = make(device, g, args[0])
                 conn.send(("ok", os.getpid()))
             elif command == "fill":
                 assert t is not None
@@ -139,10 +139,10 @@ def _child_main(conn: Any, backend: str, g: int) -> None:
 
 
 class Child:
-    def __init__(self, backend: str, g: int) -> None:
+    def __init__(self, device: str, g: int) -> None:
         context = mp.get_context("spawn")
         self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(child_conn, backend, g))
+        self.process = context.Process(target=_child_main, args=(child_conn, device, g))
         self.process.start()
 
     def __call__(self, *command: Any) -> Any:
@@ -172,8 +172,8 @@ class Child:
 
 
 @pytest.fixture
-def child(backend: str, g: int) -> Iterator[Child]:
-    proc = Child(backend, g)
+def child(device: str, g: int) -> Iterator[Child]:
+    proc = Child(device, g)
     yield proc
     proc.stop()
 
@@ -183,9 +183,9 @@ def child(backend: str, g: int) -> Iterator[Child]:
 
 @pytest.mark.parametrize("zero", [False, True], ids=["kept", "zeroed"])
 def test_lend_borrow_give_back_reclaim_across_processes(
-    backend: str, g: int, child: Child, zero: bool
+    device: str, g: int, child: Child, zero: bool
 ) -> None:
-    lender = make(backend, g, BEFORE)
+    lender = make(device, g, BEFORE)
     fill(lender, 10)
     _sync(lender.device)
     base = lender.base_ptr
@@ -210,7 +210,7 @@ def test_lend_borrow_give_back_reclaim_across_processes(
         )
         assert got == bytes(pattern(START * g, 50 + s).numpy()) + lent, s
     with pytest.raises(ValueError, match="at most once"):
-        make(backend, g, START).borrow(loan)  # a replay, here
+        make(device, g, START).borrow(loan)  # a replay, here
     with pytest.raises(LoanTimeoutError, match="still borrowed"):
         lender.reclaim(loan, timeout=0.05)
     assert lender.segment_bytes == (KEPT * g,) * SEGMENTS
@@ -232,13 +232,13 @@ def test_lend_borrow_give_back_reclaim_across_processes(
     assert torch.equal(held.cpu()[: KEPT * g], pattern(BEFORE * g, 11)[: KEPT * g])
     held[-1:].fill_(3)  # the view taken before the loan reaches the reclaimed memory again
     with pytest.raises(ValueError, match="stale"):
-        make(backend, g, START).borrow(loan)
+        make(device, g, START).borrow(loan)
     del held
     lender._check_invariants()
 
 
-def test_a_loan_over_a_unix_socket(backend: str, g: int, child: Child) -> None:
-    lender = make(backend, g, BEFORE)
+def test_a_loan_over_a_unix_socket(device: str, g: int, child: Child) -> None:
+    lender = make(device, g, BEFORE)
     fill(lender, 20)
     _sync(lender.device)
     loan = lender.lend(KEPT * g)
@@ -266,9 +266,9 @@ BORROWER_STEPS = ["lent", "borrowed", "partly given back", "given back"]
 
 @pytest.mark.parametrize("step", BORROWER_STEPS)
 def test_kill_9_of_the_borrower_returns_the_loan_within_100_ms(
-    backend: str, g: int, child: Child, step: str
+    device: str, g: int, child: Child, step: str
 ) -> None:
-    lender = make(backend, g, BEFORE)
+    lender = make(device, g, BEFORE)
     fill(lender, 30)
     _sync(lender.device)
     loan = lender.lend(KEPT * g)
@@ -295,12 +295,12 @@ LENDER_STEPS = ["lent", "borrowed", "given back"]
 
 @pytest.mark.parametrize("step", LENDER_STEPS)
 def test_kill_9_of_the_lender_leaves_the_borrower_its_memory(
-    backend: str, g: int, child: Child, step: str
+    device: str, g: int, child: Child, step: str
 ) -> None:
-    if backend == "cuda":
+    if device != "cpu":
         torch.zeros(1, device="cuda:0")  # torch's CUDA context (and its fds) first
     fds = counts()[0]
-    borrower = make(backend, g, START)
+    borrower = make(device, g, START)
     child("make", BEFORE)
     child("fill", 40)
     (loan,) = child("lend", KEPT * g)
@@ -330,9 +330,9 @@ def test_kill_9_of_the_lender_leaves_the_borrower_its_memory(
 
 
 def test_a_thousand_cycles_leave_fds_and_mappings_as_they_were(
-    backend: str, g: int, child: Child
+    device: str, g: int, child: Child
 ) -> None:
-    lender = make(backend, g, BEFORE)
+    lender = make(device, g, BEFORE)
     fill(lender, 60)
     _sync(lender.device)
     child("make", START)

@@ -15,8 +15,7 @@ from extensible_kv.mamba import (
     gated_delta_net_state_spec,
     mamba2_state_spec,
 )
-from kv_helpers import (
-    DEVICES,
+from support.kv_helpers import (
     MakeCache,
     blocks,
     byte_sum,
@@ -25,11 +24,6 @@ from kv_helpers import (
     layer_views,
     pattern,
 )
-
-
-@pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture

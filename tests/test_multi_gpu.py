@@ -19,7 +19,7 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
-from ranks import join_group, run_ranks
+from support.ranks import join_group, run_ranks
 
 WORLD_SIZE = 2
 EXTRA_GIB_ON_RANK_1 = 16
@@ -27,21 +27,7 @@ TIMEOUT_S = 240
 GIB = 1 << 30
 
 
-def _skip_reason() -> str | None:
-    if torch.cuda.device_count() < WORLD_SIZE:
-        return f"needs {WORLD_SIZE} CUDA devices, {torch.cuda.device_count()} visible"
-    for rank in range(WORLD_SIZE):
-        reason = extensible_kv.vmm_unavailable_reason(f"cuda:{rank}")
-        if reason is not None:
-            return reason
-    return None
-
-
-pytestmark = [
-    pytest.mark.multigpu,
-    pytest.mark.gpu,
-    pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
-]
+pytestmark = [pytest.mark.multigpu, pytest.mark.gpu(devices=WORLD_SIZE)]
 
 
 def _spec() -> list[extensible_kv.KVCacheTensorSpec]:

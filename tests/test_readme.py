@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import stack_env
+from support import stack_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -93,13 +93,13 @@ def test_share_example_runs() -> None:
 
 
 def test_what_a_failed_consolidate_keeps_is_stated() -> None:
-    # A consolidate is all or nothing per run, not per call (test_shrink.py's
-    # test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handles): the
+    # A consolidate is all or nothing per step, not per call (test_shrink.py's
+    # test_a_consolidate_failing_past_its_first_step_keeps_every_byte_not_the_handles): the
     # README must not promise more, and must say what racing writes risk.
     text = " ".join(README.split())
     assert "Both are all or nothing" not in text
     assert "a consolidate that fails part-way keeps every committed byte" in text
-    assert "leaves the runs it did before the failure consolidated" in text
+    assert "leaves the steps it did before the failure consolidated" in text
     racing = "A write issued meanwhile, from another thread or on any stream, may be lost"
     assert racing in text
 

@@ -22,15 +22,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import bench_scripts
 import extensible_kv
 import pytest
-import sglang_env
-import stack_env
-from extensible_kv import ExtensibleTensor, OutOfMemoryError, vmm_unavailable_reason
+from extensible_kv import ExtensibleTensor, OutOfMemoryError
 from extensible_kv.sglang import owner as owner_module
 from extensible_kv.sglang import plugin
 from extensible_kv.sglang.owner import KvReleasedError, KvVmmBufferOwner
+from support import bench_scripts, sglang_env, stack_env
 
 pytestmark = pytest.mark.sglang
 
@@ -77,11 +75,11 @@ def plugged(sglang: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
-def pool_device(backend: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def pool_device(device: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """The device string SGLang's pools get. SGLang's `_alloc_post_capture_buffers` asks
     `torch.cuda.current_device()` for the index of an index-less device: on a machine without
     CUDA that raises, so the test gives it device 0 (which the host backend ignores)."""
-    if backend == "cpu":
+    if device == "cpu":
         return _cpu(monkeypatch)
     return "cuda:0"
 
@@ -709,12 +707,12 @@ def test_hybrid_linear_pool_grows_its_attention_pool(plugged: Any, pool_device: 
 
 
 def test_unified_pool_backs_byte_prefixes(
-    plugged: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+    plugged: Any, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import sglang.srt.mem_cache.unified_memory_pool as unified
     import torch
 
-    if backend == "cpu":
+    if device == "cpu":
         # SGLang's unified pool refuses a non-CUDA device before it builds the owner: it is
         # told cuda:0, and the owner's memory goes to the host backend.
         monkeypatch.setattr(owner_module, "_backing_device", lambda device, index: "cpu")
@@ -842,11 +840,7 @@ def test_a_pool_without_layers_needs_no_reservation(plugged: Any) -> None:
 # ---- GPU: a graph captured before finalize_backing writes where only the grow made memory
 
 
-_CUDA_REASON = vmm_unavailable_reason("cuda:0")
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
 def test_a_graph_captured_before_finalize_writes_where_the_grow_committed(plugged: Any) -> None:
     import torch
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import memfd_counts
 from extensible_kv import (
     ExtensibleTensor,
     HandleSizing,
@@ -23,6 +22,7 @@ from extensible_kv import (
 )
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.memory import memfd_counts
 
 G = 4096
 FIELDS = [f.name for f in dataclasses.fields(SharedTensor) if f.name != "received_fds"]

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MakeTensor, mapped_granules, needed_granules
 from extensible_kv import ClosedError, DriverError, ExtensibleTensor, HandleSizing, OutOfMemoryError
+from support.memory import MakeTensor, mapped_granules, needed_granules
 
 HOST_EVENT_DELAY = "EXTENSIBLE_KV_HOST_EVENT_DELAY_US"
 BLOCK = 512  # bytes per block per segment
@@ -163,8 +163,9 @@ def test_consolidate_after_a_plain_shrink_drops_the_slack(make_tensor: MakeTenso
     assert torch.equal(t.segment_view(0).cpu(), expected(t, 0, 5 * g, 1))
 
 
-def _two_runs(make_tensor: MakeTensor, g: int, **kw: Any) -> ExtensibleTensor:
-    """Two runs of granules, [0, 6) and [8, 11), each over several handles, filled."""
+def _two_steps(make_tensor: MakeTensor, g: int, **kw: Any) -> ExtensibleTensor:
+    """Two runs of granules, [0, 6) and [8, 11), each over several handles, filled: a
+    consolidate of two steps."""
     t = make_tensor(2 * 8 * g, 2, handle_sizing=HandleSizing(max_bytes=2 * g), **kw)
     for step in (1, 3, 6):
         t.resize_per_segment_(step * g)
@@ -174,22 +175,22 @@ def _two_runs(make_tensor: MakeTensor, g: int, **kw: Any) -> ExtensibleTensor:
 
 
 def _calls_in_consolidate(make_tensor: MakeTensor, g: int, op: str) -> tuple[int, int]:
-    """How many calls of `op` the two-run setup makes, and then its consolidate."""
-    counter = _two_runs(make_tensor, g, _profile=True)
-    setup = counter._op_times()[op][0]
+    """How many calls of `op` the two-step setup makes, and then its consolidate."""
+    counter = _two_steps(make_tensor, g, _profile=True)
+    setup = counter._profile_report()[op][0]
     counter.consolidate()
-    total = counter._op_times()[op][0]
+    total = counter._profile_report()[op][0]
     counter.close()
     return setup, total - setup
 
 
-def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handles(
+def test_a_consolidate_failing_past_its_first_step_keeps_every_byte_not_the_handles(
     make_tensor: MakeTensor, g: int
 ) -> None:
-    # The README's word: each run is all or nothing, not the whole call. The second run's
+    # The README's word: each step is all or nothing, not the whole call. The second step's
     # swap fails: its last map, at the tensor's addresses.
     setup, maps = _calls_in_consolidate(make_tensor, g, "map")
-    t = _two_runs(make_tensor, g, _fault=("map", setup + maps, "driver"))
+    t = _two_steps(make_tensor, g, _fault=("map", setup + maps, "driver"))
     ptr, data, old = t.full_view().data_ptr(), contents(t), t.handle_runs()
     seg1_handles = [run for run in old if run[0] >= 8]
     assert len(seg1_handles) > 1 and len(old) > len(seg1_handles) + 1
@@ -198,7 +199,7 @@ def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handl
     assert t.segment_bytes == (6 * g, 3 * g)
     assert t.full_view().data_ptr() == ptr
     assert all(torch.equal(a, b) for a, b in zip(contents(t), data, strict=True))
-    assert t.handle_runs() == [(0, 6), *seg1_handles]  # the first (largest) run is done
+    assert t.handle_runs() == [(0, 6), *seg1_handles]  # the first (largest) step is done
     assert t.take_deferred_errors() == []
     t._check_invariants()
     t.consolidate()  # the fault was one call: again, it finishes
@@ -206,15 +207,15 @@ def test_a_consolidate_failing_past_its_first_run_keeps_every_byte_not_the_handl
     assert all(torch.equal(a, b) for a, b in zip(contents(t), data, strict=True))
 
 
-def test_a_consolidate_redoes_in_its_turn_a_run_it_could_not_stage_ahead(
+def test_a_consolidate_redoes_in_its_turn_a_step_it_could_not_stage_ahead(
     make_tensor: MakeTensor, g: int
 ) -> None:
-    # The second run is staged while the first is swapped in (memory allows, here); its create
-    # then runs out of memory, and the run is staged again once the first has given its old
-    # handles back: the call succeeds (staged in its turn only, the run would have failed).
+    # The second step is staged while the first is swapped in (memory allows, here); its create
+    # then runs out of memory, and the step is staged again once the first has given its old
+    # handles back: the call succeeds (staged in its turn only, the step would have failed).
     setup, creates = _calls_in_consolidate(make_tensor, g, "create")
     assert creates == 2
-    t = _two_runs(make_tensor, g, _fault=("create", setup + 2, "oom"))
+    t = _two_steps(make_tensor, g, _fault=("create", setup + 2, "oom"))
     data = contents(t)
     t.consolidate()
     assert t.handle_runs() == [(0, 6), (8, 3)]
@@ -276,9 +277,9 @@ def test_every_failed_call_leaves_the_tensor_unchanged(
 ) -> None:
     run = OPERATIONS[operation]
     counter = _setup(make_tensor, g, _profile=True)
-    setup_calls = {op: n for op, (n, _) in counter._op_times(reset=True).items()}
+    setup_calls = {op: n for op, (n, _) in counter._profile_report(reset=True).items()}
     run(counter, g)
-    calls = {op: n for op, (n, _) in counter._op_times().items() if n}
+    calls = {op: n for op, (n, _) in counter._profile_report().items() if n}
     counter.close()
     injected = 0
     for op, num_calls in calls.items():

@@ -8,10 +8,8 @@ import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import extensible_kv
 import pytest
 import torch
-from conftest import settled_free
 from extensible_kv.kv_cache import (
     AttentionLayerSpec,
     ExtensibleKVCache,
@@ -34,7 +32,9 @@ from extensible_kv.sizing import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_helpers import CPU_GRANULARITY, MakeCache, cache_factory
+from support.devices import CPU_GRANULARITY
+from support.kv_helpers import MakeCache, cache_factory
+from support.memory import settled_free
 
 GIB = 1 << 30
 BF16 = torch.bfloat16
@@ -254,10 +254,6 @@ def test_device_granularity_probes_the_backend() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    extensible_kv.vmm_unavailable_reason("cuda:0") is not None,
-    reason=extensible_kv.vmm_unavailable_reason("cuda:0") or "",
-)
 def test_cuda_transient_peak_counts_what_was_given_back_not_graph_pools() -> None:
     """The margin's transient peak: a warm-up's eager temporary (given back by empty_cache)
     counts; a captured graph's intermediates (kept reserved in its private pool, so already out

@@ -21,11 +21,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import extensible_kv
 import pytest
 import torch
-from conftest import MakeTensor, memfd_counts, settled_free
 from extensible_kv import ExtensibleTensor, HandleSizing, OutOfMemoryError
+from support.memory import MakeTensor, memfd_counts, settled_free
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -33,27 +32,16 @@ HOST_CYCLES = 100_000
 CUDA_CYCLES = 10_000
 
 
-def _cuda_reason() -> str | None:
-    reason = extensible_kv.vmm_unavailable_reason("cuda:0")
-    if reason is None and not torch.cuda.is_available():
-        reason = f"torch {torch.__version__} sees no CUDA device"
-    return reason
-
-
-_CUDA_REASON = _cuda_reason()
-needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or "")
-
-
-def _leak_probe(backend: str) -> Callable[[], object]:
+def _leak_probe(device: str) -> Callable[[], object]:
     """What must not change across a stress run: the memfds and their mappings in /proc on the
     host; the device's free memory, settled, on CUDA."""
-    if backend == "cpu":
+    if device == "cpu":
         return memfd_counts
     return settled_free
 
 
-def _assert_unchanged(backend: str, before: object, after: object) -> None:
-    if backend == "cpu":
+def _assert_unchanged(device: str, before: object, after: object) -> None:
+    if device == "cpu":
         assert after == before, f"memfds / mappings: {before} -> {after}"
     else:
         assert isinstance(before, int) and isinstance(after, int)
@@ -85,8 +73,8 @@ def _mutate(t: ExtensibleTensor, rng: random.Random, capacity: int) -> int | Non
     return None
 
 
-def test_threads_grow_view_and_race(make_tensor: MakeTensor, g: int, backend: str) -> None:
-    probe = _leak_probe(backend)
+def test_threads_grow_view_and_race(make_tensor: MakeTensor, g: int, device: str) -> None:
+    probe = _leak_probe(device)
     before = probe()
     segment = 32 * g - g // 2  # not a granule multiple: the two segments share a granule
     owned = [
@@ -148,14 +136,14 @@ def test_threads_grow_view_and_race(make_tensor: MakeTensor, g: int, backend: st
     for thread in viewers:
         thread.join()
     assert not errors, errors[:3]
-    if backend == "cuda":
+    if device != "cpu":
         torch.cuda.synchronize()
     for t in tensors:
         t._check_invariants()
         assert t.live_views == 0
         assert t.take_deferred_errors() == []
         t.close()
-    _assert_unchanged(backend, before, probe())
+    _assert_unchanged(device, before, probe())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,10 +151,10 @@ def test_threads_grow_view_and_race(make_tensor: MakeTensor, g: int, backend: st
 
 
 def test_grow_release_cycles_leak_nothing_and_stay_flat(
-    make_tensor: MakeTensor, g: int, backend: str
+    make_tensor: MakeTensor, g: int, device: str
 ) -> None:
-    cycles = HOST_CYCLES if backend == "cpu" else CUDA_CYCLES
-    probe = _leak_probe(backend)
+    cycles = HOST_CYCLES if device == "cpu" else CUDA_CYCLES
+    probe = _leak_probe(device)
     t = make_tensor(64 * g, 1)
     view = t.full_view()  # a live view through it all: addresses must stay put
     before = probe()
@@ -189,11 +177,11 @@ def test_grow_release_cycles_leak_nothing_and_stay_flat(
     tenth = cycles // 10
     first, last = statistics.median(times[:tenth]), statistics.median(times[-tenth:])
     print(
-        f"\n{backend}: {cycles} grow/release cycles of one {g}-byte granule: median "
+        f"\n{device}: {cycles} grow/release cycles of one {g}-byte granule: median "
         f"{first / 1e3:.1f} us/cycle in the first tenth, {last / 1e3:.1f} us in the last "
         f"({last / first:.2f}x), {sum(times) / 1e9:.1f} s in all; leak probe {before} -> {after}"
     )
-    _assert_unchanged(backend, before, after)
+    _assert_unchanged(device, before, after)
     assert last <= 3 * first, (first, last)
     del view
 
@@ -224,7 +212,6 @@ def _busy_writing(view: torch.Tensor, stream: torch.cuda.Stream) -> torch.cuda.E
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("how", ["release_physical", "close"])
 def test_release_and_close_wait_for_kernels_still_writing(
     how: str, side: torch.cuda.Stream
@@ -254,7 +241,6 @@ def test_release_and_close_wait_for_kernels_still_writing(
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_the_last_view_dropped_while_its_kernels_run(side: torch.cuda.Stream) -> None:
     g = 2 * MIB
     before = settled_free()
@@ -271,7 +257,6 @@ def test_the_last_view_dropped_while_its_kernels_run(side: torch.cuda.Stream) ->
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_out_of_memory_in_a_100_handle_grow_leaves_free_memory_as_it_was() -> None:
     g = 2 * MIB
     before = settled_free()
@@ -283,7 +268,7 @@ def test_out_of_memory_in_a_100_handle_grow_leaves_free_memory_as_it_was() -> No
     )
     with pytest.raises(OutOfMemoryError) as info:
         t.resize_(request)
-    creates = t._op_times()["create"][0]
+    creates = t._profile_report()["create"][0]
     assert creates >= 100, f"only {creates} creates: not the middle of a large grow"
     assert (info.value.op, info.value.code) == ("create", "CUDA_ERROR_OUT_OF_MEMORY")
     assert (t.physical_bytes, t.num_handles, t.segment_bytes) == (0, 0, (0,))

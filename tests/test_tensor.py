@@ -20,7 +20,6 @@ import extensible_kv
 import numpy as np
 import pytest
 import torch
-from conftest import CPU_GRANULARITY, MakeTensor, mapped_granules, needed_granules
 from extensible_kv import (
     ClosedError,
     DriverError,
@@ -29,6 +28,8 @@ from extensible_kv import (
     OutOfMemoryError,
     UnsupportedError,
 )
+from support.devices import CPU_GRANULARITY
+from support.memory import MakeTensor, mapped_granules, needed_granules
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -80,7 +81,7 @@ def expect_zero(data: torch.Tensor) -> None:
 # construction and properties
 
 
-def test_construction_and_properties(make_tensor: MakeTensor, g: int, backend: str) -> None:
+def test_construction_and_properties(make_tensor: MakeTensor, g: int, device: str) -> None:
     t = make_tensor(8 * g, 2)
     assert isinstance(t, ExtensibleTensor)
     assert isinstance(t.base_ptr, int) and t.base_ptr != 0
@@ -98,7 +99,7 @@ def test_construction_and_properties(make_tensor: MakeTensor, g: int, backend: s
     assert t.granularity == g
     assert t.live_views == 0
     assert t.closed is False
-    if backend == "cpu":
+    if device == "cpu":
         assert (t.device, t.backend, t.__dlpack_device__()) == ("cpu", "host", (1, 0))
     else:
         assert (t.device, t.backend, t.__dlpack_device__()) == ("cuda:0", "cuda", (2, 0))
@@ -127,8 +128,8 @@ def test_single_segment_defaults(make_tensor: MakeTensor, g: int) -> None:
     check(t)
 
 
-def test_device_accepts_str_and_torch_device(make_tensor: MakeTensor, backend: str) -> None:
-    if backend == "cpu":
+def test_device_accepts_str_and_torch_device(make_tensor: MakeTensor, device: str) -> None:
+    if device == "cpu":
         specs: list[Any] = ["cpu", " cpu ", torch.device("cpu")]
         expected = "cpu"
     else:
@@ -555,7 +556,7 @@ def test_unequal_segment_capacities(make_tensor: MakeTensor, g: int) -> None:
 
 
 @pytest.mark.parametrize("zero_new", [True, False])
-def test_zero_new(make_tensor: MakeTensor, g: int, backend: str, zero_new: bool) -> None:
+def test_zero_new(make_tensor: MakeTensor, g: int, device: str, zero_new: bool) -> None:
     cap = 4 * g
     t = make_tensor(2 * cap, 2)
     old, new = g // 4, 2 * g + g // 2
@@ -574,7 +575,7 @@ def test_zero_new(make_tensor: MakeTensor, g: int, backend: str, zero_new: bool)
         assert torch.equal(read(t, base, old), pattern(old, i)), "committed bytes changed"
         if zero_new:
             expect_zero(read(t, base + old, new - old))  # exactly the new range [old, new)
-        elif backend == "cpu":
+        elif device == "cpu":
             # Only newly logical bytes are zeroed, and only when asked: with zero_new=False
             # the junk inside the granule that was mapped before stays; the granules mapped
             # by this grow are fresh memfd pages, which read zero on the host backend.
@@ -765,7 +766,7 @@ def test_view_errors(make_tensor: MakeTensor, g: int) -> None:
 
 
 def test_view_outlives_tensor(
-    make_tensor: MakeTensor, g: int, backend: str, leak_check: Any
+    make_tensor: MakeTensor, g: int, device: str, leak_check: Any
 ) -> None:
     before = leak_check()
     t = make_tensor(2 * g, 2)
@@ -782,19 +783,19 @@ def test_view_outlives_tensor(
     assert bool((full[g : g + g // 2] == 8).all())
     full[:16] = 3
     assert bool((full[:16] == 3).all())
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() != before
     del view
     gc.collect()
     assert bool((full[g : g + g // 2] == 8).all())  # the last view keeps it alive
     del full
     gc.collect()
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() == before  # the last view released memory and address space
 
 
 def test_close_with_live_views(
-    make_tensor: MakeTensor, g: int, backend: str, leak_check: Any
+    make_tensor: MakeTensor, g: int, device: str, leak_check: Any
 ) -> None:
     before = leak_check()
     t = make_tensor(4 * g, 2)
@@ -818,12 +819,12 @@ def test_close_with_live_views(
     assert (t.segment_bytes, t.physical_bytes, t.num_handles) == ((0, 0), 0, 0)
     t._check_invariants()
     assert "ExtensibleTensor(" in repr(t)
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() == before
 
 
 def test_leaving_with_on_an_exception_never_hides_it(
-    make_tensor: MakeTensor, g: int, backend: str, leak_check: Any, caplog: pytest.LogCaptureFixture
+    make_tensor: MakeTensor, g: int, device: str, leak_check: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An exception raised in `with` while a view is alive comes out unchanged (not as the
     BufferError of the close that cannot run); the view keeps the memory, freed when it dies.
@@ -854,7 +855,7 @@ def test_leaving_with_on_an_exception_never_hides_it(
     del view
     gc.collect()
     t.close()
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() == before
 
 
@@ -887,7 +888,7 @@ def test_closed_tensor_raises_closed_error(make_tensor: MakeTensor, g: int) -> N
     assert t.live_views == 0
 
 
-def test_dlpack_protocol(make_tensor: MakeTensor, g: int, backend: str, leak_check: Any) -> None:
+def test_dlpack_protocol(make_tensor: MakeTensor, g: int, device: str, leak_check: Any) -> None:
     before = leak_check()
     t = make_tensor(4 * g, 2)
     t.resize_per_segment_(g)
@@ -901,7 +902,7 @@ def test_dlpack_protocol(make_tensor: MakeTensor, g: int, backend: str, leak_che
     assert torch.equal(t.segment_view(0).cpu(), pattern(g, 3))
     with pytest.raises(BufferError):
         t.__dlpack__(copy=True)
-    other = (2, 0) if backend == "cpu" else (1, 0)
+    other = (2, 0) if device == "cpu" else (1, 0)
     with pytest.raises(BufferError):
         t.__dlpack__(dl_device=other)
     assert '"dltensor"' in repr(t.__dlpack__())  # the legacy capsule without max_version
@@ -915,7 +916,7 @@ def test_dlpack_protocol(make_tensor: MakeTensor, g: int, backend: str, leak_che
     assert bool((x[:8] == 9).all())
     del x
     gc.collect()
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() == before
 
 
@@ -987,7 +988,7 @@ def test_concurrent_grows_keep_invariants(make_tensor: MakeTensor, g: int) -> No
 # release_physical
 
 
-def test_release_physical(make_tensor: MakeTensor, g: int, backend: str, leak_check: Any) -> None:
+def test_release_physical(make_tensor: MakeTensor, g: int, device: str, leak_check: Any) -> None:
     before = leak_check()
     t = make_tensor(4 * g, 2)
     base = t.base_ptr
@@ -996,7 +997,7 @@ def test_release_physical(make_tensor: MakeTensor, g: int, backend: str, leak_ch
     t.resize_per_segment_(size)
     for i in range(2):
         t.segment_view(i).copy_(pattern(size, i))
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() != before
     views = [t.segment_view(i) for i in range(2)]
     pointers = [v.data_ptr() for v in views]
@@ -1007,7 +1008,7 @@ def test_release_physical(make_tensor: MakeTensor, g: int, backend: str, leak_ch
     assert t.handle_runs() == []
     assert t.base_ptr == base and not t.closed
     check(t)
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() == before  # no memfd and no memfd mapping left
     t.release_physical()  # again: still fine
 
@@ -1022,7 +1023,7 @@ def test_release_physical(make_tensor: MakeTensor, g: int, backend: str, leak_ch
     del views, fresh
     gc.collect()
     t.close()
-    if backend == "cpu":
+    if device == "cpu":
         assert leak_check() == before
 
 
@@ -1059,12 +1060,12 @@ def _check_injected(err: Exception, op: str, kind: str, g: int) -> None:
 @pytest.mark.parametrize("kind", ["driver", "oom"])
 @pytest.mark.parametrize("op", FAULT_OPS)
 def test_failed_grow_changes_nothing(
-    make_tensor: MakeTensor, g: int, backend: str, leak_check: Any, op: str, kind: str
+    make_tensor: MakeTensor, g: int, device: str, leak_check: Any, op: str, kind: str
 ) -> None:
     cap = 4 * g  # per segment
     start = [g // 4] * 2  # granules 0 and 4, partly committed
     target = [cap] * 2  # granules 1-3 and 5-7: 6 handles of at most g each
-    host = backend == "cpu"
+    host = device == "cpu"
     failures_in_grow = 0
     for nth in itertools.count(1):
         t = make_tensor(2 * cap, 2, handle_sizing=HandleSizing(max_bytes=g), _fault=(op, nth, kind))
@@ -1112,7 +1113,7 @@ def test_failed_grow_changes_nothing(
             assert torch.equal(data[: start[i]], contents[i])
             expect_zero(data[start[i] :])
         t.close()
-    expected = FAULT_CALLS_IN_GROW_CUDA if backend == "cuda" else FAULT_CALLS_IN_GROW
+    expected = FAULT_CALLS_IN_GROW_CUDA if device != "cpu" else FAULT_CALLS_IN_GROW
     assert failures_in_grow == expected[op]
 
 
@@ -1259,8 +1260,8 @@ def test_absurd_segment_counts_do_not_crash(exponent: int) -> None:
 def test_profile_counts_driver_calls(make_tensor: MakeTensor, g: int) -> None:
     t = make_tensor(8 * g, 2, handle_sizing=HandleSizing(max_bytes=g), _profile=True)
     t.resize_per_segment_(3 * g)
-    times = t._op_times(reset=True)
+    times = t._profile_report(reset=True)
     assert times["create"][0] == times["map"][0] == t.num_handles == 6
     assert all(ns >= 0 for _, ns in times.values())
-    assert t._op_times() == {}
-    assert make_tensor(8 * g)._op_times() == {}
+    assert t._profile_report() == {}
+    assert make_tensor(8 * g)._profile_report() == {}

@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import containing_mapping, granules_of
-from kv_helpers import DEVICES
-from vllm_cases import CASES, Case, kv_cache_config, layout
+from support.memory import containing_mapping, granules_of
+from support.vllm_cases import CASES, Case, kv_cache_config, layout
 
 pytestmark = pytest.mark.vllm
 
@@ -26,9 +25,10 @@ CAPACITY = 700  # blocks: 8 KiB pages make layer segments of 2.7 granules (2 MiB
 SLACK_BYTE = 0x5A
 
 
-@pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> torch.device:
-    return torch.device(str(request.param))
+@pytest.fixture
+def device(device: str) -> torch.device:
+    """conftest's device, as the `torch.device` vLLM's code takes."""
+    return torch.device(device)
 
 
 @pytest.fixture(params=CASES, ids=lambda c: c.name.split(":")[0].replace(" ", "-"))

@@ -235,7 +235,7 @@ def _run_vllm(body: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     script = textwrap.dedent(f"""
         import json, logging, os, sys
         sys.path.insert(0, {str(TESTS)!r})
-        import vllm_env
+        from support import vllm_env
         reason = vllm_env.load()
         assert reason is None, reason
         logging.basicConfig(level=logging.INFO)

@@ -17,15 +17,16 @@ from typing import Any
 import extensible_kv
 import pytest
 import torch
-from conftest import BACKENDS, containing_mapping
 from extensible_kv import ClosedError, OutOfMemoryError, UnsupportedError
 from extensible_kv.vllm import HANDLES_ENV_VAR, ExtensibleTensor, granule_size
 from extensible_kv.vllm import tensor as dropin_module
+from support.devices import DEVICES
+from support.memory import containing_mapping
 
 MIB = 1 << 20
 G = 2 * MIB  # the host backend's granule, for the tests that run there only
-# For tests that only mean something on a GPU: the `backend` fixture's CUDA param alone.
-CUDA_ONLY = pytest.mark.parametrize("backend", [BACKENDS[1]])
+# For tests that only mean something on a GPU: the `device` fixture's CUDA param alone.
+CUDA_ONLY = pytest.mark.parametrize("device", [DEVICES[1]])
 
 
 @pytest.fixture
@@ -319,7 +320,7 @@ def test_handle_cut_of_later_grows(
 
 @CUDA_ONLY
 def test_rdma_contract_beyond_the_handle_cap(make: Callable[..., ExtensibleTensor]) -> None:
-    """Segments larger than the adaptive policy's 1 GiB cap: each still one allocation."""
+    """Segments larger than the default cap (`cap_aligned`, 1 GiB): each still one allocation."""
     gib = 1 << 30
     t = make(12 * gib, num_segments=4)
     t.resize_per_segment_(1 << 20)

@@ -241,7 +241,7 @@ def _decode(
     if model.device.type == "cuda":
         report = flow.extend_to_fit(max_blocks=options.max_blocks)
     elif options.budget_mib is None:
-        report = flow.extend_to_fit(host_meminfo=True, max_blocks=options.max_blocks)
+        report = flow.extend_to_fit(host_free=True, max_blocks=options.max_blocks)
     else:
         report = flow.extend_to_fit(
             budget_bytes=options.budget_mib * MIB, max_blocks=options.max_blocks

@@ -136,7 +136,7 @@ class KVCacheFlow:
         self,
         *,
         budget_bytes: int | None = None,
-        host_meminfo: bool = False,
+        host_free: bool = False,
         margin_bytes: int | None = None,
         transient_peak_bytes: int | None = None,
         max_blocks: int | None = None,
@@ -147,7 +147,7 @@ class KVCacheFlow:
         `budget_bytes` is the physical bytes the KV cache may hold in all, counting what it
         holds already, and skips the measurement (no margin): a second call with the same
         budget commits nothing more. It is required on the host backend unless
-        `host_meminfo=True` measures `host_free_bytes()` (`MemAvailable`, or the memory
+        `host_free=True` measures `host_free_bytes()` (`MemAvailable`, or the memory
         cgroup's room where that is less). A measured budget is the free memory now, so it
         is what the cache may add; it keeps `margin_bytes` (default `max(1 GiB, 0.75 *
         transient_peak_bytes)`; the peak defaults to torch's allocator statistics on a GPU,
@@ -156,7 +156,7 @@ class KVCacheFlow:
         byte count is an int >= 0; a wrong argument raises before anything is committed.
         """
         budget_bytes = _args.optional_size(budget_bytes, "budget_bytes")
-        host_meminfo = _args.flag(host_meminfo, "host_meminfo")
+        host_free = _args.flag(host_free, "host_free")
         margin_bytes = _args.optional_size(margin_bytes, "margin_bytes")
         transient_peak_bytes = _args.optional_size(transient_peak_bytes, "transient_peak_bytes")
         max_blocks = _args.optional_size(max_blocks, "max_blocks")
@@ -167,7 +167,7 @@ class KVCacheFlow:
             kv_committed_bytes=self.cache.physical_bytes,
             free_at_init_bytes=self.free_at_init_bytes,
             budget_bytes=budget_bytes,
-            host_meminfo=host_meminfo,
+            host_free=host_free,
             margin_bytes=margin_bytes,
             transient_peak_bytes=transient_peak_bytes,
         )
@@ -252,7 +252,7 @@ def measure_budget_now(
     kv_committed_bytes: int,
     free_at_init_bytes: int | None = None,
     budget_bytes: int | None = None,
-    host_meminfo: bool = False,
+    host_free: bool = False,
     margin_bytes: int | None = None,
     transient_peak_bytes: int | None = None,
 ) -> tuple[sizing.MemoryBudget, str]:
@@ -272,12 +272,12 @@ def measure_budget_now(
         free_now, source = torch.cuda.mem_get_info(device)[0], "cuda mem_get_info"
         if transient_peak_bytes is None:
             transient_peak_bytes = sizing.cuda_transient_peak_bytes(device)
-    elif host_meminfo:
+    elif host_free:
         free_now, source = sizing.host_free_bytes(), "host_free_bytes"
     else:
         raise ValueError(
             "the host backend has no free-memory figure: pass budget_bytes (the bytes the "
-            "KV cache may hold in all), or host_meminfo=True to use host_free_bytes() "
+            "KV cache may hold in all), or host_free=True to use host_free_bytes() "
             "(MemAvailable and the memory cgroup's room)"
         )
     budget = sizing.measure_budget(

@@ -499,7 +499,7 @@ class ExtensibleKVCache:
         """Backs each buffer's committed blocks by as few physical allocations as its layout
         allows (one per segment when segments share no granule), keeping every byte and
         address; registrations of the old pages (RDMA) must be renewed. Buffer by buffer,
-        each as `ExtensibleTensor.consolidate`: a failure leaves the buffers (and runs) done
+        each as `ExtensibleTensor.consolidate`: a failure leaves the buffers (and steps) done
         before it consolidated, every byte kept; writes racing it on another thread or stream
         may be lost."""
         if self._closed:

@@ -11,7 +11,7 @@ What such a stray access reports:
   (`base_ptr`, bytes reserved), the offset, the segment and its committed bytes, then the
   Python stack (the facade enables `faulthandler` unless it is on already). It chains to
   the handlers installed before it, and the exit status is the signal's, as without it.
-  `EXTENSIBLE_KV_FAULT_REPORT=0` (or `false`, `no`, `off`) leaves the signal handlers and
+  `EXTENSIBLE_KV_STRAY_REPORT=0` (or `false`, `no`, `off`) leaves the signal handlers and
   faulthandler alone.
 - on CUDA, `CUDA_ERROR_ILLEGAL_ADDRESS` ("an illegal memory access was encountered"),
   reported by a later call, usually the next synchronising one, and without the address.
@@ -103,11 +103,11 @@ def _close_all(fds: list[int] | None) -> None:
 
 
 @functools.cache
-def _enable_fault_report() -> None:
+def _enable_stray_report() -> None:
     """Turns Python's faulthandler on before the first tensor, so that the native report of a
     stray access (module docstring) is followed by the Python stack. Off with
-    `EXTENSIBLE_KV_FAULT_REPORT=0`."""
-    if not env_flag("EXTENSIBLE_KV_FAULT_REPORT", True):
+    `EXTENSIBLE_KV_STRAY_REPORT=0`."""
+    if not env_flag("EXTENSIBLE_KV_STRAY_REPORT", True):
         return
     import faulthandler
 
@@ -215,7 +215,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             raise TypeError(f"ExtensibleTensor() got an unexpected keyword argument {unknown[0]!r}")
         bits = _export_bits(export_handle_types)
         sizing = _handle_sizing(handle_sizing)
-        _enable_fault_report()
+        _enable_stray_report()
         tensor = super().__new__(
             cls,
             max_bytes,
@@ -428,15 +428,16 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     def consolidate(self, *, stream: int | None = None) -> None:
         """Backs every run of committed granules (each segment's prefix, where segments share
         no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
-        valid; RDMA registrations of the old pages must be renewed. Runs go largest first,
-        `OutOfMemoryError` on the first leaves the tensor as it was; extra memory is the
-        largest new handle, or also the next run's (whose copy then overlaps this run's swap)
-        when that fits in half the free memory. Copies run on `stream` (default torch's
-        current one; one given is vouched for by the caller, as for
+        valid; RDMA registrations of the old pages must be renewed. It goes in steps (a step
+        moves one run, with any run that shares one of its handles, to one new handle),
+        largest first; `OutOfMemoryError` on the first leaves the tensor as it was; extra
+        memory is the largest new handle, or also the next step's (whose copy then overlaps
+        this step's swap) when that fits in half the free memory. Copies run on `stream`
+        (default torch's current one; one given is vouched for by the caller, as for
         `torch.cuda.ExternalStream`).
 
-        Each run is all or nothing, not the whole call: one that fails past the first run keeps
-        every committed byte, segment size and address, but the runs done before it stay
+        Each step is all or nothing, not the whole call: one that fails past the first keeps
+        every committed byte, segment size and address, but the steps done before it stay
         consolidated and the others in their old handles; calling again finishes. A write to
         the tensor issued while it runs (from another thread, on any stream) may be lost, since
         the new handles hold the bytes as copied, and an access during the swap may fault. Work

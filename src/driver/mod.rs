@@ -4,10 +4,10 @@
 //! knows nothing of CUDA or Linux. Every method is safe to call with any arguments: each backend
 //! checks that an address range lies inside a reservation it made (and, where touching memory,
 //! that it is mapped) before it reaches the OS or the driver, so a bad call is an error, never
-//! memory corruption. That check is what lets `tensor.rs` stay free of `unsafe`. The one thing
-//! no backend can check is whether a stream is live, so a `Stream` other than the default can
-//! only be made through an `unsafe` constructor, by whoever vouches for it (the bindings, for
-//! a stream torch made).
+//! memory corruption. That check is what lets the owner (`src/tensor/`) stay free of `unsafe`.
+//! The one thing no backend can check is whether a stream is live, so a `Stream` other than the
+//! default can only be made through an `unsafe` constructor, by whoever vouches for it (the
+//! bindings, for a stream torch made).
 //!
 //! Semantics follow CUDA's VMM API: `reserve` takes address space only; `create` takes physical
 //! memory as a handle; `map` places a whole handle at an address (no partial maps);
@@ -344,32 +344,32 @@ pub struct OpenOptions {
     pub granularity: Option<u64>,
     /// Fail one call (`FaultyDriver`), for fault-injection tests.
     pub fault: Option<wrap::faulty::Fault>,
-    /// Count calls and host time per operation (`TimingDriver`).
+    /// Count calls and host time per operation (`ProfilingDriver`).
     pub profile: bool,
 }
 
-/// A driver from `open_with`, and its timing wrapper when profiling, to read the counts from.
+/// A driver from `open_with`, and its profiling wrapper when asked for, to read the counts from.
 pub struct Opened {
     /// The driver, wrapped as asked.
     pub driver: Arc<dyn Driver>,
-    /// The timing wrapper, when profiling was asked for.
-    pub timing: Option<Arc<wrap::timing::TimingDriver>>,
+    /// The profiling wrapper, when asked for.
+    pub profile: Option<Arc<wrap::profile::ProfilingDriver>>,
 }
 
-/// `open`, then the wrappers `options` asks for: the fault innermost, so that timing sees the
+/// `open`, then the wrappers `options` asks for: the fault innermost, so that the profile sees the
 /// injected failures as calls too.
 pub fn open_with(device: &str, options: OpenOptions) -> Result<Opened> {
     let mut driver = open(device, options.granularity)?;
     if let Some(fault) = options.fault {
         driver = Arc::new(wrap::faulty::FaultyDriver::new(driver, fault));
     }
-    let mut timing = None;
+    let mut profile = None;
     if options.profile {
-        let timed = Arc::new(wrap::timing::TimingDriver::new(driver));
-        timing = Some(Arc::clone(&timed));
-        driver = timed;
+        let profiled = Arc::new(wrap::profile::ProfilingDriver::new(driver));
+        profile = Some(Arc::clone(&profiled));
+        driver = profiled;
     }
-    Ok(Opened { driver, timing })
+    Ok(Opened { driver, profile })
 }
 
 #[cfg(feature = "cuda")]

@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::dlpack::StridedLayout;
 use crate::driver::wrap::faulty::{Fault, FaultKind};
-use crate::driver::wrap::timing::TimingDriver;
+use crate::driver::wrap::profile::ProfilingDriver;
 use crate::driver::{self, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{
@@ -159,7 +159,7 @@ fn to_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Stream> {
 pub struct PyExtensibleTensor {
     core: ExtensibleTensor,
     /// Per-operation call counts and host time, when built with `_profile=True`.
-    timing: Option<Arc<TimingDriver>>,
+    profile: Option<Arc<ProfilingDriver>>,
 }
 
 impl PyExtensibleTensor {
@@ -274,7 +274,7 @@ impl PyExtensibleTensor {
             };
             Ok(PyExtensibleTensor {
                 core,
-                timing: opened.timing,
+                profile: opened.profile,
             })
         };
         Ok(py.detach(build)?)
@@ -598,17 +598,17 @@ impl PyExtensibleTensor {
     /// `{op: (calls, host nanoseconds)}` since construction or the last reset, for a tensor
     /// built with `_profile=True` (else empty).
     #[pyo3(signature = (reset=false))]
-    fn _op_times(&self, reset: bool) -> std::collections::HashMap<&'static str, (u64, u64)> {
-        let Some(timing) = &self.timing else {
+    fn _profile_report(&self, reset: bool) -> std::collections::HashMap<&'static str, (u64, u64)> {
+        let Some(profile) = &self.profile else {
             return Default::default();
         };
-        let report = timing
+        let report = profile
             .report()
             .into_iter()
             .map(|(op, n, ns)| (op.name(), (n, ns)))
             .collect();
         if reset {
-            timing.reset();
+            profile.reset();
         }
         report
     }
@@ -639,8 +639,8 @@ impl PyExtensibleTensor {
         Ok(self.core.base_ptr()?)
     }
 
-    /// The bytes reserved for all segments together (their capacities' sum): the most that
-    /// can ever be committed.
+    /// The bytes all segments can hold together (their capacities' sum): the most that can
+    /// ever be committed. The reservation is this rounded up to whole granules.
     #[getter]
     fn capacity_bytes(&self) -> u64 {
         self.core.capacity_bytes()

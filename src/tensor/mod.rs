@@ -25,13 +25,14 @@
 //!    except mappings this very call made and nothing has touched yet.
 //!
 //! Limitations: `release_physical` drops everything (no pool of handles is kept for a later
-//! grow); a consolidation is all or nothing per run of granules, not across runs.
-
+//! grow); a consolidation is all or nothing per step (one run of granules moved to one new
+//! handle), not across steps.
 //!
 //! Files by concern: `options.rs` (what a tensor is built with and each call takes),
 //! `mapping.rs` (the RAII owners of driver resources), `grow.rs`, `reback.rs` (shrink and
-//! consolidate), `view.rs` (views and their guard), `share.rs` (other processes); this file
-//! holds the type, its state and locking, construction, release and the getters.
+//! consolidate), `view.rs` (views and their guard), `share.rs` (mapping memory into other
+//! processes), `loan.rs` (lending it to them); this file holds the type, its state and locking,
+//! construction, release and the getters.
 
 mod grow;
 mod loan;
@@ -453,7 +454,8 @@ impl ExtensibleTensor {
         &self.inner.geometry
     }
 
-    /// The reserved bytes the segments can grow into.
+    /// The bytes the segments can grow into, all together (their capacities' sum). The
+    /// reservation is this rounded up to whole granules (`Geometry::reserved_bytes`).
     pub fn capacity_bytes(&self) -> u64 {
         self.inner.geometry.capacity_bytes()
     }

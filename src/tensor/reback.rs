@@ -7,9 +7,10 @@
 //! valid. The old handles are unmapped but released only once every new one is in: a failure
 //! part-way maps them back, and the tensor is as it was (`reback`).
 //!
-//! A consolidation of several runs is a pipeline when memory allows: the next run's handles are
-//! staged and its copy queued before this run is swapped in, so the device copies the next run
-//! while the host swaps this one and releases its old handles (host calls as long as the copy:
+//! A consolidation goes in steps (`plan::ConsolidateStep`: one run of granules, with any run
+//! that shares one of its handles, moved to one new handle), a pipeline when memory allows: the
+//! next step's handles are staged and its copy queued before this step is swapped in, so the
+//! device copies the next step while the host swaps this one and releases its old handles (host calls as long as the copy:
 //! 0.4 ms per GiB released against 0.5 ms per GiB copied on the H200).
 //!
 //! Tried on the H200 and dropped (docs/benchmarks.md, "Consolidate's floor"): releasing on a
@@ -148,11 +149,12 @@ impl ExtensibleTensor {
 
     /// Backs every maximal run of committed granules by one handle (each segment's prefix, for
     /// segments that share no granule), keeping every byte and every address: views and CUDA
-    /// graphs stay valid, but registrations of the old pages (RDMA) must be renewed. Runs are
-    /// done largest first, each built at a scratch address, filled by a copy and swapped in;
-    /// each run is all or nothing, and an out-of-memory on the first (largest) leaves the
-    /// tensor unchanged. Extra memory: the largest run's new handle, and the next run's too
-    /// while this one is swapped in when it fits in half the free memory (the pipeline of the
+    /// graphs stay valid, but registrations of the old pages (RDMA) must be renewed. It goes in
+    /// steps (`plan::ConsolidateStep`), largest first, each built at a scratch address, filled
+    /// by a copy and swapped in; each step is all or nothing, and an out-of-memory on the
+    /// first (largest) leaves the tensor unchanged. Extra memory: the largest step's new
+    /// handle, and the next step's too while this one is swapped in when it fits in half the
+    /// free memory (the pipeline of the
     /// module docs; the other half is left to others). Handles that hold no committed byte
     /// (slack of a shrink) are released too.
     pub fn consolidate(&self, stream: Stream) -> Result<()> {

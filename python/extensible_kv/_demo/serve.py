@@ -389,7 +389,7 @@ def run_extensible(model: Any, options: DemoOptions, prompts: list[list[int]]) -
     enable: dict[str, Any] = {}
     if device.type != "cuda":
         if options.budget_mib is None:
-            enable["host_meminfo"] = True
+            enable["host_free"] = True
         else:
             enable["budget_bytes"] = options.budget_mib * MIB
     with ekt.enabled(**enable):

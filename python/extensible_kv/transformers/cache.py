@@ -116,11 +116,11 @@ class Options:
     - `budget_bytes`: the physical bytes the KV cache may hold in all once it is extended: its
       two trash sectors, what the warm-up committed and the blocks the extension adds, in whole
       granules. It replaces the measurement (no margin is kept from it). Required on the host
-      backend unless `host_meminfo`. A budget that cannot hold one block, or that is more than
+      backend unless `host_free`. A budget that cannot hold one block, or that is more than
       the free memory when the cache is built, is refused then (`OutOfMemoryError`), before the
       warm-up. `last_report()` shows it as `budget_asked_bytes`, and what the extension could
       still commit from it as `budget_bytes`.
-    - `host_meminfo`: on the host backend, measure `host_free_bytes()` instead.
+    - `host_free`: on the host backend, measure `host_free_bytes()` instead.
     - `margin_bytes`: kept free from a measured budget, instead of the flow's `max(1 GiB, 0.75 *
       transient peak)`.
     - `granularity`: the reservation's granule, a power of two (a power-of-two multiple of the
@@ -130,7 +130,7 @@ class Options:
     """
 
     budget_bytes: int | None = None
-    host_meminfo: bool = False
+    host_free: bool = False
     margin_bytes: int | None = None
     granularity: int | None = None
     auto_resize: AutoResize | None = None
@@ -139,7 +139,7 @@ class Options:
         for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
             value = _args.optional_size(getattr(self, name), name, minimum=least)
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "host_meminfo", _args.flag(self.host_meminfo, "host_meminfo"))
+        object.__setattr__(self, "host_free", _args.flag(self.host_free, "host_free"))
         auto: object = self.auto_resize
         if auto is True:
             object.__setattr__(self, "auto_resize", AutoResize())
@@ -324,10 +324,10 @@ def _cache_class(base: Any, pool_class: type) -> type:
                     "disable it (extensible_kv.transformers.disable()) for TP managers"
                 )
             device = flow._normalize(arguments["device"], legacy=False)
-            if device.type != "cuda" and options.budget_bytes is None and not options.host_meminfo:
+            if device.type != "cuda" and options.budget_bytes is None and not options.host_free:
                 raise ValueError(
                     "the host backend has no free-memory figure: enable(budget_bytes=...) (the "
-                    "bytes the KV cache may commit after warm-up), or enable(host_meminfo=True)"
+                    "bytes the KV cache may commit after warm-up), or enable(host_free=True)"
                 )
             free_at_init = flow._free_bytes_or_none(device)
             build = _Build(options)
@@ -505,7 +505,7 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
         kv_committed_bytes=tensor.physical_bytes,
         free_at_init_bytes=state.free_at_init_bytes,
         budget_bytes=state.options.budget_bytes,
-        host_meminfo=state.options.host_meminfo,
+        host_free=state.options.host_free,
         margin_bytes=state.options.margin_bytes,
         transient_peak_bytes=transient_peak_bytes,
     )

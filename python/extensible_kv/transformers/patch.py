@@ -139,7 +139,7 @@ def _check_version() -> dict[str, Any]:
 def enable(
     *,
     budget_bytes: int | None = None,
-    host_meminfo: bool = False,
+    host_free: bool = False,
     margin_bytes: int | None = None,
     granularity: int | None = None,
     auto_resize: _cache.AutoResize | bool | None = None,
@@ -152,7 +152,7 @@ def enable(
     _torch.require("extensible_kv.transformers")
     options = _cache.Options(
         budget_bytes,
-        host_meminfo,
+        host_free,
         margin_bytes,
         granularity,
         auto_resize,  # type: ignore[arg-type]  # True is Options' to turn into the defaults

@@ -11,8 +11,8 @@
 //! every library in the process, and an unknown allocation handle is not documented to be
 //! caught. So, as in the host backend, every range and handle is checked against this driver's
 //! books (live reservations, mappings and handles) before it reaches libcuda. The one argument
-//! taken on trust is `memset_zero`'s stream, which only its creator (torch) can vouch for:
-//! hence `Stream::from_raw` is `unsafe`.
+//! taken on trust is the stream that `memset_zero`, `copy` and `fence` order work on, which only
+//! its creator (torch) can vouch for: hence `Stream::from_raw` is `unsafe`.
 #![allow(unsafe_code)]
 
 mod context;

@@ -13,7 +13,7 @@
 //! encountered"), reported asynchronously by a later call (torch raises it at the next
 //! synchronising call, not at the faulty line), with no address. The error is sticky: the
 //! context is unusable for the rest of the process, so every later CUDA call fails too.
-//! `CUDA_LAUNCH_BLOCKING=1` moves the report to the faulty launch; `compute-sanitizer` names
+//! `CUDA_LAUNCH_BLOCKING=1` moves the report to the offending launch; `compute-sanitizer` names
 //! the address.
 //!
 //! Contract:
@@ -26,7 +26,7 @@
 //!   with the same arguments. Where there was none, the default action is restored and the
 //!   fault recurs on return, so the process dies of the same signal: the exit status does not
 //!   change.
-//! - `EXTENSIBLE_KV_FAULT_REPORT=0` (or `false`, `no`, `off`, any case) in the environment
+//! - `EXTENSIBLE_KV_STRAY_REPORT=0` (or `false`, `no`, `off`, any case) in the environment
 //!   leaves the signal handlers alone, as the Python package's switches read them.
 //!
 //! Limitations: a touch past the committed bytes but inside their last granule does not fault
@@ -42,7 +42,7 @@ use std::sync::Once;
 pub const SLOTS: usize = 1024;
 
 /// The environment variable that, set to `0`, keeps the handler from being installed.
-pub const ENV_VAR: &str = "EXTENSIBLE_KV_FAULT_REPORT";
+pub const ENV_VAR: &str = "EXTENSIBLE_KV_STRAY_REPORT";
 
 /// Whether a switch's value says off: `0`, `false`, `no`, `off`, in any case (the words
 /// `extensible_kv._plugins.env_flag` reads as off).

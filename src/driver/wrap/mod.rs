@@ -1,9 +1,9 @@
 //! The one forwarding implementation of `Driver` that test and measurement wrappers share:
 //! `Wrap<H>` passes every call to the inner driver, through its hook (`Hook::around`) for the
-//! calls that do work, so each wrapper (`faulty`, `timing`) says only what it adds.
+//! calls that do work, so each wrapper (`faulty`, `profile`) says only what it adds.
 
 pub mod faulty;
-pub mod timing;
+pub mod profile;
 
 use std::sync::Arc;
 

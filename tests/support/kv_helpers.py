@@ -10,25 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import extensible_kv
-import pytest
 import torch
 from extensible_kv.kv_cache import ExtensibleKVCache
 
-CPU_GRANULARITY = 4096
-
-_CUDA_REASON = extensible_kv.vmm_unavailable_reason("cuda:0")
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda:0",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_CUDA_REASON is not None, reason=_CUDA_REASON or ""),
-        ],
-    ),
-]
+from support.devices import CPU_GRANULARITY
 
 
 def cache_kwargs(device: str) -> dict[str, Any]:

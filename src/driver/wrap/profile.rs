@@ -1,5 +1,6 @@
-//! A driver wrapper that counts calls and host time per operation: where a grow or teardown
-//! spends its time, by call and by handle count, without an external profiler.
+//! The profile of a driver's calls: a wrapper that counts calls and host time per operation,
+//! where a grow or teardown spends its time, by call and by handle count, without an external
+//! profiler (Python's `_profile=True` and `_profile_report()`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -10,33 +11,33 @@ use crate::driver::Driver;
 use crate::error::{Op, Result};
 
 /// A driver that passes every call to `inner`, counting calls and host time per operation.
-pub type TimingDriver = Wrap<Timings>;
+pub type ProfilingDriver = Wrap<Profile>;
 
-/// The hook of `TimingDriver`: calls and host nanoseconds per operation.
-pub struct Timings {
+/// The hook of `ProfilingDriver`: calls and host nanoseconds per operation.
+pub struct Profile {
     calls: [AtomicU64; Op::ALL.len()],
     nanos: [AtomicU64; Op::ALL.len()],
 }
 
-impl TimingDriver {
-    /// `inner`, timed.
-    pub fn new(inner: Arc<dyn Driver>) -> TimingDriver {
-        let timings = Timings {
+impl ProfilingDriver {
+    /// `inner`, profiled.
+    pub fn new(inner: Arc<dyn Driver>) -> ProfilingDriver {
+        let profile = Profile {
             calls: Default::default(),
             nanos: Default::default(),
         };
-        Wrap::with_hook(inner, timings)
+        Wrap::with_hook(inner, profile)
     }
 
     /// `(op, calls, total host nanoseconds)` for every op called at least once.
     pub fn report(&self) -> Vec<(Op, u64, u64)> {
-        let timings = self.hook();
+        let profile = self.hook();
         let counts = Op::ALL.into_iter().map(|op| {
             let i = op as usize;
             (
                 op,
-                timings.calls[i].load(Ordering::Relaxed),
-                timings.nanos[i].load(Ordering::Relaxed),
+                profile.calls[i].load(Ordering::Relaxed),
+                profile.nanos[i].load(Ordering::Relaxed),
             )
         });
         counts.filter(|&(_, calls, _)| calls > 0).collect()
@@ -44,16 +45,16 @@ impl TimingDriver {
 
     /// Forgets what was counted so far.
     pub fn reset(&self) {
-        let timings = self.hook();
-        timings
+        let profile = self.hook();
+        profile
             .calls
             .iter()
-            .chain(&timings.nanos)
+            .chain(&profile.nanos)
             .for_each(|c| c.store(0, Ordering::Relaxed));
     }
 }
 
-impl Hook for Timings {
+impl Hook for Profile {
     // Counted as a read of the free memory, which is what it costs.
     const CHECK_ROOM_AS: Option<Op> = Some(Op::MemInfo);
 
@@ -75,7 +76,9 @@ mod tests {
 
     #[test]
     fn counts_every_call_of_a_grow() {
-        let timing = Arc::new(TimingDriver::new(Arc::new(HostDriver::new(4096).unwrap())));
+        let profiled = Arc::new(ProfilingDriver::new(Arc::new(
+            HostDriver::new(4096).unwrap(),
+        )));
         let options = Options {
             handle_sizing: HandleSizing::CapAligned {
                 max_bytes: Some(4096),
@@ -83,10 +86,14 @@ mod tests {
             ..Options::default()
         };
         let t =
-            ExtensibleTensor::with_equal_segments(timing.clone(), 8 * 4096, 2, options).unwrap();
+            ExtensibleTensor::with_equal_segments(profiled.clone(), 8 * 4096, 2, options).unwrap();
         t.resize_per_segment(3 * 4096, GrowOptions::zeroed())
             .unwrap();
-        let calls: Vec<(Op, u64)> = timing.report().iter().map(|&(op, n, _)| (op, n)).collect();
+        let calls: Vec<(Op, u64)> = profiled
+            .report()
+            .iter()
+            .map(|&(op, n, _)| (op, n))
+            .collect();
         assert_eq!(
             calls,
             vec![
@@ -97,7 +104,7 @@ mod tests {
                 (Op::MemInfo, 1), // the grow's one room check (`check_room`)
             ]
         );
-        timing.reset();
-        assert!(timing.report().is_empty());
+        profiled.reset();
+        assert!(profiled.report().is_empty());
     }
 }

@@ -30,9 +30,9 @@ import types
 from pathlib import Path
 from typing import Any
 
-import stack_env
+from support import stack_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VENDOR = Path(os.environ.get("EKV_VENDOR") or REPO / ".vendor")  # `scripts/vendor-vllm --check`
 VLLM_ZIP = VENDOR / "vllm034-py.zip"
 WHEELS = VENDOR / "vllm034-wheels"

@@ -34,9 +34,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import stack_env
+from support import stack_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VENDOR = Path(os.environ.get("EKV_VENDOR") or REPO / ".vendor")
 SGLANG_ZIP = VENDOR / "sglang0523-py.zip"
 WHEELS = VENDOR / "sglang0523-wheels"

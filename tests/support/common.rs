@@ -1,5 +1,6 @@
-//! Helpers shared by the Rust integration tests: byte access to host-backend memory through
-//! an export (whose guard keeps the memory alive), and /proc-based leak counts.
+//! Helpers shared by the Rust integration tests, each of which includes this file as `mod common`
+//! (`#[path = "support/common.rs"]`): byte access to host-backend memory through an export (whose
+//! guard keeps the memory alive), and /proc-based leak counts.
 #![allow(unsafe_code, dead_code)]
 
 use extensible_kv::ExtensibleTensor;
