@@ -168,6 +168,9 @@ def _cases() -> list[Case]:
         lambda t, v: t.consolidate(stream=v))  # fmt: skip
     add("tensor", "stream", [1.5, -1], (TypeError, ValueError),  # type: ignore[arg-type]
         lambda t, v: t.release_physical(stream=v))  # fmt: skip
+    add("tensor", "bytes_per_segment", [*BAD_INT, "ab", [G, 1.5]], TypeError,
+        lambda t, v: t.release(v))  # fmt: skip
+    add("tensor", "zero_new", BAD_FLAG, TypeError, lambda t, v: t.resume(zero_new=v))
     add("tensor", "timeout", ["1", [1]], TypeError, lambda t, v: t.wait_released(v))
     add("tensor", "timeout", [float("nan")], ValueError, lambda t, v: t.wait_released(v))
     add("tensor", "dtype", BAD_DTYPE, TypeError, lambda t, v: t.view(v, (4,)))
