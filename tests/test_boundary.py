@@ -215,6 +215,14 @@ def _cases() -> list[Case]:
             lambda f, v, k=kwarg: f.extend_to_fit(**{"budget_bytes": G, k: v}))  # fmt: skip
     add("flow", "host_meminfo", ["yes", 1], TypeError,
         lambda f, v: f.extend_to_fit(host_meminfo=v))  # fmt: skip
+    for kwarg in ("budget_bytes", "margin_bytes", "transient_peak_bytes"):
+        add("flow", kwarg, [1.5, "1", True], TypeError,
+            lambda f, v, k=kwarg: f.measure(**{"budget_bytes": G, k: v}))  # fmt: skip
+        add("flow", kwarg, [-1], ValueError,
+            lambda f, v, k=kwarg: f.measure(**{"budget_bytes": G, k: v}))  # fmt: skip
+    add("flow", "num_blocks", [1.5, None, "2"], TypeError,
+        lambda f, v: f.extend_to(v, f.measure(budget_bytes=G)))  # fmt: skip
+    add("flow", "measured", [None, G, "x"], TypeError, lambda f, v: f.extend_to(2, v))
     add("flow", "num_blocks", [1.5, None], TypeError, lambda f, v: f.shrink_to(v))
     add("flow", "num_blocks", [-1], ValueError, lambda f, v: f.shrink_to(v))
     add("flow", "exact", ["yes"], TypeError, lambda f, v: f.shrink_to(0, exact=v))
