@@ -16,6 +16,7 @@ import importlib
 import inspect
 import logging
 import os
+import pkgutil
 import re
 import sys
 import types
@@ -128,8 +129,6 @@ class Provides:
         if missing:
             problems.append(f"its {name} lacks {missing}")
         if self.replaced_by is not None:
-            import pkgutil
-
             ours = pkgutil.resolve_name(self.replaced_by)
             extra = missing_public(obj, ours)
             if extra:
