@@ -168,6 +168,9 @@ def _cases() -> list[Case]:
         lambda t, v: t.consolidate(stream=v))  # fmt: skip
     add("tensor", "stream", [1.5, -1], (TypeError, ValueError),  # type: ignore[arg-type]
         lambda t, v: t.release_physical(stream=v))  # fmt: skip
+    add("tensor", "bytes_per_segment", [*BAD_INT, "ab", [G, 1.5]], TypeError,
+        lambda t, v: t.release(v))  # fmt: skip
+    add("tensor", "zero_new", BAD_FLAG, TypeError, lambda t, v: t.resume(zero_new=v))
     add("tensor", "timeout", ["1", [1]], TypeError, lambda t, v: t.wait_released(v))
     add("tensor", "timeout", [float("nan")], ValueError, lambda t, v: t.wait_released(v))
     add("tensor", "dtype", BAD_DTYPE, TypeError, lambda t, v: t.view(v, (4,)))
@@ -212,6 +215,14 @@ def _cases() -> list[Case]:
             lambda f, v, k=kwarg: f.extend_to_fit(**{"budget_bytes": G, k: v}))  # fmt: skip
     add("flow", "host_free", ["yes", 1], TypeError,
         lambda f, v: f.extend_to_fit(host_free=v))  # fmt: skip
+    for kwarg in ("budget_bytes", "margin_bytes", "transient_peak_bytes"):
+        add("flow", kwarg, [1.5, "1", True], TypeError,
+            lambda f, v, k=kwarg: f.measure(**{"budget_bytes": G, k: v}))  # fmt: skip
+        add("flow", kwarg, [-1], ValueError,
+            lambda f, v, k=kwarg: f.measure(**{"budget_bytes": G, k: v}))  # fmt: skip
+    add("flow", "num_blocks", [1.5, None, "2"], TypeError,
+        lambda f, v: f.extend_to(v, f.measure(budget_bytes=G)))  # fmt: skip
+    add("flow", "measured", [None, G, "x"], TypeError, lambda f, v: f.extend_to(2, v))
     add("flow", "num_blocks", [1.5, None], TypeError, lambda f, v: f.shrink_to(v))
     add("flow", "num_blocks", [-1], ValueError, lambda f, v: f.shrink_to(v))
     add("flow", "exact", ["yes"], TypeError, lambda f, v: f.shrink_to(0, exact=v))

@@ -29,7 +29,6 @@ from extensible_kv import (
     recv_shared,
     send_shared,
 )
-from support.devices import device_kwargs
 from support.memory import MakeTensor
 
 TIMEOUT_S = 120
@@ -350,19 +349,16 @@ def test_a_failed_import_maps_nothing_and_keeps_no_fd(
     description = owner.share()
     assert len(description.handles) >= 4
     fds_before = open_fds()
-    kw = {**device_kwargs(device), "granularity": description.granularity}
     injected = 0
     for op in ("reserve", "import", "map", "set_access"):
         for nth in range(1, len(description.handles) + 1):
             for kind in ("driver", "oom"):
                 try:
-                    imported = ExtensibleTensor.__new__(
-                        ExtensibleTensor,
-                        0,
-                        None,
-                        _shared=description._to_native(),
+                    imported = ExtensibleTensor._import(
+                        description._to_native(),
+                        device,
+                        granularity=description.granularity,
                         _fault=(op, nth, kind),
-                        **kw,
                     )
                 except (DriverError, OutOfMemoryError):
                     injected += 1
@@ -371,6 +367,21 @@ def test_a_failed_import_maps_nothing_and_keeps_no_fd(
                 assert open_fds() == fds_before, (op, nth, kind)
     assert injected >= 10
     owner.close()
+
+
+def test_close_closes_the_id_registry_too(g: int, make_owner: MakeOwner) -> None:
+    """The export registry a `share` made (a memfd named after the tensor's id) goes with
+    `close()`, not with the object: a closed tensor its caller still holds keeps no fd."""
+    make_owner(g, 1).close()  # the backend's own fds (a CUDA context) are open from here on
+    before = len(os.listdir("/proc/self/fd"))
+    owner = make_owner(4 * g, 2)
+    owner.resize_per_segment_(2 * g)
+    registry = f"extensible-kv-ids:{owner.share().tensor_id:032x}"
+    assert any(registry in name for name in open_fds())
+    owner.close()
+    assert not any(registry in name for name in open_fds())
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert owner.closed  # still referenced here: only `close` let the fds go
 
 
 # --------------------------------------------------------------------------------------------

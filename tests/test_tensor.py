@@ -1027,6 +1027,96 @@ def test_release_physical(make_tensor: MakeTensor, g: int, device: str, leak_che
         assert leak_check() == before
 
 
+def test_release_keeps_the_addresses_and_resume_the_sizes(make_tensor: MakeTensor, g: int) -> None:
+    t = make_tensor(8 * g, 2)
+    sizes = (3 * g + 5, 2 * g)
+    t.resize_per_segment_(list(sizes))
+    for i in range(2):
+        t.segment_view(i).copy_(pattern(sizes[i], i))
+    base, kept = t.base_ptr, [t.segment_view(i)[:g].cpu().clone() for i in range(2)]
+
+    t.release(g)
+    assert t.released and t.segment_bytes == (g, g) and t.pending_release_bytes == 0
+    assert t.physical_bytes == len(needed_granules(t)) * g
+    t.release()  # again: nothing changes, and the sizes to resume stay the first ones
+    assert t.segment_bytes == (g, g)
+    for i in range(2):
+        assert torch.equal(t.segment_view(i).cpu(), kept[i])
+    t.resume()
+    assert not t.released and t.segment_bytes == sizes and t.base_ptr == base
+    for i in range(2):
+        assert torch.equal(t.segment_view(i)[:g].cpu(), kept[i])
+        expect_zero(t.segment_view(i)[g:].cpu())
+    t.resume()  # not released: nothing
+    assert t.segment_bytes == sizes
+
+    t.release()
+    assert (t.segment_bytes, t.physical_bytes) == ((0, 0), 0)
+    t.resume(zero_new=False)
+    assert t.segment_bytes == sizes
+    check(t)
+
+
+def test_free_gives_the_memory_back_and_the_addresses_with_the_last_view(
+    make_tensor: MakeTensor, g: int
+) -> None:
+    t = make_tensor(4 * g)
+    t.resize_(2 * g)
+    view = t.full_view()
+    assert t.free() is False  # a view is alive: the addresses stay reserved for it
+    assert (t.physical_bytes, t.pending_release_bytes, t.closed) == (0, 0, False)
+    assert t.live_views == 1 and not t.released
+    del view
+    gc.collect()
+    assert t.free() is True and t.closed
+    assert t.free() is True  # idempotent
+
+
+def test_the_handle_sizing_kinds_are_the_cores(make_tensor: MakeTensor, g: int) -> None:
+    """`HandleSizingKind` restates the native kinds for type checkers: the same names, and
+    each one builds a tensor."""
+    import typing
+
+    from extensible_kv import _native
+    from extensible_kv.tensor import HandleSizingKind
+
+    assert typing.get_args(HandleSizingKind) == _native.HANDLE_SIZING_KINDS
+    assert HandleSizing().kind == _native.HANDLE_SIZING_KINDS[0]  # the default comes first
+    for kind in _native.HANDLE_SIZING_KINDS:
+        make_tensor(4 * g, handle_sizing=HandleSizing(kind)).resize_(3 * g)  # type: ignore[arg-type]
+
+
+def test_a_call_without_a_stream_asks_the_provider_only_when_it_uses_one(
+    make_tensor: MakeTensor, g: int, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The facade registers torch's current stream once; the native method asks for it only
+    where it uses a stream (never on the host backend, which has none)."""
+    from extensible_kv import _native
+    from extensible_kv import tensor as tensor_module
+
+    asked: list[int] = []
+
+    def provider(index: int) -> int:
+        asked.append(index)
+        return tensor_module._current_stream(index)
+
+    t = make_tensor(8 * g)
+    _native._set_stream_provider(provider)
+    try:
+        t.resize_(2 * g)
+        t.resize_(2 * g)  # nothing to do: no stream either
+        t.resize_(3 * g, zero_new=False)  # nothing to zero: no stream
+        t.shrink_(g, stream=0)  # given: used as it is
+        grew_zeroed = len(asked)
+        t.shrink_(0)
+    finally:
+        _native._set_stream_provider(tensor_module._current_stream)
+    if backend == "cpu":
+        assert asked == []
+    else:
+        assert (grew_zeroed, asked) == (1, [0, 0])
+
+
 # --------------------------------------------------------------------------------------------
 # all or nothing: fault injection
 

@@ -15,7 +15,6 @@ import sys
 import textwrap
 import types
 from collections.abc import Iterator
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -115,12 +114,6 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeVllm]:
     yield FakeVllm(monkeypatch)
 
 
-def test_entry_point_is_declared() -> None:
-    (ours,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "extensible_kv"]
-    assert ours.value == "extensible_kv.vllm.plugin:register"
-    assert ours.load() is register
-
-
 def test_register_replaces_every_binding_and_logs_one_line(
     fake: FakeVllm, records: Records
 ) -> None:
@@ -210,22 +203,6 @@ def test_the_drop_in_matches_the_constructor_it_checks() -> None:
     assert tuple((p.name, p.default) for p in params) == plugin._SIGNATURE
 
 
-def test_without_vllm_loaded_it_imports_nothing() -> None:
-    script = """
-        import sys
-        from extensible_kv.vllm import plugin
-        print(plugin.register(), sorted(m for m in sys.modules if m.split(".")[0] == "vllm"))
-    """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "[]"]
-
-
 # ---- vLLM 0.34.0's own loader, in fresh processes
 
 
@@ -310,9 +287,10 @@ def test_vllm_034_is_recognised(vllm: Any) -> None:
     from vllm.utils import extensible_tensor
 
     module = extensible_tensor
+    resolve = None
     if module.ExtensibleTensor is ExtensibleTensor:  # the plugin already ran here
         originals = {
             name: obj for (target, name), obj in plugin._patches.items() if target is module
         }
-        module = types.SimpleNamespace(**originals)
-    assert plugin._unrecognised(module) is None
+        resolve = lambda path: originals[path.rsplit(".", 1)[1]]  # noqa: E731
+    assert plugin.VLLM.recognise(resolve=resolve).ok

@@ -1,6 +1,6 @@
 """Type stubs for the native module (Rust, PyO3). Checked against the module by mypy.stubtest."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Self
 
 from typing_extensions import disjoint_base
@@ -8,6 +8,9 @@ from typing_extensions import disjoint_base
 __all__ = [
     "CUDA_BUILT",
     "DEFAULT_MAX_HANDLE_BYTES",
+    "EXPORT_FABRIC",
+    "EXPORT_POSIX_FD",
+    "HANDLE_SIZING_KINDS",
     "ClosedError",
     "DriverError",
     "ExtensibleTensor",
@@ -16,6 +19,7 @@ __all__ = [
     "UnsupportedError",
     "_loan_owner_fds",
     "_owner_fds",
+    "_set_stream_provider",
     "extent_bytes",
     "footprint_bytes",
     "host_free_bytes",
@@ -25,6 +29,11 @@ __all__ = [
 
 CUDA_BUILT: Final[bool]
 DEFAULT_MAX_HANDLE_BYTES: Final[int]
+# The names of `handle_sizing`'s kinds, the default first (the facade's `HandleSizingKind`).
+HANDLE_SIZING_KINDS: Final[tuple[str, ...]]
+# CUDA's `CUmemAllocationHandleType` bits of the export types the core supports.
+EXPORT_POSIX_FD: Final[int]
+EXPORT_FABRIC: Final[int]
 
 class OutOfMemoryError(MemoryError):
     """Physical memory could not be committed; the tensor is unchanged."""
@@ -55,13 +64,19 @@ def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) ->
 def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
 def _owner_fds(description: tuple[Any, ...]) -> list[int]: ...
 def _loan_owner_fds(loan: tuple[Any, ...]) -> list[int]: ...
+def _set_stream_provider(provider: Callable[[int], int] | None) -> None:
+    """Registers what names the current stream of a CUDA device (`provider(index) -> int`),
+    for calls given no stream; the facade registers torch's."""
+
 def host_free_bytes() -> int:
     """The bytes a host commit can take now: MemAvailable, or the memory cgroup's room."""
 
 # Every `stream` below is a raw CUstream (an int; 0 the legacy default stream) that the caller
 # vouches for, as for `torch.cuda.ExternalStream`: a live stream of the tensor's device that
 # stays live until the call returns. Nothing checks it; a dead or foreign stream is undefined
-# behaviour in the CUDA driver. The facade passes torch's current stream by default.
+# behaviour in the CUDA driver. A call given none that uses a stream runs on the current stream
+# of the tensor's device, as the registered provider names it (torch's, once the facade is
+# imported; the default stream without one).
 
 @disjoint_base
 class ExtensibleTensor:
@@ -77,8 +92,16 @@ class ExtensibleTensor:
         export_handle_types: int = 0,
         _fault: tuple[str, int, str] | None = None,
         _profile: bool = False,
-        _shared: tuple[Any, ...] | None = None,
-        _fds: list[int] | None = None,
+    ) -> Self: ...
+    @classmethod
+    def _import(
+        cls,
+        description: tuple[Any, ...],
+        device: object,
+        *,
+        granularity: int | None = None,
+        fds: list[int] | None = None,
+        _fault: tuple[str, int, str] | None = None,
     ) -> Self: ...
     def resize_per_segment_(
         self,

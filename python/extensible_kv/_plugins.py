@@ -1,33 +1,45 @@
-"""What every stack integration (`extensible_kv.vllm`, `.sglang`, `.transformers`) repeats, in
-one place: reading its switches, gating on the stack's version, checking that a class it replaces
-has the API it expects, patching attributes with the originals kept, and its log lines.
+"""The one seam every stack integration (`extensible_kv.vllm`, `.sglang`, `.transformers`) is
+built on: reading its switches, a declarative description of what the stack must provide
+(`Stack`, `Provides`: paths, parameters, methods, versions) with the one recogniser that checks
+it (`Stack.recognise`), patching attributes with the originals kept and every copy a
+`from ... import` made found the same way (`Patches`, `bindings`), and its log lines.
 
 Each integration keeps its own wording of what it supports and how it refuses (a warning from a
-plugin a stack loads on its own, `UnsupportedError` from a seam the user enables). Imports
-nothing beyond the standard library, so a plugin entry point stays cheap to load in every
-process the stack starts.
+plugin a stack loads on its own, `UnsupportedError` from a seam the user enables), built from
+the recogniser's findings. Imports nothing beyond the standard library, so a plugin entry point
+stays cheap to load in every process the stack starts.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
+import pkgutil
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 __all__ = [
     "ABSENT",
     "Integration",
     "Patches",
+    "Provides",
+    "Recognised",
+    "Stack",
+    "bindings",
     "env_flag",
     "init_params",
     "missing_public",
     "version_in",
     "version_tuple",
 ]
+
+ABSENT = object()  # where a target had no attribute of its own: `Patches.adopt` takes it too
 
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
@@ -76,7 +88,175 @@ def missing_public(theirs: type, ours: type) -> list[str]:
     return sorted(name for name in public if not hasattr(ours, name))
 
 
-ABSENT = object()  # where a target had no attribute of its own: `Patches.adopt` takes it too
+# ---------------------------------------------------------------------------------------------
+# what a stack must provide, and the one recogniser
+
+
+@dataclass(frozen=True)
+class Provides:
+    """One object a stack must provide for an integration: at `path` (`"package.module.Name"`),
+    a class or a function (`kind`), with these parameters (`params`: after `self` for a class's
+    constructor; each a name, or `(name, default)` where the default must match too; `None`:
+    not checked), all keyword-only where `keyword_only`, with these `methods` (attributes of
+    the class), and, where `replaced_by` (`"package.module:Name"`) names our replacement,
+    every public attribute of theirs on ours too: code written against theirs would fail on
+    ours where it used one."""
+
+    path: str
+    kind: Literal["class", "function"] = "class"
+    params: tuple[str | tuple[str, Any], ...] | None = None
+    keyword_only: bool = False
+    methods: tuple[str, ...] = ()
+    replaced_by: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit(".", 1)[1]
+
+    def problems(self, obj: Any, tested: str) -> list[str]:
+        """What of this `obj` (found at `path`) differs from the description, in words that
+        name `tested`, the stack's version the description was written from."""
+        name = self.name
+        if self.kind == "class" and not inspect.isclass(obj):
+            return [f"{self.path.rsplit('.', 1)[0]} has no {name} class"]
+        if self.kind == "function" and not callable(obj):
+            return [f"{self.path.rsplit('.', 1)[0]} has no {name} function"]
+        if self.params is not None and not self._signature_matches(obj):
+            signature = inspect.signature(obj.__init__ if self.kind == "class" else obj)
+            return [f"{name}{signature} is not {tested}'s signature"]
+        problems = []
+        missing = [method for method in self.methods if not hasattr(obj, method)]
+        if missing:
+            problems.append(f"its {name} lacks {missing}")
+        if self.replaced_by is not None:
+            ours = pkgutil.resolve_name(self.replaced_by)
+            extra = missing_public(obj, ours)
+            if extra:
+                problems.append(f"its {name} has {extra}, which extensible-kv's {name} lacks")
+        return problems
+
+    def _signature_matches(self, obj: Any) -> bool:
+        assert self.params is not None
+        if self.kind == "class":
+            found = init_params(obj)
+        else:
+            found = list(inspect.signature(obj).parameters.values())
+        if len(found) != len(self.params):
+            return False
+        for parameter, wanted in zip(found, self.params, strict=True):
+            name, *default = wanted if isinstance(wanted, tuple) else (wanted,)
+            if parameter.name != name or (default and parameter.default != default[0]):
+                return False
+            if self.keyword_only and parameter.kind is not parameter.KEYWORD_ONLY:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """What `Stack.recognise` found: the stack's `version`, whether it is in the supported
+    range (`supported`), each described object that resolved (`found`, by path) and what does
+    not match the description, in words (`problems`; nothing is looked at out of range)."""
+
+    version: str
+    supported: bool
+    found: dict[str, Any] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether the stack is one the integration supports: in range, nothing differs."""
+        return self.supported and not self.problems
+
+    def __getitem__(self, path: str) -> Any:
+        return self.found[path]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What an integration needs of its stack, declared once: its name as users write it, the
+    package whose `__version__` is its version, the range it supports (`min_version` and
+    `max_version`, inclusive in as many parts as they name; `None`: unbounded), the version
+    the description was written from (`tested`), and every object it must provide."""
+
+    name: str
+    package: str
+    provides: tuple[Provides, ...] = ()
+    min_version: tuple[int, ...] | None = None
+    max_version: tuple[int, ...] | None = None
+    tested: str = ""
+
+    def loaded(self) -> bool:
+        """Whether the stack is imported in this process (an integration the stack loads
+        itself imports nothing when it is not: the stack is the caller)."""
+        return self.package in sys.modules
+
+    def version(self) -> str:
+        """The loaded stack's `__version__`, or `"unknown"`."""
+        return str(getattr(sys.modules.get(self.package), "__version__", "unknown"))
+
+    def supports(self, version: str) -> bool:
+        """Whether `version` is in the supported range."""
+        if self.min_version is None:
+            return self.max_version is None or version_in(version, (0,), self.max_version)
+        return version_in(version, self.min_version, self.max_version)
+
+    def recognise(
+        self, version: str | None = None, resolve: Callable[[str], Any] | None = None
+    ) -> Recognised:
+        """The one check of a stack: its version against the range, then every object it must
+        provide, imported (`resolve(path)`, by default from its module) and compared with its
+        description. All or nothing for the caller: an integration changes nothing unless
+        `ok`."""
+        version = self.version() if version is None else version
+        if not self.supports(version):
+            return Recognised(version, supported=False)
+        found: dict[str, Any] = {}
+        problems: list[str] = []
+        for provided in self.provides:
+            try:
+                obj = (resolve or _resolve)(provided.path)
+            except ImportError as error:
+                module = provided.path.rsplit(".", 1)[0]
+                problems.append(f"{module} does not import ({error})")
+                continue
+            found[provided.path] = obj
+            problems += provided.problems(obj, self.tested or version)
+        return Recognised(version, True, found, tuple(problems))
+
+
+def _resolve(path: str) -> Any:
+    """The object at `"package.module.Name"`; `ABSENT` where the module has no such name."""
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name, ABSENT)
+
+
+def bindings(
+    value: Any,
+    *,
+    packages: tuple[str, ...] | None = None,
+    name: str | None = None,
+    skip: tuple[Any, ...] = (),
+) -> list[tuple[types.ModuleType, str]]:
+    """The `(module, attribute)` pairs of the loaded modules that hold `value` itself: where a
+    `from ... import` copied it. Only modules of `packages` (top-level names or dotted
+    prefixes) and attribute `name` where given; never a module in `skip`. Reads only."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if not isinstance(module, types.ModuleType) or module in skip:
+            continue
+        if packages is not None and not any(
+            module_name == p or module_name.startswith(p + ".") for p in packages
+        ):
+            continue
+        attrs = vars(module)
+        names = (name,) if name is not None else list(attrs)
+        found += [(module, attr) for attr in names if attrs.get(attr, ABSENT) is value]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# replacements, recorded and undone exactly
 
 
 class _Layer:
@@ -165,6 +345,35 @@ class Patches:
                 setattr(target, name, layer.original)
             put_back.append(key)
         return put_back
+
+    def set_bindings(
+        self,
+        original: Any,
+        value: Any,
+        *,
+        packages: tuple[str, ...],
+        name: str | None = None,
+        skip: tuple[Any, ...] = (),
+    ) -> None:
+        """`set(module, attr, value)` wherever a module of `packages` binds `original` itself
+        (`bindings`: the copies `from ... import` made); names bound elsewhere (a user's) stay."""
+        for module, attr in bindings(original, packages=packages, name=name, skip=skip):
+            self.set(module, attr, value)
+
+    def adopt_bindings(
+        self,
+        original: Any,
+        value: Any,
+        *,
+        packages: tuple[str, ...] | None = None,
+        name: str | None = None,
+        skip: tuple[Any, ...] = (),
+    ) -> None:
+        """`adopt(module, attr, original, value)` wherever a module (of `packages`, where
+        given) binds `value` itself: copies someone else (SGLang's hook registry) rebound to
+        `value` for us, or that modules imported after it was put in place."""
+        for module, attr in bindings(value, packages=packages, name=name, skip=skip):
+            self.adopt(module, attr, original, value)
 
     def forget(self) -> None:
         """Drop every record without touching any attribute (what is in place stays)."""

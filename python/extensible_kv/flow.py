@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, Self, TypeVar
 
 from extensible_kv import _args, _torch, sizing
 from extensible_kv._native import UnsupportedError, vmm_unavailable_reason
@@ -38,7 +38,16 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-__all__ = ["ExtendReport", "KVCacheFlow", "measure_budget_now"]
+__all__ = [
+    "ExtendReport",
+    "ExtendableCache",
+    "KVCacheFlow",
+    "Measurement",
+    "free_bytes_or_none",
+    "measure_budget_now",
+    "normalize_device",
+    "refuse_while_capturing",
+]
 
 GIB = 1 << 30
 logger = logging.getLogger("extensible_kv")
@@ -88,14 +97,55 @@ class ExtendReport:
         return self.bytes_after - self.bytes_before
 
 
-class KVCacheFlow:
-    """An `ExtensibleKVCache` with the flow's two steps; build it with `reserve`."""
+class ExtendableCache(Protocol):
+    """What `KVCacheFlow` drives: a cache that commits whole blocks, from `committed_blocks` up
+    to `capacity_blocks`, and says what they cost (`footprint`). `ExtensibleKVCache` is one;
+    `extensible_kv.transformers` makes transformers' cache one."""
+
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def committed_blocks(self) -> int: ...
+    @property
+    def physical_bytes(self) -> int: ...
+    @property
+    def num_handles(self) -> int: ...
+    @property
+    def legacy(self) -> bool: ...
+    def footprint(self) -> sizing.CacheFootprint: ...
+    def commit(self, num_blocks: int) -> None: ...
+    def close(self) -> None: ...
+
+
+CacheT = TypeVar("CacheT", bound=ExtendableCache)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Step 3's result (`KVCacheFlow.measure`): the budget the cache may still commit and where
+    it came from (`measure_budget_now`), the most blocks it fits (`fit_blocks`, never fewer
+    than are committed), the budget the caller gave (`None` when measured), and when the
+    measurement began (`time.perf_counter()`: an extension's `total_ms` runs from it)."""
+
+    budget: sizing.MemoryBudget
+    source: str
+    fit_blocks: int
+    budget_asked_bytes: int | None
+    start: float
+
+
+class KVCacheFlow(Generic[CacheT]):
+    """A cache with the flow's steps: `reserve` builds an `ExtensibleKVCache` and its flow; any
+    other `ExtendableCache` gets one from the constructor. `report_units` turns the cache's
+    blocks into the blocks its reports and log lines count (default: the same)."""
 
     def __init__(
         self,
-        cache: ExtensibleKVCache,
+        cache: CacheT,
         device: str | torch.device,
         free_at_init_bytes: int | None = None,
+        *,
+        report_units: Callable[[int], int] | None = None,
     ) -> None:
         _torch.require("KVCacheFlow")
         import torch
@@ -103,6 +153,7 @@ class KVCacheFlow:
         self.cache = cache
         self.device = torch.device(device)
         self.free_at_init_bytes = free_at_init_bytes
+        self.report_units = report_units
 
     @classmethod
     def reserve(
@@ -114,14 +165,14 @@ class KVCacheFlow:
         legacy: bool = False,
         granularity: int | None = None,
         initial_blocks: int = 1,
-    ) -> KVCacheFlow:
+    ) -> KVCacheFlow[ExtensibleKVCache]:
         """Step 1: note free memory, reserve every buffer for `capacity_blocks`, commit
         `initial_blocks` (legacy: allocate and zero everything)."""
         _torch.require("KVCacheFlow")
         initial_blocks = _args.size(initial_blocks, "initial_blocks")
-        device = _normalize(device, legacy)
-        _refuse_while_capturing(device, "reserve")
-        free_at_init = _free_bytes_or_none(device)
+        device = normalize_device(device, legacy)
+        refuse_while_capturing(device, "reserve")
+        free_at_init = free_bytes_or_none(device)
         cache = ExtensibleKVCache(
             spec, capacity_blocks, device, legacy=legacy, granularity=granularity
         )
@@ -130,7 +181,7 @@ class KVCacheFlow:
         except BaseException:
             cache.close()
             raise
-        return cls(cache, device, free_at_init)
+        return KVCacheFlow(cache, device, free_at_init)
 
     def extend_to_fit(
         self,
@@ -155,13 +206,34 @@ class KVCacheFlow:
         group, e.g. `group.WORLD`) makes every rank commit the minimum of their counts. Every
         byte count is an int >= 0; a wrong argument raises before anything is committed.
         """
+        max_blocks = _args.optional_size(max_blocks, "max_blocks")
+        measured = self.measure(
+            budget_bytes=budget_bytes,
+            host_free=host_free,
+            margin_bytes=margin_bytes,
+            transient_peak_bytes=transient_peak_bytes,
+        )
+        target = measured.fit_blocks if max_blocks is None else min(measured.fit_blocks, max_blocks)
+        if group is not None:
+            target = min_over_group(target, group, self.device)
+        return self.extend_to(target, measured)
+
+    def measure(
+        self,
+        *,
+        budget_bytes: int | None = None,
+        host_free: bool = False,
+        margin_bytes: int | None = None,
+        transient_peak_bytes: int | None = None,
+    ) -> Measurement:
+        """Step 3 alone: the budget (`extend_to_fit`'s arguments and rule) and the blocks it
+        fits, for a caller that picks the count itself before `extend_to`."""
         budget_bytes = _args.optional_size(budget_bytes, "budget_bytes")
         host_free = _args.flag(host_free, "host_free")
         margin_bytes = _args.optional_size(margin_bytes, "margin_bytes")
         transient_peak_bytes = _args.optional_size(transient_peak_bytes, "transient_peak_bytes")
-        max_blocks = _args.optional_size(max_blocks, "max_blocks")
         start = time.perf_counter()
-        _refuse_while_capturing(self.device, "extend_to_fit")
+        refuse_while_capturing(self.device, "extend_to_fit")
         budget, source = measure_budget_now(
             self.device,
             kv_committed_bytes=self.cache.physical_bytes,
@@ -171,22 +243,29 @@ class KVCacheFlow:
             margin_bytes=margin_bytes,
             transient_peak_bytes=transient_peak_bytes,
         )
-        fit = sizing.blocks_within(budget.budget_bytes, self.cache)
-        target = fit if max_blocks is None else min(fit, max_blocks)
-        if group is not None:
-            target = min_over_group(target, group, self.device)
-        before, commit_ms = self._commit_timed(target)
+        fit = sizing.blocks_within(budget.budget_bytes, self.cache.footprint())
+        return Measurement(budget, source, fit, budget_bytes, start)
+
+    def extend_to(self, num_blocks: int, measured: Measurement) -> ExtendReport:
+        """Step 4 alone: commits `num_blocks` (never fewer than are committed), then logs and
+        reports the extension `measured` led to."""
+        num_blocks = _args.size(num_blocks, "num_blocks")
+        if not isinstance(measured, Measurement):
+            raise TypeError(f"measured must be a Measurement, not {type(measured).__name__}")
+        before, commit_ms = self._commit_timed(num_blocks)
+        units = self.report_units or (lambda blocks: blocks)
+        after = self._state()
         return report_extension(
-            budget,
-            source,
-            start,
-            before=before,
-            after=self._state(),
-            capacity_blocks=self.cache.capacity_blocks,
-            fit_blocks=fit,
+            measured.budget,
+            measured.source,
+            measured.start,
+            before=(units(before[0]), *before[1:]),
+            after=(units(after[0]), *after[1:]),
+            capacity_blocks=units(self.cache.capacity_blocks),
+            fit_blocks=units(measured.fit_blocks),
             commit_ms=commit_ms,
             legacy=self.cache.legacy,
-            budget_asked_bytes=budget_bytes,
+            budget_asked_bytes=measured.budget_asked_bytes,
         )
 
     def _commit_timed(self, num_blocks: int) -> tuple[tuple[int, int, int], float]:
@@ -208,20 +287,18 @@ class KVCacheFlow:
     def _state(self) -> tuple[int, int, int]:
         """`(committed blocks, physical bytes, handles)` of the cache."""
         cache = self.cache
-        if cache.legacy:
-            handles = len(cache.buffer_physical_bytes)
-        else:
-            handles = sum(buffer.num_handles for buffer in cache.buffers)
-        return cache.committed_blocks, cache.physical_bytes, handles
+        return cache.committed_blocks, cache.physical_bytes, cache.num_handles
 
-    def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None:
+    def shrink_to(
+        self: KVCacheFlow[ExtensibleKVCache], num_blocks: int, *, exact: bool = False
+    ) -> None:
         """Gives back the memory of the blocks at and past `num_blocks`, keeping the contents
         of those below (e.g. to lend memory to another model on the GPU); logs `Shrank KV cache
         to N blocks (X GiB)`. `extend_to_fit` or `cache.commit` grows it again, zeroed. Like
         any unmap, not while a stream is capturing a graph."""
         num_blocks = _args.size(num_blocks, "num_blocks")
         exact = _args.flag(exact, "exact")
-        _refuse_while_capturing(self.device, "shrink_to")
+        refuse_while_capturing(self.device, "shrink_to")
         self.cache.shrink_to(num_blocks, exact=exact)
         logger.info(
             "Shrank KV cache to %d blocks (%.2f GiB)",
@@ -233,7 +310,7 @@ class KVCacheFlow:
         """Closes the cache and gives its memory back (its views must be gone)."""
         self.cache.close()
 
-    def __enter__(self) -> KVCacheFlow:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -290,7 +367,7 @@ def measure_budget_now(
     return budget, source
 
 
-def _normalize(device: str | torch.device, legacy: bool) -> torch.device:
+def normalize_device(device: str | torch.device, legacy: bool) -> torch.device:
     """`cuda` → `cuda:N` with the current device: the index every later call must agree on.
     A GPU that cannot hold the cache is our `UnsupportedError` with the probe's reason, before
     torch raises its own error from wherever it first touches the device."""
@@ -312,7 +389,7 @@ def _normalize(device: str | torch.device, legacy: bool) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _refuse_while_capturing(device: torch.device, step: str) -> None:
+def refuse_while_capturing(device: torch.device, step: str) -> None:
     """Mapping memory while a stream captures a graph would break the capture
     (docs/design.md §6)."""
     if device.type != "cuda":
@@ -327,7 +404,7 @@ def _refuse_while_capturing(device: torch.device, step: str) -> None:
             )
 
 
-def _free_bytes_or_none(device: torch.device) -> int | None:
+def free_bytes_or_none(device: torch.device) -> int | None:
     """Free memory before the reservation: the driver's on a GPU, `host_free_bytes()` on the
     host (used only to report `non_kv_used`; `None` where unreadable)."""
     if device.type == "cuda":

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from extensible_kv import _args
+from extensible_kv._native import EXPORT_FABRIC, EXPORT_POSIX_FD
 
 if TYPE_CHECKING:
     import socket
@@ -58,9 +59,7 @@ __all__ = [
     "send_shared",
 ]
 
-POSIX_FD = 1
-FABRIC = 8
-_NAMES = {"posix_fd": POSIX_FD, "fabric": FABRIC, "none": 0}
+_NAMES = {"posix_fd": EXPORT_POSIX_FD, "fabric": EXPORT_FABRIC, "none": 0}
 _MAX_FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
 _MAX_DESCRIPTION_BYTES = 1 << 26  # ~500,000 handles: far past any real tensor
 

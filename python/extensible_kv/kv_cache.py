@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from extensible_kv.ipc import Loan
+    from extensible_kv.sizing import CacheFootprint
 
 __all__ = [
     "AttentionLayerSpec",
@@ -449,6 +450,21 @@ class ExtensibleKVCache:
     def physical_bytes(self) -> int:
         """The physical bytes every buffer maps now, summed."""
         return sum(self.buffer_physical_bytes)
+
+    @property
+    def num_handles(self) -> int:
+        """The physical handles mapped now, summed over the buffers (legacy: one allocation
+        per buffer)."""
+        if self._legacy:
+            return len(self._buffers)
+        return sum(tensor.num_handles for tensor in self.buffers)
+
+    def footprint(self) -> CacheFootprint:
+        """The cache as sizing reads it: each buffer's geometry, the capacity and the committed
+        blocks (`sizing.CacheFootprint`), what `KVCacheFlow` sizes an extension by."""
+        from extensible_kv.sizing import CacheFootprint  # sizing reads this module
+
+        return CacheFootprint.of(self)
 
     def commit(self, num_blocks: int) -> None:
         """Grows every buffer to `num_blocks` blocks, zeroing the new ones; a no-op at or

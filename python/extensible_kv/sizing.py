@@ -126,11 +126,13 @@ class BufferFootprint:
 class CacheFootprint:
     """Every buffer of a cache, its capacity and its committed block count: all that sizing
     reads. A legacy cache has no buffers here: it committed everything up front, so no block
-    costs extra bytes."""
+    costs extra bytes. `leading_blocks` sit below the cache's first block in every buffer,
+    always committed and never counted in its blocks (transformers' trash sectors)."""
 
     buffers: tuple[BufferFootprint, ...]
     capacity_blocks: int
     committed_blocks: int
+    leading_blocks: int = 0
 
     @classmethod
     def of(cls, cache: ExtensibleKVCache) -> CacheFootprint:
@@ -144,7 +146,9 @@ class CacheFootprint:
         return cls(buffers, cache.capacity_blocks, cache.committed_blocks)
 
     def footprint_bytes(self, num_blocks: int) -> int:
-        return sum(b.footprint_bytes(num_blocks) for b in self.buffers)
+        """Physical bytes with `num_blocks` of the cache's blocks committed (and the leading
+        ones)."""
+        return sum(b.footprint_bytes(self.leading_blocks + num_blocks) for b in self.buffers)
 
     def extra_bytes(self, num_blocks: int) -> int:
         """Bytes to commit to go from `committed_blocks` to `num_blocks` (0 below it)."""

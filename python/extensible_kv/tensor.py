@@ -23,7 +23,9 @@ A `stream` argument is a raw `CUstream` (an int, as `torch.cuda.Stream.cuda_stre
 The caller vouches for it, as for `torch.cuda.ExternalStream`: it must be 0 (the legacy
 default stream) or a live stream of the tensor's device, and stay live until the call
 returns. Nothing can check that, and a dead or foreign stream is undefined behaviour in the
-CUDA driver. By default the facade passes torch's current stream, which is always valid.
+CUDA driver. By default a call runs on torch's current stream of the tensor's device, which
+is always valid: the facade registers it with the native module once (`_current_stream`), and
+the native methods ask for it only when they use a stream.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from extensible_kv import _args, _native, _torch
+from extensible_kv._native import EXPORT_FABRIC
 from extensible_kv._plugins import env_flag
-from extensible_kv.ipc import FABRIC, Loan, SharedTensor, export_handle_types_bits
+from extensible_kv.ipc import Loan, SharedTensor, export_handle_types_bits
 from extensible_kv.layouts import contiguous_strides
 
 if TYPE_CHECKING:
@@ -47,7 +50,17 @@ __all__ = ["ExtensibleTensor", "HandleSizing"]
 logger = logging.getLogger("extensible_kv")
 
 _DLPACK_CODES: dict[torch.dtype, tuple[int, int]] = {}
-_KDL_CUDA = 2
+
+
+def _current_stream(cuda_index: int) -> int:
+    """torch's current stream on CUDA device `cuda_index`: what a native call given no stream
+    runs on (registered below, once for the process)."""
+    import torch
+
+    return int(torch.cuda.current_stream(cuda_index).cuda_stream)
+
+
+_native._set_stream_provider(_current_stream)
 
 
 def _dlpack_code(dtype: torch.dtype) -> tuple[int, int, bool]:
@@ -143,6 +156,11 @@ def _export_bits(types: object) -> int:
     return bits
 
 
+# The kinds are the core's (`_native.HANDLE_SIZING_KINDS`, which checks them); this restates
+# them for type checkers only, and tests/test_tensor.py keeps the two equal.
+HandleSizingKind = Literal["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"]
+
+
 @dataclasses.dataclass(frozen=True)
 class HandleSizing:
     """How grows cut each run of missing granules into physical handles (the one handle-sizing
@@ -163,7 +181,7 @@ class HandleSizing:
     `handle_sizing` when the tensor is built.
     """
 
-    kind: Literal["cap_aligned", "aligned_powers_of_two", "per_run", "whole_runs"] = "cap_aligned"
+    kind: HandleSizingKind = "cap_aligned"
     max_bytes: int | None = None
 
 
@@ -208,8 +226,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         export_handle_types: int | str | list[int | str] | tuple[int | str, ...] = 0,
         **private: Any,
     ) -> Self:
-        """See the class's docstring. `private` takes the underscored test and import hooks
-        of the native constructor (`_profile`, `_fault`, `_shared`, `_fds`) and nothing else."""
+        """See the class's docstring. `private` takes the underscored test hooks of the native
+        constructor (`_profile`, `_fault`) and nothing else."""
         unknown = sorted(k for k in private if not k.startswith("_"))
         if unknown:
             raise TypeError(f"ExtensibleTensor() got an unexpected keyword argument {unknown[0]!r}")
@@ -227,7 +245,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             export_handle_types=bits,
             **private,
         )
-        if bits & FABRIC and not tensor.export_handle_types & FABRIC:
+        if bits & EXPORT_FABRIC and not tensor.export_handle_types & EXPORT_FABRIC:
             # Only with POSIX fds: fabric alone where it is missing is the core's refusal.
             logger.warning(
                 "%s cannot export fabric handles; the memory is exportable as POSIX fds only",
@@ -251,14 +269,9 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         target = description.device if device is None else device
         fds = description._take_fds()
         try:
-            return super().__new__(
-                cls,
-                0,
-                None,
-                target,
-                granularity=description.granularity,  # the host backend's is its own to pick
-                _shared=description._to_native(),
-                _fds=fds,
+            # The granularity is the owner's: the host backend's is its own to pick otherwise.
+            return cls._import(
+                description._to_native(), target, granularity=description.granularity, fds=fds
             )
         finally:
             _close_all(fds)
@@ -287,8 +300,6 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         CUDA graphs stay valid, and a grow over the lent memory is refused until `reclaim`.
         Needs `export_handle_types="posix_fd"`. All or nothing: `ValueError` when no whole
         handle lies past the size kept."""
-        if stream is None:
-            stream = self._current_stream()
         return Loan._from_native(self._lend(bytes_per_segment, stream))
 
     def borrow(self, loan: Loan, *, zero: bool = True, stream: int | None = None) -> None:
@@ -301,8 +312,6 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         `stream`; `zero=False` keeps the lender's bytes, for a trusted pair. All or nothing."""
         _check_loan(loan)
         _args.flag(zero, "zero")
-        if stream is None and zero:
-            stream = self._current_stream()
         fds = loan._take_fds()
         try:
             self._borrow(loan._to_native(), fds, zero, stream)
@@ -315,8 +324,6 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         queued on `stream` is done. A shrink past part of a loan gives back whole handles, as
         this does. If the lender is gone, the memory goes back to the driver."""
         _check_loan(loan)
-        if stream is None:
-            stream = self._current_stream()
         self._give_back(loan._to_native(), stream)
 
     def reclaim(
@@ -335,81 +342,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         _check_loan(loan)
         _args.flag(zero, "zero")
         timeout = _args.seconds(timeout)
-        if stream is None and zero:
-            stream = self._current_stream()
         self._reclaim(loan._to_native(), zero, timeout, stream)
-
-    def resize_per_segment_(
-        self,
-        bytes_per_segment: int | Sequence[int],
-        zero_new: bool = True,
-        stream: int | None = None,
-        *,
-        one_handle_per_run: bool = False,
-    ) -> Self:
-        """Grows every segment to `bytes_per_segment` (an int, or one size per segment), all or
-        nothing. With `zero_new`, zeroes exactly the new bytes; on a GPU that is ordered on
-        `stream`, a raw CUDA stream of the tensor's device (e.g. `torch.cuda.Stream.cuda_stream`,
-        0 the legacy default stream), by default torch's current stream. `one_handle_per_run`
-        overrides `handle_sizing` for this grow: one allocation per run of new granules (for
-        RDMA registration, which cannot span allocations: vLLM's one chunk per segment). A `stream`
-        given is vouched for by the caller (module docstring), as for
-        `torch.cuda.ExternalStream`."""
-        _args.flag(zero_new, "zero_new")
-        _args.flag(one_handle_per_run, "one_handle_per_run")
-        if self._is_noop_resize(bytes_per_segment):
-            return self  # the fast path: no torch call, no GIL release
-        if stream is None and zero_new:
-            stream = self._current_stream()
-        return super().resize_per_segment_(
-            bytes_per_segment, zero_new, stream, one_handle_per_run=one_handle_per_run
-        )
-
-    def resize_(
-        self,
-        num_bytes: int,
-        zero_new: bool = True,
-        stream: int | None = None,
-    ) -> Self:
-        """`resize_per_segment_` for a one-segment tensor."""
-        _args.flag(zero_new, "zero_new")
-        if self._is_noop_resize([num_bytes]):  # a list: an int would stand for every segment
-            return self
-        if stream is None and zero_new:
-            stream = self._current_stream()
-        return super().resize_(num_bytes, zero_new, stream)
-
-    def shrink_per_segment_(
-        self,
-        bytes_per_segment: int | Sequence[int],
-        *,
-        exact: bool = False,
-        stream: int | None = None,
-    ) -> Self:
-        """Shrinks every segment to `bytes_per_segment` (an int, or one size per segment),
-        keeping the bytes below, all or nothing. Handles no committed byte needs any more are
-        released once the work queued on `stream` so far has run (by default torch's current
-        stream; one given is vouched for by the caller, as for `torch.cuda.ExternalStream`):
-        the call records an event and returns without waiting for the device, and a thread of
-        the tensor's releases them after the event (`pending_release_bytes` until then;
-        `wait_released()` waits). `exact` also replaces the handles that straddle the new
-        frontier by handles of their live granules (copied on `stream`, after which the call
-        waits for that stream alone), so `physical_bytes` is the granule-rounded footprint.
-
-        An `exact` shrink copies the live bytes, then swaps the copy in at the same addresses:
-        a write to the tensor issued while it runs (from another thread, on any stream) may be
-        lost, and an access during the swap may fault. Work ordered before the call is kept."""
-        _args.flag(exact, "exact")
-        if stream is None:
-            stream = self._current_stream()
-        return super().shrink_per_segment_(bytes_per_segment, exact=exact, stream=stream)
-
-    def shrink_(self, num_bytes: int, *, exact: bool = False, stream: int | None = None) -> Self:
-        """`shrink_per_segment_` for a one-segment tensor."""
-        _args.flag(exact, "exact")
-        if stream is None:
-            stream = self._current_stream()
-        return super().shrink_(num_bytes, exact=exact, stream=stream)
 
     def wait_released(self, timeout: float | None = None) -> bool:
         """Waits (without the GIL) until the memory that shrinks and `release_physical` gave
@@ -417,46 +350,59 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         `pending_release_bytes` is what is still on its way back."""
         return super().wait_released(_args.seconds(timeout))
 
-    def release_physical(self, *, stream: int | None = None) -> None:
-        """Drops all physical memory, keeping the addresses: every segment goes back to 0
-        bytes. The memory goes back once the work queued on `stream` so far has run (by default
-        torch's current stream; one given is vouched for by the caller, as for
-        `torch.cuda.ExternalStream`), from a thread of the tensor's, as a shrink's does: the
-        call never waits for the device."""
-        super().release_physical(stream=self._current_stream() if stream is None else stream)
+    # -- giving memory back while the addresses stay (the integrations' release and free) -----
 
-    def consolidate(self, *, stream: int | None = None) -> None:
-        """Backs every run of committed granules (each segment's prefix, where segments share
-        no granule) by one handle, keeping every byte and address: views and CUDA graphs stay
-        valid; RDMA registrations of the old pages must be renewed. It goes in steps (a step
-        moves one run, with any run that shares one of its handles, to one new handle),
-        largest first; `OutOfMemoryError` on the first leaves the tensor as it was; extra
-        memory is the largest new handle, or also the next step's (whose copy then overlaps
-        this step's swap) when that fits in half the free memory. Copies run on `stream`
-        (default torch's current one; one given is vouched for by the caller, as for
-        `torch.cuda.ExternalStream`).
+    _released_sizes: tuple[int, ...] | None = None  # each segment's bytes before `release`
 
-        Each step is all or nothing, not the whole call: one that fails past the first keeps
-        every committed byte, segment size and address, but the steps done before it stay
-        consolidated and the others in their old handles; calling again finishes. A write to
-        the tensor issued while it runs (from another thread, on any stream) may be lost, since
-        the new handles hold the bytes as copied, and an access during the swap may fault. Work
-        ordered before the call is kept."""
-        super().consolidate(stream=self._current_stream() if stream is None else stream)
+    @property
+    def released(self) -> bool:
+        """Whether `release` gave the memory back and `resume` has not taken it again."""
+        return self._released_sizes is not None
 
-    def _current_stream(self) -> int | None:
-        """torch's current stream on the tensor's GPU; `None` (the default stream) on the host
-        backend, which has no streams."""
-        if self._cuda_index is None:
-            return None
-        import torch
+    def release(
+        self, bytes_per_segment: int | Sequence[int] = 0, *, stream: int | None = None
+    ) -> None:
+        """Gives back the memory past `bytes_per_segment` (an int, or one per segment; by
+        default all of it) and waits until it is gone, remembering every segment's size for
+        `resume`. The addresses stay reserved, so views and CUDA graphs stay valid; the bytes
+        kept keep their contents (an exact shrink, as `shrink_per_segment_`), the others are
+        lost. Releasing again before `resume` does nothing. `stream` as `release_physical`."""
+        if self.released:
+            return
+        sizes = self.segment_bytes
+        if type(bytes_per_segment) is int and bytes_per_segment == 0:
+            self.release_physical(stream=stream)  # all of it: every handle goes as it is
+        else:
+            self.shrink_per_segment_(bytes_per_segment, exact=True, stream=stream)
+        self.wait_released()
+        self._released_sizes = sizes
 
-        return int(torch.cuda.current_stream(self._cuda_index).cuda_stream)
+    def resume(self, *, zero_new: bool = True, stream: int | None = None) -> None:
+        """Grows every segment back to its size at `release`, at the same addresses, zeroing
+        the new bytes unless `zero_new=False` (as `resize_per_segment_`). All or nothing: on
+        `OutOfMemoryError` the tensor stays released. Does nothing when not released."""
+        _args.flag(zero_new, "zero_new")
+        sizes = self._released_sizes
+        if sizes is None:
+            return
+        self.resize_per_segment_(list(sizes), zero_new, stream)
+        self._released_sizes = None
 
-    @functools.cached_property
-    def _cuda_index(self) -> int | None:
-        device_type, index = self.__dlpack_device__()
-        return index if device_type == _KDL_CUDA else None
+    def free(self) -> bool:
+        """Gives every byte of memory back now, and the addresses too unless views are alive:
+        then they stay reserved (and inaccessible) until the last view is gone, so that a stale
+        view faults instead of reaching memory someone else mapped at its address (what a
+        stack that frees a buffer its views outlive needs). Either way the tensor is done
+        with: True when it is closed, False when only its memory went (then every grow still
+        works, and `close()` succeeds once the views are gone). Idempotent."""
+        try:
+            self.close()
+        except BufferError:
+            self.release_physical()
+            self.wait_released()
+            self._released_sizes = None
+            return False
+        return True
 
     def view(
         self,

@@ -8,17 +8,17 @@ mod errors;
 mod loan;
 mod share;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::dlpack::StridedLayout;
 use crate::driver::wrap::faulty::{Fault, FaultKind};
 use crate::driver::wrap::profile::ProfilingDriver;
-use crate::driver::{self, ExportTypes, OpenOptions, Stream};
+use crate::driver::{self, DeviceKind, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{
     ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions,
@@ -68,6 +68,27 @@ fn to_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     })
 }
 
+/// A flag: a bool (numpy's too), never an int or None, which are likely a misplaced argument.
+fn to_flag(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    obj.extract::<bool>()
+        .map_err(|_| wrong_type(obj, what, "a bool"))
+}
+
+// `from_py_with` converters, one per flag name: PyO3 puts an argument's name in a note, not
+// in the message, and the message must name it.
+fn zero_new_flag(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    to_flag(obj, "zero_new")
+}
+fn zero_flag(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    to_flag(obj, "zero")
+}
+fn exact_flag(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    to_flag(obj, "exact")
+}
+fn one_handle_per_run_flag(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    to_flag(obj, "one_handle_per_run")
+}
+
 fn to_u64_opt(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
     obj.filter(|o| !o.is_none())
         .map(|o| to_u64(o, what))
@@ -96,6 +117,27 @@ fn to_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
     }
 }
 
+/// `to_device`, with `None` naming the host backend.
+fn to_device_or_cpu(obj: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+    match obj.filter(|d| !d.is_none()) {
+        Some(device) => to_device(device),
+        None => Ok("cpu".to_string()),
+    }
+}
+
+/// How to open the backend: the granularity asked, and the test hooks (`_fault`, `_profile`).
+fn open_options(
+    granularity: Option<u64>,
+    fault: Option<&Bound<'_, PyAny>>,
+    profile: bool,
+) -> PyResult<OpenOptions> {
+    Ok(OpenOptions {
+        granularity,
+        fault: fault.filter(|f| !f.is_none()).map(to_fault).transpose()?,
+        profile,
+    })
+}
+
 fn to_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
     let (op, nth, kind): (String, u64, String) = obj.extract()?;
     let op = Op::from_name(&op)
@@ -104,6 +146,15 @@ fn to_fault(obj: &Bound<'_, PyAny>) -> PyResult<Fault> {
         .ok_or_else(|| PyValueError::new_err("fault kind must be 'driver' or 'oom'"))?;
     Ok(Fault { op, nth, kind })
 }
+
+/// The names of `HandleSizing`'s kinds, as Python spells them (`_native.HANDLE_SIZING_KINDS`,
+/// which the facade and the vLLM drop-in read); the first is the default.
+const HANDLE_SIZING_KINDS: [&str; 4] = [
+    "cap_aligned",
+    "aligned_powers_of_two",
+    "per_run",
+    "whole_runs",
+];
 
 /// The handle sizing a Python caller names: `(kind, max_bytes)`, as the facade's
 /// `HandleSizing` hands it over; `None` is the default. Each wrong part is named.
@@ -119,19 +170,22 @@ fn to_handle_sizing(obj: Option<&Bound<'_, PyAny>>) -> PyResult<HandleSizing> {
         .map_err(|_| wrong_type(&kind, "handle_sizing.kind", "a str"))?;
     // None stays None: the default cap, which alone rises to a larger granularity.
     let max_bytes = to_u64_opt(Some(&max_bytes), "handle_sizing.max_bytes")?;
-    match (kind.as_str(), max_bytes) {
-        ("cap_aligned", _) => Ok(HandleSizing::CapAligned { max_bytes }),
-        ("aligned_powers_of_two", _) => Ok(HandleSizing::AlignedPowersOfTwo { max_bytes }),
-        ("per_run", _) => Ok(HandleSizing::PerRun { max_bytes }),
-        ("whole_runs", None) => Ok(HandleSizing::WholeRuns),
-        ("whole_runs", Some(_)) => Err(PyValueError::new_err(
+    let sizing = match (kind.as_str(), max_bytes) {
+        ("whole_runs", Some(_)) => return Err(PyValueError::new_err(
             "handle_sizing: whole_runs takes no max_bytes (its handles are as long as the runs)",
         )),
-        (other, _) => Err(PyValueError::new_err(format!(
-            "handle_sizing.kind must be 'cap_aligned', 'aligned_powers_of_two', 'per_run' or \
-             'whole_runs', not {other:?}"
-        ))),
-    }
+        ("cap_aligned", _) => HandleSizing::CapAligned { max_bytes },
+        ("aligned_powers_of_two", _) => HandleSizing::AlignedPowersOfTwo { max_bytes },
+        ("per_run", _) => HandleSizing::PerRun { max_bytes },
+        ("whole_runs", None) => HandleSizing::WholeRuns,
+        (other, _) => {
+            let known = HANDLE_SIZING_KINDS.map(|k| format!("'{k}'")).join(", ");
+            return Err(PyValueError::new_err(format!(
+                "handle_sizing.kind must be one of {known}, not {other:?}"
+            )));
+        }
+    };
+    Ok(sizing)
 }
 
 /// The stream a Python caller names (an int, as `torch.cuda.Stream.cuda_stream` gives it);
@@ -148,6 +202,27 @@ fn to_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Stream> {
         Some(raw) => unsafe { Stream::from_raw(raw) },
     })
 }
+
+/// What names the current stream of a CUDA device, `provider(index) -> int`: the facade
+/// registers torch's once (`_set_stream_provider`), so that a call given no stream runs on the
+/// caller's current stream, as torch's own operations do. Without one (the native module
+/// alone), such a call runs on the default stream.
+static STREAM_PROVIDER: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
+
+/// Registers `provider` (see `STREAM_PROVIDER`); `None` unregisters it.
+#[pyfunction]
+#[pyo3(signature = (provider))]
+fn _set_stream_provider(provider: Option<Py<PyAny>>) {
+    *STREAM_PROVIDER
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = provider;
+}
+
+/// A tensor `_import` built, on its way into `#[new]`: PyO3 makes an instance of a subclass
+/// (the facade's) only there, so the import hands its result over as the constructor's
+/// `max_bytes` instead of a size. Never exported: only `_import` makes one.
+#[pyclass(module = "extensible_kv._native", frozen)]
+struct Imported(Mutex<Option<PyExtensibleTensor>>);
 
 /// One reservation of address space, split into segments that grow in lockstep.
 #[pyclass(
@@ -187,6 +262,31 @@ impl PyExtensibleTensor {
         Ok(result?)
     }
 
+    /// The stream a call runs on: `stream` when given; else, for a call that uses one
+    /// (`used`) on a GPU, the registered provider's current stream of the tensor's device
+    /// (`STREAM_PROVIDER`); else the default stream.
+    fn stream_or_current(
+        &self,
+        py: Python<'_>,
+        stream: Option<&Bound<'_, PyAny>>,
+        used: bool,
+    ) -> PyResult<Stream> {
+        let given = stream.filter(|s| !s.is_none());
+        let index = match self.core.device() {
+            DeviceKind::Cuda(index) if given.is_none() && used => index,
+            _ => return to_stream(given),
+        };
+        let provider = STREAM_PROVIDER
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|p| p.clone_ref(py));
+        match provider {
+            Some(provider) => to_stream(Some(&provider.bind(py).call1((index,))?)),
+            None => Ok(Stream::DEFAULT),
+        }
+    }
+
     /// One size per segment from `bytes`: an int (or `__index__` integer) for every segment, or
     /// a sequence of one per segment. Strings and bytes are refused, not read as sequences.
     fn segment_targets(&self, bytes: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
@@ -220,7 +320,7 @@ impl PyExtensibleTensor {
     #[new]
     #[pyo3(signature = (
         max_bytes, num_segments=None, device=None, *, segment_capacities=None, granularity=None,
-        handle_sizing=None, export_handle_types=0, _fault=None, _profile=false, _shared=None, _fds=None
+        handle_sizing=None, export_handle_types=0, _fault=None, _profile=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -234,22 +334,24 @@ impl PyExtensibleTensor {
         export_handle_types: u32,
         _fault: Option<&Bound<'_, PyAny>>,
         _profile: bool,
-        _shared: Option<&Bound<'_, PyAny>>,
-        _fds: Option<Vec<i32>>,
     ) -> PyResult<Self> {
+        if let Ok(imported) = max_bytes.cast::<Imported>() {
+            let taken = imported
+                .get()
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            return taken.ok_or_else(|| PyValueError::new_err("this import was taken already"));
+        }
         let max_bytes = to_u64(max_bytes, "max_bytes")?;
         let num_segments = to_u64_opt(num_segments, "num_segments")?;
-        let device = match device.filter(|d| !d.is_none()) {
-            Some(d) => to_device(d)?,
-            None => "cpu".to_string(),
-        };
+        let device = to_device_or_cpu(device)?;
         let options = Options {
             granularity: to_u64_opt(granularity, "granularity")?,
             handle_sizing: to_handle_sizing(handle_sizing)?,
             export_types: ExportTypes::from_bits(export_handle_types)?,
         };
-        let shared = _shared.map(share::to_description).transpose()?;
-        let fds = share::to_fds(_fds)?;
         let capacities = match segment_capacities.filter(|c| !c.is_none()) {
             Some(caps) => Some(
                 caps.try_iter()?
@@ -258,20 +360,11 @@ impl PyExtensibleTensor {
             ),
             None => None,
         };
-        let open_options = OpenOptions {
-            granularity: options.granularity,
-            fault: _fault.filter(|f| !f.is_none()).map(to_fault).transpose()?,
-            profile: _profile,
-        };
+        let open_options = open_options(options.granularity, _fault, _profile)?;
         let build = || -> crate::Result<PyExtensibleTensor> {
             let opened = driver::open_with(&device, open_options)?;
-            let core = match shared {
-                Some(description) => ExtensibleTensor::import(opened.driver, &description, fds)?,
-                None => {
-                    let segments = Segments::stated(max_bytes, num_segments, capacities)?;
-                    ExtensibleTensor::new(opened.driver, segments, options)?
-                }
-            };
+            let segments = Segments::stated(max_bytes, num_segments, capacities)?;
+            let core = ExtensibleTensor::new(opened.driver, segments, options)?;
             Ok(PyExtensibleTensor {
                 core,
                 profile: opened.profile,
@@ -280,42 +373,88 @@ impl PyExtensibleTensor {
         Ok(py.detach(build)?)
     }
 
-    /// Grows every segment to `bytes_per_segment` (an int, or one size per segment).
+    /// The memory a shared description names, mapped in this process at the same offsets of a
+    /// reservation of its own on `device` (`extensible_kv.ipc`; fds: received, handed over).
+    /// An instance of `cls`, as the constructor makes.
+    #[classmethod]
+    #[pyo3(signature = (description, device, *, granularity=None, fds=None, _fault=None))]
+    fn _import<'py>(
+        cls: &Bound<'py, PyType>,
+        description: &Bound<'_, PyAny>,
+        device: &Bound<'_, PyAny>,
+        granularity: Option<&Bound<'_, PyAny>>,
+        fds: Option<Vec<i32>>,
+        _fault: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = cls.py();
+        let description = share::to_description(description)?;
+        let device = to_device(device)?;
+        let open_options = open_options(to_u64_opt(granularity, "granularity")?, _fault, false)?;
+        let fds = share::to_fds(fds)?;
+        let build = || -> crate::Result<PyExtensibleTensor> {
+            let opened = driver::open_with(&device, open_options)?;
+            let core = ExtensibleTensor::import(opened.driver, &description, fds)?;
+            Ok(PyExtensibleTensor {
+                core,
+                profile: opened.profile,
+            })
+        };
+        let imported = Imported(Mutex::new(Some(py.detach(build)?)));
+        // The native `__new__`, not `cls(...)`: a subclass's own `__new__` takes sizes.
+        py.get_type::<PyExtensibleTensor>()
+            .getattr("__new__")?
+            .call1((cls, Bound::new(py, imported)?))
+    }
+
+    /// Grows every segment to `bytes_per_segment` (an int, or one size per segment), all or
+    /// nothing. With `zero_new`, zeroes exactly the new bytes; on a GPU that is ordered on
+    /// `stream`, a raw CUDA stream of the tensor's device (e.g. `torch.cuda.Stream.cuda_stream`,
+    /// 0 the legacy default stream), by default the current stream (torch's, with the facade).
+    /// `one_handle_per_run` overrides `handle_sizing` for this grow: one allocation per run of
+    /// new granules (for RDMA registration, which cannot span allocations: vLLM's one chunk per
+    /// segment). A `stream` given is vouched for by the caller (see the class), as for
+    /// `torch.cuda.ExternalStream`.
     #[pyo3(signature = (bytes_per_segment, zero_new=true, stream=None, *, one_handle_per_run=false))]
     fn resize_per_segment_(
         slf: &Bound<'_, Self>,
         bytes_per_segment: &Bound<'_, PyAny>,
-        zero_new: bool,
+        #[pyo3(from_py_with = zero_new_flag)] zero_new: bool,
         stream: Option<&Bound<'_, PyAny>>,
-        one_handle_per_run: bool,
+        #[pyo3(from_py_with = one_handle_per_run_flag)] one_handle_per_run: bool,
     ) -> PyResult<Py<Self>> {
         let this = slf.get();
         let targets = this.segment_targets(bytes_per_segment)?;
+        if this.core.is_noop_resize(&targets) {
+            return Ok(slf.clone().unbind()); // the fast path: no stream lookup, no GIL release
+        }
         let options = GrowOptions {
             zero_new,
-            stream: to_stream(stream)?,
+            stream: this.stream_or_current(slf.py(), stream, zero_new)?,
             one_handle_per_run,
         };
         this.run(slf.py(), |core| core.resize_per_segment(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
-    /// Grows a one-segment tensor to `num_bytes`.
+    /// `resize_per_segment_` for a one-segment tensor.
     #[pyo3(signature = (num_bytes, zero_new=true, stream=None))]
     fn resize_(
         slf: &Bound<'_, Self>,
         num_bytes: &Bound<'_, PyAny>,
-        zero_new: bool,
+        #[pyo3(from_py_with = zero_new_flag)] zero_new: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<Self>> {
+        let this = slf.get();
         let num_bytes = to_u64(num_bytes, "num_bytes")?;
+        if this.core.is_noop_resize(&[num_bytes]) {
+            return Ok(slf.clone().unbind());
+        }
         let options = GrowOptions {
             zero_new,
-            stream: to_stream(stream)?,
+            stream: this.stream_or_current(slf.py(), stream, zero_new)?,
             one_handle_per_run: false,
         };
-        slf.get()
-            .run(slf.py(), |core| core.resize(num_bytes, options))?;
+        this.run(slf.py(), |core| core.resize(num_bytes, options))?;
         Ok(slf.clone().unbind())
     }
 
@@ -326,47 +465,73 @@ impl PyExtensibleTensor {
             .is_ok_and(|targets| self.core.is_noop_resize(&targets))
     }
 
-    /// Shrinks every segment to `bytes_per_segment` (an int, or one size per segment), keeping
-    /// the bytes below; `exact` also trims the handles that straddle the new frontier.
+    /// Shrinks every segment to `bytes_per_segment` (an int, or one size per segment),
+    /// keeping the bytes below, all or nothing. Handles no committed byte needs any more are
+    /// released once the work queued on `stream` so far has run (by default the current
+    /// stream, torch's with the facade; one given is vouched for by the caller, as for
+    /// `torch.cuda.ExternalStream`): the call records an event and returns without waiting for
+    /// the device, and a thread of the tensor's releases them after the event
+    /// (`pending_release_bytes` until then; `wait_released()` waits). `exact` also replaces the
+    /// handles that straddle the new frontier by handles of their live granules (copied on
+    /// `stream`, after which the call waits for that stream alone), so `physical_bytes` is the
+    /// granule-rounded footprint.
+    ///
+    /// An `exact` shrink copies the live bytes, then swaps the copy in at the same addresses:
+    /// a write to the tensor issued while it runs (from another thread, on any stream) may be
+    /// lost, and an access during the swap may fault. Work ordered before the call is kept.
     #[pyo3(signature = (bytes_per_segment, *, exact=false, stream=None))]
     fn shrink_per_segment_(
         slf: &Bound<'_, Self>,
         bytes_per_segment: &Bound<'_, PyAny>,
-        exact: bool,
+        #[pyo3(from_py_with = exact_flag)] exact: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<Self>> {
         let this = slf.get();
         let targets = this.segment_targets(bytes_per_segment)?;
         let options = ShrinkOptions {
             exact,
-            stream: to_stream(stream)?,
+            stream: this.stream_or_current(slf.py(), stream, true)?,
         };
         this.run(slf.py(), |core| core.shrink_per_segment(&targets, options))?;
         Ok(slf.clone().unbind())
     }
 
-    /// Shrinks a one-segment tensor to `num_bytes`, keeping the bytes below.
+    /// `shrink_per_segment_` for a one-segment tensor.
     #[pyo3(signature = (num_bytes, *, exact=false, stream=None))]
     fn shrink_(
         slf: &Bound<'_, Self>,
         num_bytes: &Bound<'_, PyAny>,
-        exact: bool,
+        #[pyo3(from_py_with = exact_flag)] exact: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<Self>> {
+        let this = slf.get();
         let num_bytes = to_u64(num_bytes, "num_bytes")?;
         let options = ShrinkOptions {
             exact,
-            stream: to_stream(stream)?,
+            stream: this.stream_or_current(slf.py(), stream, true)?,
         };
-        slf.get()
-            .run(slf.py(), |core| core.shrink(num_bytes, options))?;
+        this.run(slf.py(), |core| core.shrink(num_bytes, options))?;
         Ok(slf.clone().unbind())
     }
 
-    /// Backs every run of committed granules by one handle, keeping every byte and address.
+    /// Backs every run of committed granules (each segment's prefix, where segments share no
+    /// granule) by one handle, keeping every byte and address: views and CUDA graphs stay
+    /// valid; RDMA registrations of the old pages must be renewed. Runs go largest first,
+    /// `OutOfMemoryError` on the first leaves the tensor as it was; extra memory is the
+    /// largest new handle, or also the next run's (whose copy then overlaps this run's swap)
+    /// when that fits in half the free memory. Copies run on `stream` (by default the current
+    /// stream, torch's with the facade; one given is vouched for by the caller, as for
+    /// `torch.cuda.ExternalStream`).
+    ///
+    /// Each run is all or nothing, not the whole call: one that fails past the first run keeps
+    /// every committed byte, segment size and address, but the runs done before it stay
+    /// consolidated and the others in their old handles; calling again finishes. A write to
+    /// the tensor issued while it runs (from another thread, on any stream) may be lost, since
+    /// the new handles hold the bytes as copied, and an access during the swap may fault. Work
+    /// ordered before the call is kept.
     #[pyo3(signature = (*, stream=None))]
     fn consolidate(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let stream = to_stream(stream)?;
+        let stream = self.stream_or_current(py, stream, true)?;
         self.run(py, |core| core.consolidate(stream))
     }
 
@@ -397,7 +562,8 @@ impl PyExtensibleTensor {
         bytes_per_segment: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let (bytes, stream) = (self.segment_targets(bytes_per_segment)?, to_stream(stream)?);
+        let bytes = self.segment_targets(bytes_per_segment)?;
+        let stream = self.stream_or_current(py, stream, true)?;
         let description = self.run(py, |core| core.lend(&bytes[..], stream))?;
         loan::from_loan(py, &description)
     }
@@ -409,10 +575,13 @@ impl PyExtensibleTensor {
         py: Python<'_>,
         loan: &Bound<'_, PyAny>,
         fds: Option<Vec<i32>>,
-        zero: bool,
+        #[pyo3(from_py_with = zero_flag)] zero: bool,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (loan, stream) = (loan::to_loan(loan)?, to_stream(stream)?);
+        let (loan, stream) = (
+            loan::to_loan(loan)?,
+            self.stream_or_current(py, stream, zero)?,
+        );
         let fds = share::to_fds(fds)?;
         self.run(py, |core| core.borrow(&loan, fds, zero, stream))
     }
@@ -425,7 +594,10 @@ impl PyExtensibleTensor {
         loan: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (loan, stream) = (loan::to_loan(loan)?, to_stream(stream)?);
+        let (loan, stream) = (
+            loan::to_loan(loan)?,
+            self.stream_or_current(py, stream, true)?,
+        );
         self.run(py, |core| core.give_back(&loan, stream))
     }
 
@@ -435,11 +607,14 @@ impl PyExtensibleTensor {
         &self,
         py: Python<'_>,
         loan: &Bound<'_, PyAny>,
-        zero: bool,
+        #[pyo3(from_py_with = zero_flag)] zero: bool,
         timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let (loan, stream) = (loan::to_loan(loan)?, to_stream(stream)?);
+        let (loan, stream) = (
+            loan::to_loan(loan)?,
+            self.stream_or_current(py, stream, zero)?,
+        );
         let timeout = timeout
             .map(|s| std::time::Duration::try_from_secs_f64(s.max(0.0)))
             .transpose()
@@ -478,12 +653,14 @@ impl PyExtensibleTensor {
         self.core.tensor_id()
     }
 
-    /// Drops all physical memory, keeping the addresses; every segment goes back to 0 bytes.
-    /// The memory goes back once the work queued on `stream` so far has run, from the
-    /// tensor's release thread; the call does not wait for the device.
+    /// Drops all physical memory, keeping the addresses: every segment goes back to 0 bytes.
+    /// The memory goes back once the work queued on `stream` so far has run (by default the
+    /// current stream, torch's with the facade; one given is vouched for by the caller, as for
+    /// `torch.cuda.ExternalStream`), from a thread of the tensor's, as a shrink's does: the
+    /// call never waits for the device.
     #[pyo3(signature = (*, stream=None))]
     fn release_physical(&self, py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let stream = to_stream(stream)?;
+        let stream = self.stream_or_current(py, stream, true)?;
         self.run(py, |core| core.release_physical(stream))
     }
 
@@ -511,7 +688,8 @@ impl PyExtensibleTensor {
         self.run(py, |core| core.hold_events(held))
     }
 
-    /// Releases memory and addresses now; BufferError while views exist. Idempotent.
+    /// Releases memory and addresses now, and the export registry of a shared tensor (its
+    /// memfd); BufferError while views exist. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, ExtensibleTensor::close)
     }
@@ -813,10 +991,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_loan_owner_fds, m)?)?;
     m.add_function(wrap_pyfunction!(host_free_bytes, m)?)?;
     errors::add_to(m)?;
+    m.add_function(wrap_pyfunction!(_set_stream_provider, m)?)?;
     m.add(
         "DEFAULT_MAX_HANDLE_BYTES",
         crate::tensor::DEFAULT_MAX_HANDLE_BYTES,
     )?;
+    m.add(
+        "HANDLE_SIZING_KINDS",
+        PyTuple::new(m.py(), HANDLE_SIZING_KINDS)?,
+    )?;
+    m.add("EXPORT_POSIX_FD", ExportTypes::POSIX_FD.bits())?;
+    m.add("EXPORT_FABRIC", ExportTypes::FABRIC.bits())?;
     m.add("CUDA_BUILT", cfg!(feature = "cuda"))?;
     Ok(())
 }

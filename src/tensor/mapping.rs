@@ -28,8 +28,8 @@ pub(super) struct Ctx {
     /// each once, as a warning).
     pub(super) unwarned: Mutex<Vec<String>>,
     /// Which exported fd backs which handle, for importers to check (made by the first
-    /// `share` of fds; closed after every handle, since each holds the `Ctx`).
-    pub(super) registry: OnceLock<ExportRegistry>,
+    /// `share` of fds; closed by `close`, after every handle, or with the `Ctx`).
+    pub(super) registry: Mutex<Option<ExportRegistry>>,
 }
 
 impl Ctx {
@@ -132,13 +132,13 @@ impl Drop for PhysicalHandle {
     fn drop(&mut self) {
         // Before the exported fd closes (a field, dropped after this): once it is closed, its
         // number may name other memory, which importers must not take for this handle.
-        if let (Some(&granule), Some(registry), Some(Exported::Fd(fd))) = (
-            self.published_at.get(),
-            self.ctx.registry.get(),
-            self.exported.get(),
-        ) {
+        if let (Some(&granule), Some(Exported::Fd(fd))) =
+            (self.published_at.get(), self.exported.get())
+        {
             use std::os::fd::AsRawFd;
-            registry.withdraw(granule, self.serial, fd.as_raw_fd());
+            if let Some(registry) = relock(&self.ctx.registry).as_ref() {
+                registry.withdraw(granule, self.serial, fd.as_raw_fd());
+            }
         }
         self.ctx.defer(self.ctx.driver.release(self.id));
         // Unmapped (a mapping holds its handle) and released: the lender may map it again.

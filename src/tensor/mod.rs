@@ -52,7 +52,7 @@ pub use share::{SharedDescription, SharedExport, SharedHandle};
 pub use view::ViewRegion;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use mapping::{completed_despite, relock, Ctx, Mapping, Mappings, PhysicalHandle, Reservation};
 
@@ -267,7 +267,7 @@ impl ExtensibleTensor {
             serials: AtomicU64::new(0),
             deferred: Mutex::new(Vec::new()),
             unwarned: Mutex::new(Vec::new()),
-            registry: OnceLock::new(),
+            registry: Mutex::new(None),
         });
         let reservation = Reservation {
             ctx: Arc::clone(&ctx),
@@ -424,6 +424,8 @@ impl ExtensibleTensor {
         }
         self.inner.releaser.shut_down();
         state.mappings.clear();
+        // After every handle withdrew its fd: the memfd goes now, not when the object does.
+        relock(&ctx.registry).take();
         state.loans.clear(); // a borrower keeps what it mapped
         state.segment_bytes.fill(0);
         state.reservation = None;

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 
-use super::{ExtensibleTensor, Mapping, PhysicalHandle};
+use super::{relock, ExtensibleTensor, Mapping, PhysicalHandle};
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, ImportSource};
 use crate::error::{Error, Result};
 use crate::ipc::{self, ExportRegistry, Process, RegistryView};
@@ -208,10 +208,12 @@ impl ExtensibleTensor {
         let kind = self.export_kind()?;
         let ctx = &self.inner.ctx;
         let owner_pid = std::process::id();
-        let registry = match kind {
-            ExportTypes::POSIX_FD => Some(self.registry()?),
-            _ => None,
-        };
+        let mut registry = relock(&ctx.registry);
+        if kind == ExportTypes::POSIX_FD && registry.is_none() {
+            let num_granules = self.inner.geometry.num_granules();
+            *registry = Some(ExportRegistry::create(self.inner.tensor_id, num_granules)?);
+        }
+        let registry = registry.as_ref().filter(|_| kind == ExportTypes::POSIX_FD);
         let mut handles = Vec::with_capacity(state.mappings.len());
         for mapping in state.mappings.values() {
             let handle = mapping.handle();
@@ -251,17 +253,6 @@ impl ExtensibleTensor {
             registry_fd: registry.map(ExportRegistry::raw_fd),
             handles,
         })
-    }
-
-    /// The export registry, made by the first `share` of fds (the caller holds the lock).
-    fn registry(&self) -> Result<&ExportRegistry> {
-        let ctx = &self.inner.ctx;
-        if let Some(registry) = ctx.registry.get() {
-            return Ok(registry);
-        }
-        let num_granules = self.inner.geometry.num_granules();
-        let registry = ExportRegistry::create(self.inner.tensor_id, num_granules)?;
-        Ok(ctx.registry.get_or_init(|| registry))
     }
 
     /// The type `share` exports handles as: POSIX fd where asked for, else fabric.

@@ -144,7 +144,6 @@ class KvVmmBufferOwner:
         self._final_num_tokens: int | None = None
         self._zero_new = env_flag(ZERO_ENV_VAR, False) if zero_new is None else bool(zero_new)
         self._descs = list(buffer_descs)
-        self._released: tuple[int, ...] | None = None
         self._buffer: ExtensibleTensor | None = None
         self._closed = False
         if self.page_size < 1 or self._reserved_num_tokens < self.page_size:
@@ -211,7 +210,7 @@ class KvVmmBufferOwner:
     def _open_buffer(self, what: str) -> ExtensibleTensor | None:
         if self._closed:
             raise RuntimeError(f"cannot {what}: the owner is closed")  # as SGLang's arena
-        if self._released is not None:
+        if self.released:
             raise KvReleasedError(f"cannot {what}: the KV memory is released; resume() first")
         return self._buffer
 
@@ -270,25 +269,19 @@ class KvVmmBufferOwner:
 
     @property
     def released(self) -> bool:
-        return self._released is not None
+        return self._buffer is not None and self._buffer.released
 
     def release(self) -> None:
         """Gives all the KV memory back, keeping every address (graphs stay valid); the contents
-        are lost. Idempotent."""
-        if self._buffer is None or self._released is not None:
-            return
-        sizes = self._buffer.segment_bytes
-        self._buffer.release_physical()
-        self._buffer.wait_released()  # SGLang frees memory for another user: gone on return
-        self._released = sizes
+        are lost. SGLang frees memory for another user: it is gone on return. Idempotent."""
+        if self._buffer is not None:
+            self._buffer.release()
 
     def resume(self) -> None:
         """Recommits what `release` gave back, at the same addresses (zeroed with `zero_new`).
         All or nothing: on `OutOfMemoryError` the owner stays released. Idempotent."""
-        if self._buffer is None or self._released is None:
-            return
-        self._buffer.resize_per_segment_(list(self._released), zero_new=self._zero_new)
-        self._released = None
+        if self._buffer is not None:
+            self._buffer.resume(zero_new=self._zero_new)
 
     # -- accessors / teardown ------------------------------------------------------------------
 
@@ -308,16 +301,10 @@ class KvVmmBufferOwner:
         Idempotent."""
         self.tensors = []
         self._closed = True
-        self._released = None
         _open_owners.discard(self)
         buffer, self._buffer = self._buffer, None
-        if buffer is None:
-            return
-        if buffer.live_views:
-            buffer.release_physical()
-            buffer.wait_released()
-        else:
-            buffer.close()
+        if buffer is not None:
+            buffer.free()
 
     def __repr__(self) -> str:
         return (

@@ -28,7 +28,6 @@ version.
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import pkgutil
 import sys
@@ -36,15 +35,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from extensible_kv._plugins import (
-    ABSENT,
-    Integration,
-    Patches,
-    env_flag,
-    init_params,
-    missing_public,
-    version_in,
-)
+from extensible_kv._plugins import ABSENT, Integration, Patches, Provides, Stack, bindings, env_flag
 
 __all__ = ["ENV_VAR", "MEMORY_SAVER_ENV_VAR", "register", "unregister"]
 
@@ -70,7 +61,35 @@ _OWNER_PARAMS = (
     "reserved_num_tokens",
     "buffer_descs",
 )
-_OWNER_METHODS = ("ensure_prefix", "finalize", "close")
+_OWNER_METHODS = ("ensure_prefix", "finalize", "close", "backed_bytes")
+# What the plugin needs of SGLang, and what its memory saver hooks wrap (optional: without
+# them, the memory saver keeps turning post-capture sizing off).
+SGLANG = Stack(
+    "SGLang",
+    "sglang",
+    provides=(
+        Provides(
+            _OWNER_TARGET,
+            params=_OWNER_PARAMS,
+            keyword_only=True,
+            methods=_OWNER_METHODS,
+            replaced_by="extensible_kv.sglang.owner:KvVmmBufferOwner",
+        ),
+    ),
+    min_version=MIN_VERSION,
+    tested=TESTED_VERSION,
+)
+MEMORY_SAVER_SEAMS = Stack(
+    "SGLang",
+    "sglang",
+    provides=(
+        Provides(_GATE_TARGET, "function"),
+        Provides(f"{_GATE_MODULE}.resolving_view", "function"),
+        Provides(_ADAPTER_CLASS, methods=("pause", "resume")),
+    ),
+    min_version=MIN_VERSION,
+    tested=TESTED_VERSION,
+)
 
 # A child of SGLang's "sglang" logger, whose handlers SGLang configures.
 logger = logging.getLogger("sglang.extensible_kv")
@@ -99,62 +118,38 @@ _applied: dict[str, _Applied] = {}
 _registry_patches = Patches()
 
 
-def _unrecognised(version: str) -> str | None:
-    """Why this SGLang is not one the plugin supports, or None when it is."""
-    if not version_in(version, MIN_VERSION):
-        return "the plugin needs SGLang 0.5.16 or later (post-capture KV sizing)"
-    try:
-        module = importlib.import_module(_OWNER_MODULE)
-    except ImportError as err:
-        return f"{_OWNER_MODULE} does not import ({err})"
-    cls = getattr(module, "KvVmmBufferOwner", None)
-    if not inspect.isclass(cls):
-        return f"{_OWNER_MODULE} has no KvVmmBufferOwner class"
-    params = init_params(cls)
-    names = tuple(p.name for p in params)
-    if names != _OWNER_PARAMS or any(p.kind is not p.KEYWORD_ONLY for p in params):
-        return f"KvVmmBufferOwner{inspect.signature(cls.__init__)} is not the keyword API of 0.5.23"
-    missing = [name for name in (*_OWNER_METHODS, "backed_bytes") if not hasattr(cls, name)]
-    if missing:
-        return f"its KvVmmBufferOwner lacks {missing}"
-    from extensible_kv.sglang.owner import KvVmmBufferOwner
-
-    extra = missing_public(cls, KvVmmBufferOwner)
-    if extra:
-        return f"its KvVmmBufferOwner has {extra}, which extensible-kv's owner lacks"
-    return None
-
-
 def register() -> bool:
     """Ask SGLang's HookRegistry to put extensible-kv's owner (and, with the memory saver seams,
     the `kv_cache` tag hooks) in place; True when registered (now or before). SGLang applies the
     hooks (`HookRegistry.apply_hooks()`, which `load_plugins` calls)."""
-    if "sglang" not in sys.modules:
+    if not SGLANG.loaded():
         return False  # not called by SGLang: import nothing
     if _SGLANG.switched_off():
         return False
     if _registered:
         return True
-    version = str(getattr(sys.modules["sglang"], "__version__", "unknown"))
-    reason = _unrecognised(version)
-    if reason is not None:
-        _SGLANG.warn_not_replacing(
-            version, reason, f"SGLang >= 0.5.16 (tested at {TESTED_VERSION})"
-        )
+    found = SGLANG.recognise()
+    if not found.ok:
+        reason = "; ".join(found.problems)
+        if not found.supported:
+            reason = "the plugin needs SGLang 0.5.16 or later (post-capture KV sizing)"
+        supported = f"SGLang >= 0.5.16 (tested at {TESTED_VERSION})"
+        _SGLANG.warn_not_replacing(found.version, reason, supported)
         return False
+    version = found.version
     registry = importlib.import_module(_REGISTRY_MODULE)
     HookRegistry, HookType = registry.HookRegistry, registry.HookType
     _watch_apply(HookRegistry)
 
     from extensible_kv.sglang.owner import KvVmmBufferOwner
 
-    _originals[_OWNER_TARGET] = pkgutil.resolve_name(_OWNER_TARGET)
+    _originals[_OWNER_TARGET] = found[_OWNER_TARGET]
     HookRegistry.register(_OWNER_TARGET, KvVmmBufferOwner, HookType.REPLACE)
     _registered[_OWNER_TARGET] = KvVmmBufferOwner
     saver = "off"
     if not env_flag(MEMORY_SAVER_ENV_VAR, True):
         saver = f"off ({MEMORY_SAVER_ENV_VAR}=0)"
-    elif _memory_saver_seams():
+    elif MEMORY_SAVER_SEAMS.recognise(version).ok:
         hooks = {
             _GATE_TARGET: _planned_with_memory_saver,
             f"{_ADAPTER_CLASS}.pause": _pause,
@@ -172,22 +167,6 @@ def register() -> bool:
         f"KvVmmBufferOwner replaced; with --enable-memory-saver: {saver}",
     )
     return True
-
-
-def _memory_saver_seams() -> bool:
-    """Whether this SGLang has the gate function and adapter class the memory saver hooks wrap."""
-    try:
-        gate = importlib.import_module(_GATE_MODULE)
-        adapter = importlib.import_module(_ADAPTER_MODULE)
-    except ImportError:
-        return False
-    real = getattr(adapter, "_TorchMemorySaverAdapterReal", None)
-    return (
-        callable(getattr(gate, "post_capture_kv_sizing_planned", None))
-        and callable(getattr(gate, "resolving_view", None))
-        and inspect.isclass(real)
-        and all(callable(getattr(real, name, None)) for name in ("pause", "resume"))
-    )
 
 
 def _planned_with_memory_saver(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
@@ -293,11 +272,7 @@ def _holders(target: str) -> _Holders | None:
     original: Any = getattr(parent, name, ABSENT)
     if isinstance(raw, classmethod | staticmethod):
         original = raw.__func__
-    copies = []
-    for module in list(sys.modules.values()):
-        if isinstance(module, types.ModuleType) and module is not parent:
-            copies += [(module, attr) for attr, v in vars(module).items() if v is original]
-    return parent, name, raw, original, copies
+    return parent, name, raw, original, bindings(original, skip=(parent,))
 
 
 def unregister() -> None:
@@ -340,11 +315,9 @@ def _withdraw(registry: Any, target: str, hook: Any, applied: _Applied) -> None:
         return
     # SGLang's modules imported after the apply copied the chain with their own
     # `from ... import`: theirs to put back too. Modules outside SGLang are left alone.
-    for module in list(sys.modules.values()):
-        if not isinstance(module, types.ModuleType) or module is parent:
-            continue
-        if module.__name__.split(".")[0] == "sglang" and vars(module).get(name) is applied.top:
-            applied.patches.adopt(module, name, applied.original, applied.top)
+    applied.patches.adopt_bindings(
+        applied.original, applied.top, packages=("sglang",), name=name, skip=(parent,)
+    )
     put_back = applied.patches.restore()
     remaining = [entry for entry in applied.hooks if entry[1] is not hook]
     if not remaining:

@@ -14,9 +14,10 @@ That is one segment that grows at its end, so the flow (docs/design.md §5) fits
    and CUDA graphs capture the final addresses. From 5.21 the warm-up's prefill request has
    one page of past: it touches `max_batch_tokens` plus a page. 5.18 to 5.20 give it the
    whole cache as its past, so there the warm-up commits transformers' own size.
-3. `extend` measures with the flow's rule (`flow.measure_budget_now`), converts bytes to
-   sectors granule-aware (`sizing.blocks_within`), commits, gives the new sectors to the pool,
-   logs `Extended KV cache to N blocks (X GiB)` and returns an `ExtendReport`.
+3. `extend` runs the flow's steps 3 and 4 (`KVCacheFlow` over the data sectors, the trash
+   counted below them: `measure`, then `extend_to`): measures, converts bytes to sectors
+   granule-aware, commits, logs `Extended KV cache to N blocks (X GiB)` and returns an
+   `ExtendReport`; then gives the new sectors to the pool.
 
 Units: the pool counts sectors; transformers' `num_blocks`, and the reports and logs here,
 count whole-model blocks of `page_size` tokens (`sectors * bytes_per_sector //
@@ -184,13 +185,17 @@ class _State:
     free_at_init_bytes: int | None
     committed_sectors: int = 0  # data sectors, past the trash
     final_sectors: int | None = None  # set by `extend`
-    released: bool = False
     pause: _PauseHolder | None = None  # the manager's pause while released (a running loop)
     guarded: Any = None  # the manager whose `start` and `stop` are guarded while released
     auto: _Auto | None = None  # the automatic policy, set by `extend` when asked
     # Held by every resize (`resize`, the policy's): one at a time.
     resizing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     report: ExtendReport | None = field(default=None, repr=False)
+
+    @property
+    def released(self) -> bool:
+        """Whether `release` gave the memory back (the tensor remembers the size to resume)."""
+        return self.tensor.released
 
     def blocks(self, sectors: int) -> int:
         """Sectors in transformers' whole-model blocks."""
@@ -202,7 +207,7 @@ class _State:
         num_bytes = (TRASH_SECTORS + data_sectors) * self.bytes_per_sector
         if num_bytes <= self.tensor.bytes_per_segment:
             return
-        flow._refuse_while_capturing(self.device, "committing KV cache memory")
+        flow.refuse_while_capturing(self.device, "committing KV cache memory")
         self.tensor.resize_(num_bytes)
         self.committed_sectors = data_sectors
         self._synchronize()
@@ -323,13 +328,13 @@ def _cache_class(base: Any, pool_class: type) -> type:
                     "extensible_kv.transformers does not support tensor parallelism yet: "
                     "disable it (extensible_kv.transformers.disable()) for TP managers"
                 )
-            device = flow._normalize(arguments["device"], legacy=False)
+            device = flow.normalize_device(arguments["device"], legacy=False)
             if device.type != "cuda" and options.budget_bytes is None and not options.host_free:
                 raise ValueError(
                     "the host backend has no free-memory figure: enable(budget_bytes=...) (the "
                     "bytes the KV cache may commit after warm-up), or enable(host_free=True)"
                 )
-            free_at_init = flow._free_bytes_or_none(device)
+            free_at_init = flow.free_bytes_or_none(device)
             build = _Build(options)
             token = _BUILD.set(build)
             try:
@@ -492,50 +497,74 @@ def modelled_transient_peak_bytes(cache: Any) -> int:
 
 
 def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendReport | None:
-    """Steps 3 and 4 on a warmed-up cache: measure, commit the most sectors that fit (capped
-    by the capacity, never fewer than committed), hand them to the pool, log, report. None when
-    the cache was extended before."""
+    """Steps 3 and 4 on a warmed-up cache, by the flow (`KVCacheFlow` over its sectors):
+    measure, commit the most sectors that fit (capped by the capacity, never fewer than
+    committed), hand them to the pool, log, report. None when the cache was extended before."""
     state = _state(cache)
     if state.final_sectors is not None:
         return None
-    start = time.perf_counter()
-    tensor = state.tensor
-    budget, source = flow.measure_budget_now(
-        state.device,
-        kv_committed_bytes=tensor.physical_bytes,
-        free_at_init_bytes=state.free_at_init_bytes,
-        budget_bytes=state.options.budget_bytes,
-        host_free=state.options.host_free,
-        margin_bytes=state.options.margin_bytes,
+    options = state.options
+    steps = flow.KVCacheFlow(
+        _Sectors(state), state.device, state.free_at_init_bytes, report_units=state.blocks
+    )
+    measured = steps.measure(
+        budget_bytes=options.budget_bytes,
+        host_free=options.host_free,
+        margin_bytes=options.margin_bytes,
         transient_peak_bytes=transient_peak_bytes,
     )
-    fit = sizing.blocks_within(budget.budget_bytes, _footprint(state)) - TRASH_SECTORS
+    fit = measured.fit_blocks
     if max(fit, state.committed_sectors) < 1:
-        raise _no_block(state, _budget_words(state.options, budget, source))
-    before = (state.committed_sectors, tensor.physical_bytes, tensor.num_handles)
+        raise _no_block(state, _budget_words(options, measured.budget, measured.source))
     target = fit
-    if state.options.auto_resize is not None:
-        state.auto = _Auto.within(state, state.options.auto_resize, max(fit, 1))
+    if options.auto_resize is not None:
+        state.auto = _Auto.within(state, options.auto_resize, max(fit, 1))
         target = min(fit, state.auto.min_sectors)
-    state._synchronize()  # the warm-up's work is not the commit's
-    commit_start = time.perf_counter()
-    state.commit(target)
-    commit_ms = (time.perf_counter() - commit_start) * 1e3
+    state.report = steps.extend_to(target, measured)
     state.final_sectors = state.committed_sectors
     _hand_to_pool(cache, state.final_sectors)
-    state.report = flow.report_extension(
-        budget,
-        source,
-        start,
-        before=(state.blocks(before[0]), before[1], before[2]),
-        after=(state.blocks(state.final_sectors), tensor.physical_bytes, tensor.num_handles),
-        capacity_blocks=state.blocks(state.capacity_sectors),
-        fit_blocks=state.blocks(max(fit, 0)),
-        commit_ms=commit_ms,
-        legacy=False,
-        budget_asked_bytes=state.options.budget_bytes,
-    )
     return state.report
+
+
+class _Sectors:
+    """The cache's data sectors as the flow drives them (a `flow.ExtendableCache`): its blocks
+    are the sectors past the trash, which every footprint counts below them."""
+
+    def __init__(self, state: _State) -> None:
+        self._state = state
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._state.capacity_sectors
+
+    @property
+    def committed_blocks(self) -> int:
+        return self._state.committed_sectors
+
+    @property
+    def physical_bytes(self) -> int:
+        return self._state.tensor.physical_bytes
+
+    @property
+    def num_handles(self) -> int:
+        return self._state.tensor.num_handles
+
+    @property
+    def legacy(self) -> bool:
+        return False
+
+    def footprint(self) -> sizing.CacheFootprint:
+        state = self._state
+        buffer = sizing.BufferFootprint((0,), state.bytes_per_sector, state.tensor.granularity)
+        return sizing.CacheFootprint(
+            (buffer,), state.capacity_sectors, state.committed_sectors, TRASH_SECTORS
+        )
+
+    def commit(self, num_blocks: int) -> None:
+        self._state.commit(num_blocks)
+
+    def close(self) -> None:
+        self._state.tensor.close()
 
 
 def _one_block_bytes(state: _State) -> int:
@@ -570,16 +599,6 @@ def _no_block(state: _State, budget: str) -> OutOfMemoryError:
     return error
 
 
-def _footprint(state: _State) -> sizing.CacheFootprint:
-    """The tensor as `sizing` sees it, in sectors with the trash counted (one segment)."""
-    buffer = sizing.BufferFootprint((0,), state.bytes_per_sector, state.tensor.granularity)
-    return sizing.CacheFootprint(
-        (buffer,),
-        TRASH_SECTORS + state.capacity_sectors,
-        TRASH_SECTORS + state.committed_sectors,
-    )
-
-
 def _hand_to_pool(cache: Any, sectors: int) -> None:
     """The pool holds `sectors` data sectors, all free. Only called with no request holding
     blocks (after warm-up's reset, or release's)."""
@@ -605,8 +624,7 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
     with state.resizing:  # not while a resize (the policy's, say) runs
         if state.released:
             raise RuntimeError("the KV cache is already released: call resume(manager) first")
-        pause = _release(manager, cache, state, keep)
-        state.released, state.pause = True, pause
+        state.pause = _release(manager, cache, state, keep)
         _guard(manager, state)
     logger.info(
         "Released KV cache: %d blocks kept (%.2f GiB)",
@@ -626,13 +644,13 @@ def _release(manager: Any, cache: Any, state: _State, keep: int) -> _PauseHolder
                 f"{len(busy)} requests hold KV blocks ({', '.join(busy[:3])}...): release the "
                 "cache once they are finished"
             )
-        flow._refuse_while_capturing(state.device, "release")
+        flow.refuse_while_capturing(state.device, "release")
         cache.reset()  # every block free, the prefix cache forgotten: the contents are gone
         state._synchronize()
-        # exact: the handle that straddles the frontier is cut too, so what stays is the
-        # granule-rounded footprint of the trash and the kept sectors.
-        state.tensor.shrink_((TRASH_SECTORS + keep) * state.bytes_per_sector, exact=True)
-        state.tensor.wait_released()  # released for another user: gone on return
+        # Exact, and gone on return (released for another user): what stays is the
+        # granule-rounded footprint of the trash and the kept sectors. The tensor remembers
+        # its size for `resume`.
+        state.tensor.release((TRASH_SECTORS + keep) * state.bytes_per_sector)
         state.committed_sectors = keep
         state._synchronize()
         _hand_to_pool(cache, keep)
@@ -649,9 +667,15 @@ def resume(cache: Any) -> None:
     if not state.released or state.final_sectors is None:
         raise RuntimeError("the KV cache is not released: nothing to resume")
     with state.resizing:
-        state.commit(state.final_sectors)  # all or nothing: on OutOfMemoryError, still released
+        flow.refuse_while_capturing(state.device, "resume")
+        state.tensor.resume()  # all or nothing: on OutOfMemoryError, still released
+        state._synchronize()  # zeroed before transformers' own stream reads it
+        # The size released from is the final one; were it less, the commit grows the rest.
+        state.committed_sectors = (
+            state.tensor.bytes_per_segment // state.bytes_per_sector - TRASH_SECTORS
+        )
+        state.commit(state.final_sectors)
         _hand_to_pool(cache, state.final_sectors)
-        state.released = False
         _unguard(state)
         _leave_pause(state)
     logger.info(
@@ -742,7 +766,7 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
 
 def _capturing(state: _State) -> bool:
     try:
-        flow._refuse_while_capturing(state.device, "resize")
+        flow.refuse_while_capturing(state.device, "resize")
     except RuntimeError:
         return True
     return False
@@ -871,7 +895,7 @@ def _paused(manager: Any) -> Iterator[None]:
 def _grow_live(cache: Any, state: _State, target: int) -> None:
     """Commits up to `target` data sectors (zeroed) and gives the new ones to the pool, with
     requests in flight (the loop paused)."""
-    flow._refuse_while_capturing(state.device, "resize")
+    flow.refuse_while_capturing(state.device, "resize")
     final = state.final_sectors
     assert final is not None
     state.commit(target)
@@ -916,7 +940,7 @@ def _shrink_live(
 
 def _unmap_past(cache: Any, state: _State, target: int) -> None:
     """Unmaps the data sectors at and past `target`, which the pool no longer holds."""
-    flow._refuse_while_capturing(state.device, "resize")
+    flow.refuse_while_capturing(state.device, "resize")
     state._synchronize()  # the last steps' kernels may still read them
     state.tensor.shrink_((TRASH_SECTORS + target) * state.bytes_per_sector, exact=True)
     state.committed_sectors = state.final_sectors = target

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from typing import Any
 
 from extensible_kv import _args, _torch
 from extensible_kv._native import UnsupportedError
-from extensible_kv._plugins import Patches, version_in
+from extensible_kv._plugins import Patches, Provides, Recognised, Stack
 from extensible_kv.flow import ExtendReport
 from extensible_kv.transformers import cache as _cache
 
@@ -44,31 +43,37 @@ _PACKAGE = "transformers.generation.continuous_batching"
 _CACHE_MODULE = f"{_PACKAGE}.cache"
 _API_MODULE = f"{_PACKAGE}.continuous_api"
 _POOL_MODULE = f"{_PACKAGE}.cache_allocators.cache_pool"
-# The methods the seam calls or wraps, by class: checked before anything is patched.
-_REQUIRED = {
-    "PagedAttentionCache": ("reset", "free_all_requests"),
-    "PagedAttentionMemoryHandler": (
-        "infer_max_batch_tokens_and_num_sectors",
-        "_check_footprint",
-        "num_sectors_from_config",
-        "bytes_per_batch_token",
-        "bytes_per_cache_token",
+_CACHE = f"{_CACHE_MODULE}.PagedAttentionCache"
+_HANDLER = f"{_CACHE_MODULE}.PagedAttentionMemoryHandler"
+_MANAGER = f"{_API_MODULE}.ContinuousBatchingManager"
+_POOL = f"{_POOL_MODULE}.CachePool"
+# The classes the seam subclasses or wraps, with the methods it calls or wraps: checked before
+# anything is patched.
+TRANSFORMERS = Stack(
+    "transformers",
+    "transformers",
+    provides=(
+        Provides(_CACHE, methods=("reset", "free_all_requests")),
+        Provides(
+            _HANDLER,
+            methods=(
+                "infer_max_batch_tokens_and_num_sectors",
+                "_check_footprint",
+                "num_sectors_from_config",
+                "bytes_per_batch_token",
+                "bytes_per_cache_token",
+            ),
+        ),
+        Provides(
+            _MANAGER,
+            methods=("warmup", "_create_batch_processor", "pause", "is_running", "stop"),
+        ),
+        Provides(_POOL, methods=("reset", "allocate_sector")),
     ),
-    "ContinuousBatchingManager": (
-        "warmup",
-        "_create_batch_processor",
-        "pause",
-        "is_running",
-        "stop",
-    ),
-    "CachePool": ("reset", "allocate_sector"),
-}
-_HOMES = {
-    "PagedAttentionCache": _CACHE_MODULE,
-    "PagedAttentionMemoryHandler": _CACHE_MODULE,
-    "ContinuousBatchingManager": _API_MODULE,
-    "CachePool": _POOL_MODULE,
-}
+    min_version=MIN_VERSION,
+    max_version=MAX_VERSION,
+    tested="5.24",
+)
 
 _state: dict[str, Any] = {"options": None, "report": None}
 # What `enable` replaced, with transformers' objects, for `disable`.
@@ -94,11 +99,11 @@ def last_report() -> ExtendReport | None:
 
 def _supports(version: str) -> bool:
     """Whether transformers `version` is in the range the seam supports (`SUPPORTED`)."""
-    return version_in(version, MIN_VERSION, MAX_VERSION)
+    return TRANSFORMERS.supports(version)
 
 
-def _check_version() -> dict[str, Any]:
-    """transformers' modules the seam touches, or `UnsupportedError` naming the range."""
+def _check_version() -> Recognised:
+    """transformers' classes the seam touches, or `UnsupportedError` naming the range."""
     try:
         import transformers
     except ModuleNotFoundError as error:
@@ -110,28 +115,20 @@ def _check_version() -> dict[str, Any]:
             name="transformers",
         ) from None
     version = str(getattr(transformers, "__version__", "unknown"))
-    if not _supports(version):
+    found = TRANSFORMERS.recognise(version)
+    if not found.supported:
         raise UnsupportedError(
             f"extensible_kv.transformers supports transformers {SUPPORTED} (5.18.0 to 5.24.x); "
             f"found {version}: install a supported version, or leave the extensible cache off"
         )
-    found = {
-        name: getattr(importlib.import_module(home), name, None) for name, home in _HOMES.items()
-    }
-    missing = [
-        f"{name}.{method}" if cls is not None else name
-        for name, cls in found.items()
-        for method in (_REQUIRED[name] if cls is not None else ("",))
-        if cls is None or not hasattr(cls, method)
-    ]
-    api = sys.modules[_API_MODULE]
-    bound = getattr(api, "PagedAttentionCache", None)
-    if bound is not found["PagedAttentionCache"] and bound not in _patches.replacements():
-        missing.append("continuous_api.PagedAttentionCache (the name the manager builds)")
-    if missing:
+    problems = list(found.problems)
+    bound = getattr(sys.modules.get(_API_MODULE), "PagedAttentionCache", None)
+    if bound is not found.found.get(_CACHE) and bound not in _patches.replacements():
+        problems.append("continuous_api has no PagedAttentionCache (the name the manager builds)")
+    if problems:
         raise UnsupportedError(
             f"transformers {version} lacks what extensible_kv.transformers relies on "
-            f"({', '.join(missing)}); supported: {SUPPORTED}"
+            f"({'; '.join(problems)}); supported: {SUPPORTED}"
         )
     return found
 
@@ -163,7 +160,7 @@ def enable(
 def _apply(options: _cache.Options) -> None:
     found = _check_version()
     if options.auto_resize is not None:
-        cache_class = found["PagedAttentionCache"]
+        cache_class = found[_CACHE]
         if not hasattr(cache_class, "can_store_request_tokens"):
             raise UnsupportedError(
                 "auto_resize needs PagedAttentionCache.can_store_request_tokens, which this "
@@ -174,22 +171,20 @@ def _apply(options: _cache.Options) -> None:
     _state["options"] = options
 
 
-def _install(found: dict[str, Any]) -> None:
-    classes = _cache.build_classes(
-        found["PagedAttentionCache"], found["PagedAttentionMemoryHandler"], found["CachePool"]
-    )
-    original_cache = found["PagedAttentionCache"]
-    manager = found["ContinuousBatchingManager"]
-    _patches.set(sys.modules[_CACHE_MODULE], "PagedAttentionMemoryHandler", classes.handler)
+def _install(found: Recognised) -> None:
+    classes = _cache.build_classes(found[_CACHE], found[_HANDLER], found[_POOL])
+    manager = found[_MANAGER]
+    cache_module = sys.modules[_CACHE_MODULE]
+    _patches.set(cache_module, "PagedAttentionMemoryHandler", classes.handler)
     # The class's own module keeps it (our subclass's base; later imports bind the original,
     # and only `continuous_api` builds caches).
-    for name, module in list(sys.modules.items()):
-        if (
-            name.startswith(_PACKAGE)
-            and name != _CACHE_MODULE
-            and vars(module).get("PagedAttentionCache") is original_cache
-        ):
-            _patches.set(module, "PagedAttentionCache", classes.cache)
+    _patches.set_bindings(
+        found[_CACHE],
+        classes.cache,
+        packages=(_PACKAGE,),
+        name="PagedAttentionCache",
+        skip=(cache_module,),
+    )
     _patches.set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
     create = vars(manager)["_create_batch_processor"]
     _patches.set(manager, "_create_batch_processor", _wrap_create(create))

@@ -4,9 +4,10 @@ Declared in `pyproject.toml` as the entry point `extensible_kv` of the group
 `vllm.general_plugins`, which vLLM loads once in every process it starts (engine core, each
 worker before the worker module is imported). `register()` replaces
 `vllm.utils.extensible_tensor.ExtensibleTensor` and `granule_size` by
-`extensible_kv.vllm.ExtensibleTensor` and `granule_size`, and the names already bound in
-`vllm.v1.worker.extensible_kv_cache` and `vllm.v1.worker.gpu_worker` if those are loaded
-(`ExtensibleKVCache.__init__` reads its module global at call time). It logs one INFO line.
+`extensible_kv.vllm.ExtensibleTensor` and `granule_size`, and the names already bound to them
+in vLLM's other loaded modules, such as `vllm.v1.worker.extensible_kv_cache` and
+`vllm.v1.worker.gpu_worker` (`ExtensibleKVCache.__init__` reads its module global at call
+time). It logs one INFO line.
 
 With `EXTENSIBLE_KV_VLLM_KEEP_DATA=1` it also replaces `ExtensibleKVCache.commit`, so that a
 shrinking or defragmenting commit keeps the blocks below the count (vLLM's releases everything
@@ -28,7 +29,7 @@ import sys
 from typing import Any
 
 from extensible_kv import _args
-from extensible_kv._plugins import Integration, Patches, env_flag, init_params, missing_public
+from extensible_kv._plugins import Integration, Patches, Provides, Stack, env_flag
 from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
 
 __all__ = ["ENV_VAR", "KEEP_DATA_ENV_VAR", "register", "unregister"]
@@ -37,8 +38,6 @@ ENV_VAR = "EXTENSIBLE_KV_VLLM"
 KEEP_DATA_ENV_VAR = "EXTENSIBLE_KV_VLLM_KEEP_DATA"
 _KV_CACHE_MODULE = "vllm.v1.worker.extensible_kv_cache"
 _TARGET = "vllm.utils.extensible_tensor"
-# Modules that bind the names with `from ... import`: patched too when already imported.
-_BINDERS = ("vllm.v1.worker.extensible_kv_cache", "vllm.v1.worker.gpu_worker")
 # vLLM 0.34.0's constructor: (name, default) after `self`.
 _SIGNATURE = (
     ("max_num_bytes", inspect.Parameter.empty),
@@ -47,11 +46,24 @@ _SIGNATURE = (
     ("segment_capacities", None),
     ("export_handle_types", 0),
 )
+# What the drop-in needs of vLLM (any version whose objects match: vLLM names no range).
+VLLM = Stack(
+    "vLLM",
+    "vllm",
+    provides=(
+        Provides(
+            f"{_TARGET}.ExtensibleTensor",
+            params=_SIGNATURE,
+            replaced_by="extensible_kv.vllm.tensor:ExtensibleTensor",
+        ),
+        Provides(f"{_TARGET}.granule_size", "function", params=("device_index",)),
+    ),
+    tested="0.34",
+)
 _REPLACEMENTS: dict[str, Any] = {
     "ExtensibleTensor": ExtensibleTensor,
     "granule_size": granule_size,
 }
-_NAMES = tuple(_REPLACEMENTS)
 # What `register` replaced, with vLLM's objects, for `unregister`.
 _patches = Patches()
 
@@ -116,58 +128,38 @@ def _install_keep_data() -> None:
     )
 
 
-def _unrecognised(module: Any) -> str | None:
-    """Why `module` is not vLLM 0.34's `extensible_tensor`, or None when it is."""
-    cls = getattr(module, "ExtensibleTensor", None)
-    granule = getattr(module, "granule_size", None)
-    if not inspect.isclass(cls) or not callable(granule):
-        return "it has no ExtensibleTensor class or granule_size function"
-    found = tuple((p.name, p.default) for p in init_params(cls))
-    if found != _SIGNATURE:
-        return f"ExtensibleTensor{inspect.signature(cls.__init__)} is not 0.34's signature"
-    missing = missing_public(cls, ExtensibleTensor)
-    if missing:
-        return f"its ExtensibleTensor has {missing}, which extensible-kv's drop-in lacks"
-    if list(inspect.signature(granule).parameters) != ["device_index"]:
-        return f"granule_size{inspect.signature(granule)} is not 0.34's signature"
-    return None
-
-
 def register() -> bool:
     """Install the drop-in into vLLM; True when it is installed (now or before)."""
-    if "vllm" not in sys.modules:
+    if not VLLM.loaded():
         return False  # not called by vLLM: import nothing
     if _VLLM.switched_off():
         return False
-    vllm = sys.modules["vllm"]
-    version = getattr(vllm, "__version__", "unknown")
+    version = VLLM.version()
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch.version, "hip", None):
         _VLLM.warn_not_replacing(version, "ROCm is not supported (extensible-kv drives CUDA)")
         return False
     module = importlib.import_module(_TARGET)
-    if module.ExtensibleTensor is not ExtensibleTensor and not _install_dropin(module, version):
+    if module.ExtensibleTensor is not ExtensibleTensor and not _install_dropin(version):
         return False
     if env_flag(KEEP_DATA_ENV_VAR, False):
         _install_keep_data()
     return True
 
 
-def _install_dropin(module: Any, version: str) -> bool:
-    """Puts the drop-in where vLLM 0.34's `module` and the modules that imported from it bind
-    its names; False (with a warning) when `module` is not 0.34's."""
-    reason = _unrecognised(module)
-    if reason is not None:
-        _VLLM.warn_not_replacing(version, reason, "vLLM 0.34")
+def _install_dropin(version: str) -> bool:
+    """Puts the drop-in wherever vLLM's modules bind the names of vLLM 0.34's
+    `extensible_tensor` (its own module's first); False (with a warning) when they are not
+    0.34's."""
+    found = VLLM.recognise(version)
+    if not found.ok:
+        _VLLM.warn_not_replacing(version, "; ".join(found.problems), "vLLM 0.34")
         return False
-    originals = {name: getattr(module, name) for name in _NAMES}
-    for module_name in (_TARGET, *_BINDERS):
-        target = sys.modules.get(module_name)
-        if target is None:
-            continue
-        for name in _NAMES:
-            if getattr(target, name, None) is originals[name]:
-                _patches.set(target, name, _REPLACEMENTS[name])
+    module = sys.modules[_TARGET]
+    for name, ours in _REPLACEMENTS.items():
+        original = found[f"{_TARGET}.{name}"]
+        _patches.set(module, name, ours)
+        _patches.set_bindings(original, ours, packages=("vllm",), name=name, skip=(module,))
     _VLLM.log_enabled(version, "extensible KV cache", "ExtensibleTensor, granule_size replaced")
     return True
 

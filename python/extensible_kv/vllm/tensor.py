@@ -50,9 +50,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from extensible_kv import _args
+from extensible_kv._native import EXPORT_FABRIC as FABRIC
+from extensible_kv._native import EXPORT_POSIX_FD as POSIX_FD
+from extensible_kv._native import HANDLE_SIZING_KINDS, OutOfMemoryError, UnsupportedError
 from extensible_kv._native import ExtensibleTensor as _NativeTensor
-from extensible_kv._native import OutOfMemoryError, UnsupportedError
-from extensible_kv.ipc import FABRIC, POSIX_FD
 from extensible_kv.layouts import round_up
 from extensible_kv.sizing import device_granularity
 from extensible_kv.tensor import ExtensibleTensor as _CoreTensor
@@ -64,8 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["HANDLES_ENV_VAR", "ExtensibleTensor", "granule_size"]
 
 HANDLES_ENV_VAR = "EXTENSIBLE_KV_VLLM_HANDLES"
-# The core's handle sizings of a grow that does not start from empty; the first is its default.
-_CUTS = ("cap_aligned", "whole_runs", "aligned_powers_of_two")
+# The core's handle sizings of a grow that does not start from empty (every one but
+# `per_run`, which is SGLang's); the first is the core's default.
+_CUTS = tuple(kind for kind in HANDLE_SIZING_KINDS if kind != "per_run")
 
 
 @functools.cache
@@ -376,16 +378,8 @@ class ExtensibleTensor:
     def free(self) -> None:
         """Return physical memory now; the addresses go with the last view. Idempotent."""
         tensor, self._tensor = self._tensor, None
-        if tensor is None:
-            return
-        tensor.release_physical()
-        tensor.wait_released()
-        try:
-            tensor.close()
-        except BufferError:
-            # Views are alive: the reservation, now without memory, is released with the
-            # last of them, so touching a stale view faults instead of aliasing.
-            pass
+        if tensor is not None:
+            tensor.free()
 
     def _committed(self) -> list[int]:
         if self._tensor is None:
