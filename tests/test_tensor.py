@@ -1087,7 +1087,7 @@ def test_the_handle_sizing_kinds_are_the_cores(make_tensor: MakeTensor, g: int) 
 
 
 def test_a_call_without_a_stream_asks_the_provider_only_when_it_uses_one(
-    make_tensor: MakeTensor, g: int, backend: str, monkeypatch: pytest.MonkeyPatch
+    make_tensor: MakeTensor, g: int, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The facade registers torch's current stream once; the native method asks for it only
     where it uses a stream (never on the host backend, which has none)."""
@@ -1111,7 +1111,7 @@ def test_a_call_without_a_stream_asks_the_provider_only_when_it_uses_one(
         t.shrink_(0)
     finally:
         _native._set_stream_provider(tensor_module._current_stream)
-    if backend == "cpu":
+    if device == "cpu":
         assert asked == []
     else:
         assert (grew_zeroed, asked) == (1, [0, 0])
