@@ -21,6 +21,7 @@ step. `legacy=True` builds the same views over a fully committed `torch.zeros` p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -266,6 +267,7 @@ class _Buffer(Protocol):
     def view(self, strided: StridedView) -> torch.Tensor: ...
     def grow(self, bytes_per_segment: int) -> None: ...
     def shrink(self, bytes_per_segment: int, exact: bool) -> None: ...
+    def wait_released(self, timeout: float | None) -> bool: ...
     def consolidate(self) -> None: ...
     def close(self) -> None: ...
 
@@ -287,6 +289,9 @@ class _ExtensibleBuffer:
 
     def shrink(self, bytes_per_segment: int, exact: bool) -> None:
         self.tensor.shrink_per_segment_(bytes_per_segment, exact=exact)
+
+    def wait_released(self, timeout: float | None) -> bool:
+        return self.tensor.wait_released(timeout)
 
     def consolidate(self) -> None:
         self.tensor.consolidate()
@@ -317,6 +322,9 @@ class _LegacyBuffer:
 
     def shrink(self, bytes_per_segment: int, exact: bool) -> None:
         pass  # allocated in full: nothing to give back
+
+    def wait_released(self, timeout: float | None) -> bool:
+        return True  # nothing is ever given back
 
     def consolidate(self) -> None:
         pass  # one allocation already
@@ -510,6 +518,18 @@ class ExtensibleKVCache:
                 buffer.shrink(num_blocks * plans[0].block_stride_bytes, exact)
         finally:
             self._committed_blocks = num_blocks
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Waits until the memory shrinks gave back has been released on every buffer (each
+        releases on its own thread once its stream has passed the shrink), or for `timeout`
+        seconds in all: whether it has."""
+        timeout = _args.seconds(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for buffer in self._buffers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not buffer.wait_released(left):
+                return False
+        return True
 
     def consolidate(self) -> None:
         """Backs each buffer's committed blocks by as few physical allocations as its layout

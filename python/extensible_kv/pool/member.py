@@ -405,6 +405,9 @@ class PoolMember:
             if cut == committed:
                 return
             self.cache.shrink_to(cut)
+            # Given back to the pool: gone before the ledger says so, or another engine could
+            # count on memory the device still holds.
+            self.cache.wait_released()
             with self.pool.transaction() as ledger:
                 self._record(ledger)
             self._resized()
