@@ -31,6 +31,7 @@ MiB and the model is tiny: a quick end-to-end run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -122,7 +123,7 @@ class DecodeLoop:
     def _loop(self) -> None:
         import torch
 
-        context = torch.cuda.stream(self.stream) if self.gpu else _nothing()
+        context = torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext()
         with context:
             while self.running:
                 start = time.perf_counter()
@@ -138,14 +139,6 @@ class DecodeLoop:
     def stop(self) -> None:
         self.running = False
         self.thread.join()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _steps_bytes(total: int, unit: int, rng: random.Random) -> list[int]:
@@ -173,7 +166,7 @@ def _resize_cycles(
 
     calls: dict[str, list[float]] = {"grow_ms": [], "shrink_ms": [], "released_after_ms": []}
     own = torch.cuda.Stream(loop.device) if loop.gpu else None
-    context = torch.cuda.stream(own) if own is not None else _nothing()
+    context = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
     with context:
         while time.monotonic() < until:
             size = loop.live_bytes
@@ -185,8 +178,8 @@ def _resize_cycles(
             for step in _steps_bytes(resize_bytes, unit, rng):
                 size -= step
                 start = time.perf_counter()
-                if synchronize:
-                    torch.cuda.synchronize(loop.device) if loop.gpu else None
+                if synchronize and loop.gpu:
+                    torch.cuda.synchronize(loop.device)
                 tensor.shrink_(size, stream=loop.raw_stream)
                 returned = time.perf_counter()
                 calls["shrink_ms"].append((returned - start) * 1e3)

@@ -195,6 +195,24 @@ impl Mapping {
         })
     }
 
+    /// Maps an unmapped handle, still holding its bytes, back over `run` and grants access:
+    /// the undo of a failed swap or release. A failure here (a second fault in one call) is
+    /// recorded for `take_deferred_errors`, and `None` leaves the run unmapped.
+    pub(super) fn map_back(handle: PhysicalHandle, run: Run) -> Option<Mapping> {
+        let ctx = Arc::clone(&handle.ctx);
+        match Mapping::map(handle, run) {
+            Ok(mapping) => {
+                let (va, num_bytes) = ctx.span(run);
+                ctx.defer(ctx.driver.set_access(va, num_bytes));
+                Some(mapping)
+            }
+            Err(err) => {
+                ctx.defer(Err(err));
+                None
+            }
+        }
+    }
+
     /// `map`, handing the handle back with the error when the driver refuses.
     #[allow(clippy::result_large_err)]
     pub(super) fn try_map(

@@ -342,14 +342,8 @@ impl ExtensibleTensor {
     /// run. A failure here (a second fault in one call) is recorded for
     /// `take_deferred_errors`, and the run is left unmapped.
     pub(super) fn map_back(&self, state: &mut State, run: Run, handle: PhysicalHandle) {
-        let ctx = &self.inner.ctx;
-        match Mapping::map(handle, run) {
-            Ok(mapping) => {
-                let (va, num_bytes) = ctx.span(run);
-                ctx.defer(ctx.driver.set_access(va, num_bytes));
-                state.mappings.insert(mapping);
-            }
-            Err(err) => ctx.defer(Err(err)),
+        if let Some(mapping) = Mapping::map_back(handle, run) {
+            state.mappings.insert(mapping);
         }
     }
 }

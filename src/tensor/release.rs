@@ -167,16 +167,11 @@ impl Releaser {
                 Ok(handle) => unmapped.push((run, handle)),
                 Err((err, mapping)) => {
                     let mut back = vec![mapping];
-                    for (run, handle) in unmapped {
-                        match Mapping::map(handle, run) {
-                            Ok(mapping) => {
-                                let (va, num_bytes) = self.ctx.span(run);
-                                self.ctx.defer(self.ctx.driver.set_access(va, num_bytes));
-                                back.push(mapping);
-                            }
-                            Err(err) => self.ctx.defer(Err(err)),
-                        }
-                    }
+                    back.extend(
+                        unmapped
+                            .into_iter()
+                            .filter_map(|(r, h)| Mapping::map_back(h, r)),
+                    );
                     back.extend(left);
                     return Err((err, back));
                 }
