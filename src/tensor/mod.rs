@@ -146,6 +146,17 @@ struct Inner {
 }
 
 impl Inner {
+    /// Teardown's unmapping (`close` and the destructor): every stream done with the memory
+    /// (a device synchronize, once, only if anything is mapped or waits for release), the
+    /// release thread drained and stopped, then every mapping dropped.
+    fn unmap_all(ctx: &Ctx, releaser: &release::Releaser, state: &mut State) {
+        if !state.mappings.is_empty() || releaser.pending_handles() > 0 {
+            ctx.defer(ctx.driver.synchronize());
+        }
+        releaser.shut_down();
+        state.mappings.clear();
+    }
+
     fn note_layout(&self, committed: &[u64]) {
         let (ctx, geometry) = (&self.ctx, &self.geometry);
         let (offsets, capacities) = (geometry.segment_offsets(), geometry.segment_capacities());
@@ -163,11 +174,7 @@ impl Drop for Inner {
             .state
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !state.mappings.is_empty() || self.releaser.pending_handles() > 0 {
-            self.ctx.defer(self.ctx.driver.synchronize());
-        }
-        self.releaser.shut_down();
-        state.mappings.clear();
+        Self::unmap_all(&self.ctx, &self.releaser, state);
         state.reservation = None;
     }
 }
@@ -419,11 +426,7 @@ impl ExtensibleTensor {
         }
         let ctx = &self.inner.ctx;
         let mark = ctx.num_deferred();
-        if !state.mappings.is_empty() || self.inner.releaser.pending_handles() > 0 {
-            ctx.defer(ctx.driver.synchronize());
-        }
-        self.inner.releaser.shut_down();
-        state.mappings.clear();
+        Inner::unmap_all(ctx, &self.inner.releaser, &mut state);
         // After every handle withdrew its fd: the memfd goes now, not when the object does.
         relock(&ctx.registry).take();
         state.loans.clear(); // a borrower keeps what it mapped
