@@ -43,6 +43,13 @@ def pytest_runtest_makereport(
     return report
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """`EKV_INSTAFAIL=1` prints a failure's traceback when it happens: on the device a step's
+    time limit may kill the run before pytest's summary."""
+    if report.failed and os.environ.get("EKV_INSTAFAIL"):
+        print(f"\n=== {report.nodeid} ({report.when})\n{report.longreprtext}", flush=True)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The one CUDA skip: a test marked `gpu` (`gpu(devices=N)`: N devices) is skipped with the
     reason where CUDA cannot run it, so no test module restates the check."""
