@@ -227,7 +227,9 @@ def test_release_and_close_wait_for_kernels_still_writing(
         del view  # torch does not know the memory is in use: nothing keeps it but the fence
         t.close()
     else:
-        t.release_physical()
+        # Stream-ordered (§3.11): the fence is the stream given, the writers' one here.
+        t.release_physical(stream=side.cuda_stream)
+        assert t.wait_released(timeout=30)
     # The fence: the unmap waited for every kernel that wrote the range.
     assert done.query()
     torch.cuda.synchronize()  # an unmap under the kernels would surface here
