@@ -133,6 +133,13 @@ def _device_free(device: str) -> int:
     if not device.startswith("cuda"):
         return 0
     torch.zeros(1, device=device)
+    # The driver opens device files once per process for what a tensor first uses (a
+    # blocking-sync event, the release thread's wait): before a test counts fds, not inside it.
+    warm = ExtensibleTensor(4 << 20, device=device)
+    warm.resize_(4 << 20)
+    warm.release_physical()
+    assert warm.wait_released(timeout=30)
+    warm.close()
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
 

@@ -337,6 +337,8 @@ def test_a_thousand_cycles_leave_fds_and_mappings_as_they_were(
     _sync(lender.device)
     child("make", START)
 
+    expected = int(pattern(BEFORE * g, 60)[KEPT * g])
+
     def cycles(n: int) -> tuple[int, int]:
         child.conn.send(("cycles", n))
         for i in range(n):
@@ -344,7 +346,7 @@ def test_a_thousand_cycles_leave_fds_and_mappings_as_they_were(
             child.conn.send(loan)
             assert child.conn.poll(TIMEOUT_S)
             first = child.conn.recv()
-            assert first == int(pattern(BEFORE * g, 60)[KEPT * g]), (i, first)
+            assert first == expected, (i, first)
             lender.reclaim(loan, zero=False, timeout=10)
         status, child_counts = child.conn.recv()
         assert status == "ok", child_counts
