@@ -19,6 +19,7 @@ EKV_REQUIRE_TRANSFORMERS=1, which turns the skip into a failure.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -117,11 +118,11 @@ def events(pool: Any) -> list[str]:
     return [event.text for event in pool.snapshot().events]
 
 
-def hold_nothing_free(pool: Any) -> None:
+def hold_nothing_free(pool: Any, device: str = "cpu") -> None:
     """The pool's share is what its engines hold now: a burst must borrow."""
     from extensible_kv.pool import rules
 
-    pool.set_share("cpu", rules.used_bytes(pool.snapshot(), "cpu"))
+    pool.set_share(device, rules.used_bytes(pool.snapshot(), device))
 
 
 def burst_on_an_idle_donor(tmp_path: Path, procs: list[Any], own: Any, **options: Any) -> Any:
@@ -273,6 +274,31 @@ def test_via_the_driver_the_donor_releases_and_the_burst_commits(
 # in one process
 
 
+def granule_model(tf: Any, device: str) -> Any:
+    """On the host, the tiny Llama (a sector of 8 KiB, two 4 KiB granules). On CUDA, a
+    Qwen3 whose sector (16 tokens of 16 layers x 16 KV heads x 128 x bf16, K and V) is one
+    2 MiB granule, so that a burst of the test prompts needs more than a granule."""
+    import test_transformers as tt
+
+    if device == "cpu":
+        return tt.build_model(tf, "llama", "sdpa", "cpu")
+    config = tf.Qwen3Config(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.bfloat16
+    )
+    return model.to(device).eval()
+
+
 def pooled_options(tmp_path: Path, **options: Any) -> dict[str, Any]:
     from extensible_kv.pool import Pool
 
@@ -343,6 +369,56 @@ def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_
     a.shrink_to(2)
     assert a.wait_released(5)
     assert state.tensor.bytes_per_segment == 4 * sector and pool.num_sectors == 2
+
+
+@pytest.mark.timeout(300)
+def test_two_managers_in_one_process_lend_and_take_back(
+    tf: Any, device: str, tmp_path: Path
+) -> None:
+    """Two managers of one process in one pool, each serving from its own loop thread: the
+    burst on one borrows the idle one's free top sectors, with the tokens of the same prompts
+    run alone on transformers' own cache, and the donor takes them back when it bursts. On
+    CUDA the extension measures, the model's sector is one 2 MiB granule, and the decode
+    steps replay CUDA graphs into borrowed memory."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool, rules
+
+    donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
+    own = tt.generate(tf, needy_model, device)
+    pool = Pool(POOL, directory=tmp_path)
+    options = pooled_options(tmp_path)
+    if device != "cpu":  # measured, not a budget; granules of the device's
+        options = {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ekt.enabled(**options))
+        donor, needy = (
+            stack.enter_context(
+                model.continuous_batching_context_manager(
+                    generation_config=tt.gen_config(tf),
+                    continuous_batching_config=tt.cb_config(tf, device),
+                )
+            )
+            for model in (donor_model, needy_model)
+        )
+        assert tt.run(donor) == own
+        wait_for(
+            "the donor to be idle",
+            lambda: not any(e.busy for e in pool.snapshot().engines.values()),
+        )
+        hold_nothing_free(pool, device)
+        assert tt.run(needy) == own
+        ledger = pool.snapshot()
+        assert rules.check(ledger) == []
+        borrowed = [loan for loan in ledger.loans.values() if loan.state == "borrowed"]
+        assert borrowed, [e.text for e in ledger.events]
+        step = needy.batch_processor.cache._ekv.pool_plan.step_sectors
+        assert all(loan.blocks % step == 0 for loan in borrowed)
+        assert tt.run(donor) == own  # it recalls what it lent
+        wait_for("the loans to be reclaimed", lambda: pool.snapshot().loans == {})
+        assert tt.run(needy) == own
+        assert rules.check(pool.snapshot()) == []
+    assert pool.snapshot().engines == {}
 
 
 def test_counts_keep_the_committed_end_on_a_granule_boundary(tf: Any, tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -601,8 +602,9 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
         state.auto = _Auto.within(state, options.auto_resize, max(fit, 1))
         target = min(fit, state.auto.min_sectors)
     elif options.pool is not None:
-        state.pool_plan = PoolPlan.within(state, max(fit, 1))
-        target = min(fit, state.pool_plan.min_sectors)
+        plan = state.pool_plan = PoolPlan.within(state, max(fit, 1))
+        # What the warm-up committed stays; the end is made a granule boundary for borrows.
+        target = plan.aligned_up(max(min(fit, plan.min_sectors), state.committed_sectors))
     state.report = steps.extend_to(target, measured)
     state.final_sectors = state.committed_sectors
     _hand_to_pool(cache, state.final_sectors)
@@ -785,9 +787,12 @@ _ENGINE_SERIAL = itertools.count()
 class PoolPlan:
     """The cache's place in a node pool (`enable(pool=...)`), in sectors: the extension
     commits `min_sectors`, and the cache grows through the pool up to `max_sectors`,
-    `step_sectors` at a time (the smallest unit it lends), as engine `engine`. Where a sector
-    is not whole granules, the counts are ones whose committed end (past the trash) is a
-    granule boundary: a borrow maps there, and a loan is whole granules."""
+    `step_sectors` at a time (the smallest unit it lends), as engine `engine`.
+
+    Where a sector is not whole granules (`align_sectors` > 1 sectors a granule), the counts
+    are ones whose committed end, past the trash, is a granule boundary: a borrow maps there,
+    and a loan is whole granules. Commits round down to such a count (`aligned_down`), so a
+    commit never takes more than the pool counted."""
 
     pool: Pool | str
     engine: str
@@ -795,6 +800,8 @@ class PoolPlan:
     min_sectors: int
     max_sectors: int
     step_sectors: int
+    align_sectors: int
+    capacity_sectors: int
 
     @classmethod
     def within(cls, state: _State, fit_sectors: int) -> PoolPlan:
@@ -805,20 +812,25 @@ class PoolPlan:
         granularity = state.tensor.granularity
         align = granularity // math.gcd(state.bytes_per_sector, granularity)
         capacity = state.capacity_sectors
-
-        def up(n: int) -> int:
-            return min(n + (-(TRASH_SECTORS + n)) % align, capacity)
-
-        def down(n: int) -> int:
-            return n - (TRASH_SECTORS + n) % align
-
-        least = up(min(state.sectors(options.min_blocks or 1), capacity))
+        engine = options.engine or f"transformers-{os.getpid()}-{next(_ENGINE_SERIAL)}"
+        plan = cls(options.pool, engine, options.pool_via, 0, 0, 0, align, capacity)
+        least = plan.aligned_up(min(state.sectors(options.min_blocks or 1), capacity))
         most = fit_sectors if options.max_blocks is None else state.sectors(options.max_blocks)
-        most = max(down(min(most, capacity)), least)
+        most = max(plan.aligned_down(min(most, capacity)), least)
         step = state.sectors(options.pool_step_blocks or 0) or max(1, most // 16)
         step = math.ceil(step / align) * align
-        engine = options.engine or f"transformers-{os.getpid()}-{next(_ENGINE_SERIAL)}"
-        return cls(options.pool, engine, options.pool_via, least, most, step)
+        return dataclasses.replace(plan, min_sectors=least, max_sectors=most, step_sectors=step)
+
+    def aligned_up(self, sectors: int) -> int:
+        """The least count from `sectors` up whose end is a granule boundary (the capacity
+        at most)."""
+        return min(
+            sectors + (-(TRASH_SECTORS + sectors)) % self.align_sectors, self.capacity_sectors
+        )
+
+    def aligned_down(self, sectors: int) -> int:
+        """The most count up to `sectors` whose end is a granule boundary."""
+        return sectors - (TRASH_SECTORS + sectors) % self.align_sectors
 
 
 @dataclass

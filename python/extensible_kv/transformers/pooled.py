@@ -120,6 +120,11 @@ class SectorCache:
     # -- changes ------------------------------------------------------------------------------
 
     def commit(self, num_blocks: int) -> None:
+        """Commits up to `num_blocks` sectors, rounded down to a granule boundary (a borrow
+        maps there later): never more than the pool counted."""
+        plan = self._state.pool_plan
+        if plan is not None:
+            num_blocks = plan.aligned_down(num_blocks)
         if num_blocks > self._state.committed_sectors:
             _cache._grow_live(self._cache, self._state, num_blocks)
 
@@ -285,7 +290,8 @@ class Joined:
         if missing <= 0 or plan is None or _cache._capturing(state):
             return False
         before = state.committed_sectors
-        want = max(missing, plan.step_sectors)
+        # Whole granules past the trash: what a commit keeps and a donor lends.
+        want = plan.aligned_up(before + max(missing, plan.step_sectors)) - before
         if self.busy():
             # Others run meanwhile: what is offered is taken at a later step, and this
             # request is scheduled then. Asked once a millisecond at most (every waiting
