@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -89,10 +88,6 @@ class Proc:
         status, *result = self.conn.recv()
         assert status == "ok", f"{self.name}: {result[0]}"
         return result[0], result[1]
-
-    def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-        self.process.join(timeout=10)
 
     def stop(self) -> None:
         if self.process.is_alive():
