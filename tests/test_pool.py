@@ -616,8 +616,15 @@ def test_member_arguments_are_checked(tmp_path: Path) -> None:
             PoolMember(pool, "a", c, min_blocks=0, max_blocks=65, free_tail_blocks=free)
         with pytest.raises(ValueError, match="need 0 <= min_blocks <= max_blocks <= capacity"):
             PoolMember(pool, "a", c, min_blocks=9, max_blocks=8, free_tail_blocks=free).join()
-    with cache(export_handle_types=0) as c, pytest.raises(ValueError, match="posix_fd"):
-        PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=lambda: 0)
+    with cache(export_handle_types=0) as c:
+        with pytest.raises(ValueError, match="posix_fd"):
+            PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=lambda: 0)
+        # Through the driver nothing is exported: any cache of its own memory will do.
+        PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=free, via="driver")
+        with pytest.raises(ValueError, match="via must be one of 'loan', 'driver', not 'dma'"):
+            PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=free, via="dma")
+    with cache(legacy=True) as c, pytest.raises(ValueError, match="legacy"):
+        PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=free, via="driver")
 
 
 def test_two_members_in_one_process_lend_recall_and_leave(tmp_path: Path) -> None:
@@ -681,6 +688,67 @@ def test_two_members_in_one_process_lend_recall_and_leave(tmp_path: Path) -> Non
         assert (ca.committed_blocks, cb.committed_blocks) == (32, 16)
         assert bool(ca.views["attn"][:, :10].eq(3).all())  # type: ignore[call-overload]
         assert pool.snapshot().loans == {}
+        b.leave()
+        a.leave()
+        assert pool.snapshot().engines == {}
+
+
+def test_via_the_driver_a_donor_releases_and_the_needy_engine_commits(tmp_path: Path) -> None:
+    """`via="driver"`, kvcached's way: asked for blocks, the donor gives its free top blocks
+    back to the driver (at a handle boundary, its used blocks kept) instead of lending them,
+    the request ends with no loan, and the needy engine's next request commits them from the
+    device's free memory. Same policy and ledger: the pool never holds more than its share."""
+    pool = Pool("test", directory=tmp_path)
+    share = 48 * 2 * 4096
+    pool.set_share("cpu", share)
+    used = {"a": 0, "b": 0}
+    with cache(export_handle_types=0) as ca, cache(export_handle_types=0) as cb:
+        members = {
+            name: PoolMember(
+                pool,
+                name,
+                c,
+                min_blocks=4,
+                max_blocks=64,
+                commit_step_blocks=4,
+                free_tail_blocks=lambda c=c, name=name: c.committed_blocks - used[name],
+                via="driver",
+            )
+            for name, c in (("a", ca), ("b", cb))
+        }
+        a, b = members["a"], members["b"]
+        a.join()
+        b.join()
+        assert a.grow(32) == 32
+        used["a"] = 10
+        ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
+        a.serve()
+        plan = [(d.action, d.peer, d.blocks) for d in b.request(40)]
+        assert plan == [("commit", "", 16), ("ask", "a", 20), ("wait", "", 4)]
+        assert rules.used_bytes(pool.snapshot(), "cpu") == share
+        a.serve()  # releases 20 blocks: 10 used + 2 free kept (a handle boundary)
+        assert ca.committed_blocks == 12 and ca.physical_bytes == 12 * 2 * 4096
+        assert ca.buffers[0].lent_bytes == 0 and ca.buffers[0].pending_release_bytes == 0
+        assert bool(ca.views["attn"][:, :10].eq(3).all())  # type: ignore[call-overload]
+        ledger = pool.snapshot()
+        assert ledger.loans == {} and rules.check(ledger) == []
+        events = [e.text for e in ledger.events]
+        assert "loan 1: a released 20 blocks to the driver for b" in events
+        assert rules.used_bytes(ledger, "cpu") == share - 20 * 2 * 4096
+        # The next request finds them free on the device, and commits them.
+        plan = [(d.action, d.peer, d.blocks) for d in b.request(24)]
+        assert plan[0] == ("commit", "", 20)
+        assert cb.committed_blocks == 36 and cb.buffers[0].borrowed_bytes == 0
+        ledger = pool.snapshot()
+        assert rules.check(ledger) == [] and rules.used_bytes(ledger, "cpu") == share
+        # A donor whose top blocks are live releases nothing, and says why.
+        used["b"] = 36
+        assert [(d.action, d.peer) for d in a.request(8)] == [("ask", "b")]
+        b.serve()
+        assert cb.committed_blocks == 36
+        a.serve()
+        (refused,) = [e.text for e in pool.snapshot().events if "refuses" in e.text]
+        assert "its top 32 blocks above its minimum are live" in refused
         b.leave()
         a.leave()
         assert pool.snapshot().engines == {}

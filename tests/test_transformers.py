@@ -530,7 +530,14 @@ def bindings(tf: Any) -> dict[tuple[str, str], Any]:
             for attr in ("PagedAttentionCache", "PagedAttentionMemoryHandler"):
                 if attr in vars(module):
                     found[(name, attr)] = vars(module)[attr]
-    for attr in ("warmup", "_create_batch_processor", "pause", "stop"):
+    for attr in (
+        "warmup",
+        "_create_batch_processor",
+        "_run_generation_loop",
+        "_generation_loop_body",
+        "pause",
+        "stop",
+    ):
         found[("ContinuousBatchingManager", attr)] = vars(api.ContinuousBatchingManager)[attr]
     return found
 

@@ -6,15 +6,17 @@ limits and holdings), the loans in flight, and the share of each device the pool
 lives under a lock that the kernel drops when its holder dies, is replaced whole on every
 change, and is recovered by whoever takes the lock next: a dead engine leaves, its loans return
 to their lenders (`extensible_kv.pool.rules`). The policy (`extensible_kv.pool.policy`) is pure
-functions of the ledger. An engine takes part through a `PoolMember` over its
-`ExtensibleKVCache`: it joins, calls `serve()` between its steps, and asks with `grow(n)` or
-`request(n)`; memory moves as loans of whole blocks (`ExtensibleKVCache.lend` / `borrow`).
+functions of the ledger. An engine takes part through a `PoolMember` over its cache (a
+`PoolCache`: an `ExtensibleKVCache`, or transformers' through
+`extensible_kv.transformers.enable(pool=...)`): it joins, calls `serve()` between its steps,
+and asks with `grow(n)` or `request(n)`; memory moves as loans of whole blocks
+(`ExtensibleKVCache.lend` / `borrow`), or through the driver (`via="driver"`).
 
 `python -m extensible_kv pool status|limit|share|watch|reset` reads and changes it.
 """
 
 from extensible_kv.pool.ledger import Engine, Ledger, LedgerCorruptError, LoanEntry
-from extensible_kv.pool.member import PoolMember
+from extensible_kv.pool.member import PoolCache, PoolMember
 from extensible_kv.pool.policy import Decision
 from extensible_kv.pool.store import Pool, PoolLockTimeout
 
@@ -25,6 +27,7 @@ __all__ = [
     "LedgerCorruptError",
     "LoanEntry",
     "Pool",
+    "PoolCache",
     "PoolLockTimeout",
     "PoolMember",
 ]

@@ -1,5 +1,6 @@
 """An engine's side of the pool: `PoolMember` joins, heartbeats, asks for blocks and, as a
-donor, lends whole blocks of its `ExtensibleKVCache`.
+donor, lends whole blocks of its cache (a `PoolCache`: an `ExtensibleKVCache`, or
+transformers' cache through `extensible_kv.transformers`).
 
 No daemon: requests and answers go through the ledger itself. A needy engine posts a request
 (`asked`) to each donor the policy picks; the donor, at its next `serve()`, lends its free top
@@ -13,6 +14,11 @@ Call `serve()` from the engine's own thread between its steps, often (it is the 
 a donor answers only there): a lend takes blocks away from the cache, which must not happen
 while a step uses them. `free_tail_blocks()` says how many top blocks the engine does not use
 now; the engine learns the cache's new size from `on_resize(committed_blocks)`.
+
+`via="driver"` moves memory as kvcached does, for comparison: a donor answers a request by
+giving its free top blocks back to the driver (`shrink_to`, then `wait_released`), and the
+needy engine commits them from the device's free memory (a create, after the driver's scrub).
+Same ledger, policy and log; only the donor's answer differs.
 """
 
 from __future__ import annotations
@@ -22,26 +28,75 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extensible_kv import _args
 from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
 from extensible_kv.ipc import Loan
-from extensible_kv.kv_cache import ExtensibleKVCache
 from extensible_kv.pool import _proc, rules
 from extensible_kv.pool.ledger import Engine, Ledger, LoanEntry
 from extensible_kv.pool.policy import Decision, plan_answer, plan_grow, plan_release
 from extensible_kv.pool.store import Pool
 
+if TYPE_CHECKING:
+    from extensible_kv.sizing import CacheFootprint
+    from extensible_kv.tensor import ExtensibleTensor
+
 logger = logging.getLogger("extensible_kv.pool")
 
-__all__ = ["PoolMember"]
+__all__ = ["VIAS", "PoolCache", "PoolMember"]
+
+# How a donor's memory reaches a needy engine: as a loan of its handles, or through the driver
+# (released, then created again by the needy engine).
+VIAS = ("loan", "driver")
+
+
+class PoolCache(Protocol):
+    """What `PoolMember` drives: a cache of whole blocks, each buffer an `ExtensibleTensor`
+    of `num_segments` segments that grow by `segment_block_bytes` a block, whose
+    `footprint().leading_blocks` blocks sit below block 0 in every segment (transformers'
+    trash sectors; none in an `ExtensibleKVCache`). It commits, shrinks, lends, borrows, gives
+    back and reclaims whole blocks as `ExtensibleKVCache` does, which is one;
+    `extensible_kv.transformers` adapts transformers' cache to it."""
+
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def committed_blocks(self) -> int: ...
+    @property
+    def physical_bytes(self) -> int: ...
+    @property
+    def legacy(self) -> bool: ...
+    @property
+    def buffers(self) -> tuple[ExtensibleTensor, ...]: ...
+    @property
+    def num_segments(self) -> tuple[int, ...]: ...
+    @property
+    def segment_block_bytes(self) -> tuple[int, ...]: ...
+    def footprint(self) -> CacheFootprint: ...
+    def commit(self, num_blocks: int) -> None: ...
+    def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None: ...
+    def wait_released(self, timeout: float | None = None) -> bool: ...
+    def lend(self, num_blocks: int, *, stream: int | None = None) -> tuple[Loan, ...]: ...
+    def borrow(
+        self, loans: Sequence[Loan], *, zero: bool = True, stream: int | None = None
+    ) -> int: ...
+    def give_back(self, loans: Sequence[Loan], *, stream: int | None = None) -> None: ...
+    def reclaim(
+        self,
+        loans: Sequence[Loan],
+        *,
+        zero: bool = True,
+        timeout: float | None = None,
+        stream: int | None = None,
+    ) -> None: ...
 
 
 class PoolMember:
-    """Engine `name` of `pool` (a `Pool`, or a pool name), over `cache`, created with
-    `export_handle_types="posix_fd"` (loans travel as POSIX fds).
+    """Engine `name` of `pool` (a `Pool`, or a pool name), over `cache` (a `PoolCache`),
+    created with `export_handle_types="posix_fd"` (loans travel as POSIX fds) unless `via` is
+    `"driver"`.
 
     `min_blocks` it never lends below; `max_blocks` it never grows past (at most the cache's
     capacity). `free_tail_blocks()` returns how many of its top committed blocks it does not
@@ -53,13 +108,16 @@ class PoolMember:
     `take_timeout_s` is taken back. A loan is whole physical handles: `commit_step_blocks`
     commits free memory in steps of that many blocks, so that each step's handles can be lent
     on their own later (a CUDA cache's handles are at most 1 GiB anyway). `move=True` (moving
-    live blocks down before lending) is not built: `NotImplementedError`."""
+    live blocks down before lending) is not built: `NotImplementedError`. `via` is how it
+    answers a request as a donor: `"loan"` lends its free top blocks' handles, `"driver"`
+    gives them back to the driver for the needy engine to commit (see the module's
+    docstring)."""
 
     def __init__(
         self,
         pool: Pool | str,
         name: str,
-        cache: ExtensibleKVCache,
+        cache: PoolCache,
         *,
         min_blocks: int,
         max_blocks: int,
@@ -72,7 +130,11 @@ class PoolMember:
         take_timeout_s: float = 1.0,
         commit_step_blocks: int | None = None,
         stream: int | None = None,
+        via: str = "loan",
     ) -> None:
+        if via not in VIAS:
+            raise ValueError(f"via must be one of {', '.join(map(repr, VIAS))}, not {via!r}")
+        self.via = via
         self.pool = Pool(pool) if isinstance(pool, str) else pool
         self.name = name
         self.cache = cache
@@ -88,10 +150,12 @@ class PoolMember:
                 "move=True (moving live blocks down before lending them, the run-time "
                 "resize's move) is not built: a donor lends its free top blocks only"
             )
-        if cache.legacy or not all(t.export_handle_types & 1 for t in cache.buffers):
+        if cache.legacy:
+            raise ValueError("a pool member's cache cannot be legacy (plain torch memory)")
+        if via == "loan" and not all(t.export_handle_types & 1 for t in cache.buffers):
             raise ValueError(
                 "a pool member lends and borrows blocks as POSIX fds: create its cache with "
-                "export_handle_types='posix_fd' (and not legacy)"
+                "export_handle_types='posix_fd' (or join with via='driver')"
             )
         self.free_tail_blocks = free_tail_blocks
         self.on_resize = on_resize
@@ -325,6 +389,9 @@ class PoolMember:
             decision = plan_answer(ledger, self.name, loan.loan_id, free_tail_blocks=free_tail)
             if decision.action == "lend":
                 decision = _at_a_handle_boundary(decision, engine.committed_blocks, points)
+            if decision.action == "lend" and self.via == "driver":
+                why = f"{decision.reason}; released to the driver, not lent"
+                decision = dataclasses.replace(decision, action="release", reason=why)
             self._log(decision)
             if decision.action == "refuse":
                 rules.refuse(ledger, loan.loan_id, decision.reason, self.pool.clock())
@@ -335,6 +402,9 @@ class PoolMember:
         return lends
 
     def _lend(self, decision: Decision) -> None:
+        if self.via == "driver":
+            self._release_for(decision)
+            return
         keep = self.cache.committed_blocks - decision.blocks
         try:
             loans = self.cache.lend(keep, stream=self.stream)
@@ -365,6 +435,30 @@ class PoolMember:
             with self.pool.transaction() as ledger:
                 self._record(ledger)
             self._resized()
+
+    def _release_for(self, decision: Decision) -> None:
+        """`via="driver"`'s answer: the blocks go back to the driver, and the request ends;
+        the needy engine's next request finds them free on the device."""
+        keep = self.cache.committed_blocks - decision.blocks
+        try:
+            self._shrink(keep)
+        except ValueError as error:  # its top blocks are no longer free, say
+            with self.pool.transaction() as ledger:
+                why = f"cannot release: {error}"
+                rules.refuse(ledger, decision.loan_id, why, self.pool.clock())
+                self._record(ledger)
+            return
+        with self.pool.transaction() as ledger:
+            rules.released(ledger, decision.loan_id, decision.blocks, self.pool.clock())
+            self._record(ledger)
+
+    def _shrink(self, keep: int) -> None:
+        """Shrinks the cache to `keep` blocks (a handle boundary) and waits until the memory
+        is the driver's: before the ledger says so, or another engine could count on memory
+        the device still holds."""
+        self.cache.shrink_to(keep)
+        self.cache.wait_released()
+        self._resized()
 
     def _reclaim(self, entry: LoanEntry, timeout: float) -> bool:
         loans = _loans(entry)
@@ -404,13 +498,9 @@ class PoolMember:
             cut = min((k for k in _lend_points(self.cache) if k >= target), default=committed)
             if cut == committed:
                 return
-            self.cache.shrink_to(cut)
-            # Given back to the pool: gone before the ledger says so, or another engine could
-            # count on memory the device still holds.
-            self.cache.wait_released()
+            self._shrink(cut)
             with self.pool.transaction() as ledger:
                 self._record(ledger)
-            self._resized()
             return
         with self.pool.transaction() as ledger:
             entry = ledger.loans.get(decision.loan_id)
@@ -489,26 +579,24 @@ class PoolMember:
         self._last_plan = plan
 
 
-def _lend_points(cache: ExtensibleKVCache) -> set[int]:
+def _lend_points(cache: PoolCache) -> set[int]:
     """The block counts a lend may keep: those where every segment of every buffer has a
     handle starting exactly at the cut, since a loan is whole handles (a handle that straddles
-    the cut stays with the lender) and must be whole blocks of every buffer."""
+    the cut stays with the lender) and must be whole blocks of every buffer. Block 0 lies
+    `leading_blocks` blocks into each segment."""
     points: set[int] | None = None
+    leading = cache.footprint().leading_blocks
     for tensor, block_bytes in zip(cache.buffers, cache.segment_block_bytes, strict=True):
         g = tensor.granularity
         starts = {first * g for first, _ in tensor.handle_runs()}
+        firsts = [offset + leading * block_bytes for offset in tensor.segment_offsets]
         if points is None:
-            offset = tensor.segment_offsets[0]
             points = {
-                (start - offset) // block_bytes
+                (start - firsts[0]) // block_bytes
                 for start in starts
-                if start >= offset and (start - offset) % block_bytes == 0
+                if start >= firsts[0] and (start - firsts[0]) % block_bytes == 0
             }
-        points = {
-            k
-            for k in points
-            if all(offset + k * block_bytes in starts for offset in tensor.segment_offsets)
-        }
+        points = {k for k in points if all(first + k * block_bytes in starts for first in firsts)}
     return {k for k in points or () if k < cache.committed_blocks}
 
 
@@ -524,13 +612,13 @@ def _at_a_handle_boundary(decision: Decision, committed: int, points: set[int]) 
     return dataclasses.replace(decision, blocks=max(fits))
 
 
-def _layout(cache: ExtensibleKVCache) -> str:
+def _layout(cache: PoolCache) -> str:
     """What two caches must share for one to borrow the other's blocks."""
     granularity = [t.granularity for t in cache.buffers]
     return json.dumps([list(cache.num_segments), list(cache.segment_block_bytes), granularity])
 
 
-def _loan_blocks(cache: ExtensibleKVCache, loan: Loan) -> int:
+def _loan_blocks(cache: PoolCache, loan: Loan) -> int:
     return loan.num_bytes // (cache.num_segments[0] * cache.segment_block_bytes[0])
 
 

@@ -29,7 +29,8 @@ __all__ = ["Decision", "plan_answer", "plan_grow", "plan_release", "unresponsive
 @dataclass(frozen=True)
 class Decision:
     """What `engine` should do: `commit` blocks of free memory; `ask` `peer` to lend it
-    blocks; `recall` loan `loan_id` it lent to `peer`; `lend` blocks for loan `loan_id`;
+    blocks; `recall` loan `loan_id` it lent to `peer`; `lend` blocks for loan `loan_id`
+    (`release` them to the driver instead, for a member that moves memory `via="driver"`);
     `refuse` it; `give_back` loan `loan_id`; `shrink` by blocks; `wait` (nothing to do now).
     `reason` says why, for the log."""
 

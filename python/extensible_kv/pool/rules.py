@@ -34,6 +34,7 @@ __all__ = [
     "reclaimed",
     "record",
     "refuse",
+    "released",
     "returned",
     "set_limits",
     "set_share",
@@ -205,6 +206,21 @@ def refuse(ledger: Ledger, loan_id: int, reason: str, now: float) -> None:
     if loan is not None and loan.state == "asked":
         loan.state, loan.reason = "refused", reason
         _log(ledger, now, f"loan {loan_id}: {loan.lender} refuses: {reason}")
+
+
+def released(ledger: Ledger, loan_id: int, blocks: int, now: float) -> None:
+    """The lender answered request `loan_id` through the driver (`via="driver"`): it gave
+    `blocks` back to the device, which the borrower commits at its next request. The request
+    ends here: no memory changes owner, so nothing follows it."""
+    loan = ledger.loans.get(loan_id)
+    if loan is not None and loan.state in ("asked", "expired"):
+        del ledger.loans[loan_id]
+        _log(
+            ledger,
+            now,
+            f"loan {loan_id}: {loan.lender} released {blocks} blocks to the driver for "
+            f"{loan.borrower or 'a borrower that is gone'}",
+        )
 
 
 def took(ledger: Ledger, entry: LoanEntry, start_block: int, now: float) -> None:

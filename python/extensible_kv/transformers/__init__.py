@@ -12,6 +12,10 @@ graphs, from the memory really left (`Extended KV cache to N blocks (X GiB)` on 
 caps it. `release(manager)` / `resume(manager)` give the memory back and take it again while
 the manager and its graphs live (RL loops); `resize(manager, num_blocks)` grows or shrinks it
 while requests run, and `enable(auto_resize=True)` lets it follow the load (`AutoResize`).
+`enable(pool="name", min_blocks=..., max_blocks=...)` puts every manager's cache in a node
+pool shared with other engines on the device (`extensible_kv.pool`): it starts at
+`min_blocks`, grows through the pool on demand and lends its free blocks between its steps,
+in the pool while its generation loop runs (`extensible_kv.transformers.pooled`).
 transformers' code is not changed; `disable()`
 puts back every object it replaced. Not supported: tensor parallelism, transformers < 5.18
 (per-layer tensors) and versions past the tested range (refused with the range named).

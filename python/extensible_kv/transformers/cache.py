@@ -48,10 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -63,6 +66,9 @@ from extensible_kv import _args, _native, flow, sizing
 from extensible_kv._native import OutOfMemoryError, UnsupportedError
 from extensible_kv.flow import ExtendReport
 from extensible_kv.layouts import round_up
+from extensible_kv.pool.ledger import ENGINE_NAME
+from extensible_kv.pool.member import VIAS
+from extensible_kv.pool.store import Pool
 from extensible_kv.tensor import ExtensibleTensor
 
 if TYPE_CHECKING:
@@ -128,6 +134,17 @@ class Options:
       device's; the device's by default).
     - `auto_resize`: an `AutoResize` policy (`True`: its defaults), or None: the cache keeps
       the extension's size until `resize`.
+    - `pool`: a node pool (`extensible_kv.pool.Pool`, or its name) that every manager's
+      cache joins while its generation loop runs (docs/design.md §11): the extension commits
+      `min_blocks` (default 1), the cache grows through the pool up to `max_blocks` (default:
+      what the extension measured as fitting), and lends its free top blocks to the pool's
+      other engines. Not with `auto_resize` (the pool sizes the cache).
+    - `engine`: the engine's name in the pool (default `transformers-<pid>-<n>`, unique in
+      the process); a name two live engines share is refused when the second joins.
+    - `pool_via`: how a donor's memory moves, `"loan"` (its handles change owner) or
+      `"driver"` (released, then created again by the needy engine, as kvcached does).
+    - `pool_step_blocks`: the blocks the cache commits at a time, which are also the
+      smallest unit it can lend (default: a sixteenth of `max_blocks`).
     """
 
     budget_bytes: int | None = None
@@ -135,6 +152,12 @@ class Options:
     margin_bytes: int | None = None
     granularity: int | None = None
     auto_resize: AutoResize | None = None
+    pool: Pool | str | None = None
+    min_blocks: int | None = None
+    max_blocks: int | None = None
+    engine: str | None = None
+    pool_via: str = "loan"
+    pool_step_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
@@ -154,6 +177,52 @@ class Options:
                 f"granularity {granularity} must be a power of two (a power-of-two multiple "
                 "of the device's granule: 2 MiB on CUDA, the page size on the host)"
             )
+        self._check_pool_options()
+
+    def _check_pool_options(self) -> None:
+        for name in ("min_blocks", "max_blocks", "pool_step_blocks"):
+            value = _args.optional_size(getattr(self, name), name, minimum=1)
+            object.__setattr__(self, name, value)
+        pool = self.pool
+        if pool is None:
+            given = [
+                name
+                for name in ("min_blocks", "max_blocks", "engine", "pool_step_blocks")
+                if getattr(self, name) is not None
+            ]
+            if given or self.pool_via != "loan":
+                named = ", ".join(given or ["pool_via"])
+                raise ValueError(
+                    f"{named} without pool: they size a cache in a node pool; give "
+                    "pool='name' too (or auto_resize=AutoResize(...) for a cache of its own)"
+                )
+            return
+        if not isinstance(pool, str | Pool):
+            raise TypeError(f"pool must be a pool's name or a Pool, not {type(pool).__name__}")
+        if isinstance(pool, str) and not ENGINE_NAME.match(pool):
+            raise ValueError(
+                f"pool {pool!r}: 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit"
+            )
+        if self.auto_resize is not None:
+            raise ValueError(
+                "pool and auto_resize both size the cache: give one (the pool grows it on "
+                "demand, through the other engines, and takes back what they give back)"
+            )
+        if self.engine is not None and (
+            not isinstance(self.engine, str) or not ENGINE_NAME.match(self.engine)
+        ):
+            raise ValueError(
+                f"engine {self.engine!r}: 1 to 64 letters, digits, '.', '_' or '-', starting "
+                "with a letter or digit"
+            )
+        if self.pool_via not in VIAS:
+            raise ValueError(
+                f"pool_via must be one of {', '.join(map(repr, VIAS))}, not {self.pool_via!r}"
+            )
+        low, high = self.min_blocks, self.max_blocks
+        if low is not None and high is not None and high < low:
+            raise ValueError(f"max_blocks {high} is below min_blocks {low}")
 
 
 @dataclass
@@ -188,6 +257,8 @@ class _State:
     pause: _PauseHolder | None = None  # the manager's pause while released (a running loop)
     guarded: Any = None  # the manager whose `start` and `stop` are guarded while released
     auto: _Auto | None = None  # the automatic policy, set by `extend` when asked
+    pool_plan: PoolPlan | None = None  # the cache's place in a node pool, set by `extend`
+    pooled: Any = None  # its `pooled.Joined` while its loop runs in the pool
     # Held by every resize (`resize`, the policy's): one at a time.
     resizing: threading.Lock = field(default_factory=threading.Lock, repr=False)
     report: ExtendReport | None = field(default=None, repr=False)
@@ -200,6 +271,10 @@ class _State:
     def blocks(self, sectors: int) -> int:
         """Sectors in transformers' whole-model blocks."""
         return sectors * self.bytes_per_sector // self.bytes_per_block
+
+    def sectors(self, blocks: int) -> int:
+        """The sectors that hold `blocks` of transformers' whole-model blocks (rounded up)."""
+        return math.ceil(blocks * self.bytes_per_block / self.bytes_per_sector)
 
     def commit(self, data_sectors: int) -> None:
         """Grows the tensor to the trash plus `data_sectors` (zeroed), finished on the device
@@ -360,8 +435,14 @@ def _cache_class(base: Any, pool_class: type) -> type:
         read_sectors = min(build.estimate_sectors, capacity)
         granularity = sizing.device_granularity(device, build.options.granularity)
         num_bytes = (TRASH_SECTORS + capacity) * bytes_per_sector
+        # Loans travel as POSIX fds: a cache that may lend its handles exports them.
+        lends = build.options.pool is not None and build.options.pool_via == "loan"
         tensor = ExtensibleTensor(
-            round_up(num_bytes, granularity), 1, device, granularity=build.options.granularity
+            round_up(num_bytes, granularity),
+            1,
+            device,
+            granularity=build.options.granularity,
+            export_handle_types="posix_fd" if lends else 0,
         )
         try:
             state = _State(
@@ -520,6 +601,10 @@ def extend(cache: Any, *, transient_peak_bytes: int | None = None) -> ExtendRepo
     if options.auto_resize is not None:
         state.auto = _Auto.within(state, options.auto_resize, max(fit, 1))
         target = min(fit, state.auto.min_sectors)
+    elif options.pool is not None:
+        plan = state.pool_plan = PoolPlan.within(state, max(fit, 1))
+        # What the warm-up committed stays; the end is made a granule boundary for borrows.
+        target = plan.aligned_up(max(min(fit, plan.min_sectors), state.committed_sectors))
     state.report = steps.extend_to(target, measured)
     state.final_sectors = state.committed_sectors
     _hand_to_pool(cache, state.final_sectors)
@@ -606,6 +691,16 @@ def _hand_to_pool(cache: Any, sectors: int) -> None:
     cache.pool.reset()
 
 
+def _refuse_pooled(state: _State, what: str) -> None:
+    if state.pool_plan is not None:
+        plan = state.pool_plan
+        raise RuntimeError(
+            f"this manager's KV cache is sized by the node pool it joins (engine "
+            f"{plan.engine}): it cannot {what} on its own; change its limits with "
+            f"`python -m extensible_kv pool limit {plan.engine} --min N --max N`"
+        )
+
+
 def _busy_requests(cache: Any) -> list[str]:
     return sorted({rid for a in cache.cache_allocators.values() for rid in a.block_table})
 
@@ -614,13 +709,12 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
     """See `extensible_kv.transformers.release`."""
     state = _state(cache)
     keep_blocks = _args.size(keep_blocks, "keep_blocks")
+    _refuse_pooled(state, "release")
     if state.final_sectors is None:
         raise RuntimeError(
             "the KV cache is not sized yet: release it after the manager's warm-up or start"
         )
-    keep = min(
-        math.ceil(keep_blocks * state.bytes_per_block / state.bytes_per_sector), state.final_sectors
-    )
+    keep = min(state.sectors(keep_blocks), state.final_sectors)
     with state.resizing:  # not while a resize (the policy's, say) runs
         if state.released:
             raise RuntimeError("the KV cache is already released: call resume(manager) first")
@@ -685,6 +779,60 @@ def resume(cache: Any) -> None:
     )
 
 
+# Numbers the engines a process puts in pools without a name of their own.
+_ENGINE_SERIAL = itertools.count()
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The cache's place in a node pool (`enable(pool=...)`), in sectors: the extension
+    commits `min_sectors`, and the cache grows through the pool up to `max_sectors`,
+    `step_sectors` at a time (the smallest unit it lends), as engine `engine`.
+
+    Where a sector is not whole granules (`align_sectors` > 1 sectors a granule), the counts
+    are ones whose committed end, past the trash, is a granule boundary: a borrow maps there,
+    and a loan is whole granules. Commits round down to such a count (`aligned_down`), so a
+    commit never takes more than the pool counted."""
+
+    pool: Pool | str
+    engine: str
+    via: str
+    min_sectors: int
+    max_sectors: int
+    step_sectors: int
+    align_sectors: int
+    capacity_sectors: int
+
+    @classmethod
+    def within(cls, state: _State, fit_sectors: int) -> PoolPlan:
+        """The options' limits in sectors, within the reservation; the most is what the
+        extension measured as fitting (`fit_sectors`) unless `max_blocks` says otherwise."""
+        options = state.options
+        assert options.pool is not None
+        granularity = state.tensor.granularity
+        align = granularity // math.gcd(state.bytes_per_sector, granularity)
+        capacity = state.capacity_sectors
+        engine = options.engine or f"transformers-{os.getpid()}-{next(_ENGINE_SERIAL)}"
+        plan = cls(options.pool, engine, options.pool_via, 0, 0, 0, align, capacity)
+        least = plan.aligned_up(min(state.sectors(options.min_blocks or 1), capacity))
+        most = fit_sectors if options.max_blocks is None else state.sectors(options.max_blocks)
+        most = max(plan.aligned_down(min(most, capacity)), least)
+        step = state.sectors(options.pool_step_blocks or 0) or max(1, most // 16)
+        step = math.ceil(step / align) * align
+        return dataclasses.replace(plan, min_sectors=least, max_sectors=most, step_sectors=step)
+
+    def aligned_up(self, sectors: int) -> int:
+        """The least count from `sectors` up whose end is a granule boundary (the capacity
+        at most)."""
+        return min(
+            sectors + (-(TRASH_SECTORS + sectors)) % self.align_sectors, self.capacity_sectors
+        )
+
+    def aligned_down(self, sectors: int) -> int:
+        """The most count up to `sectors` whose end is a granule boundary."""
+        return sectors - (TRASH_SECTORS + sectors) % self.align_sectors
+
+
 @dataclass
 class _Auto:
     """`AutoResize` in sectors, with what the policy observes."""
@@ -702,9 +850,7 @@ class _Auto:
         """The policy's bounds, in sectors: the most is what the extension measured as fitting
         (`fit_sectors`) unless `max_blocks` says otherwise, within the reservation."""
 
-        def sectors(blocks: int) -> int:
-            return math.ceil(blocks * state.bytes_per_block / state.bytes_per_sector)
-
+        sectors = state.sectors
         most = fit_sectors if policy.max_blocks is None else sectors(policy.max_blocks)
         most = min(most, state.capacity_sectors)
         least = min(sectors(policy.min_blocks), most)
@@ -723,6 +869,8 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
     `request` (on the generation loop's thread, which is then not computing): grows by what it
     lacks, at least a step, up to the most. True when it grew."""
     state = _state(cache)
+    if state.pooled is not None:  # in a node pool: it grows through the pool
+        return bool(state.pooled.grow_on_demand(missing_sectors(cache, request, request_len)))
     auto = state.auto
     auto_active = auto is not None and not state.released and state.final_sectors is not None
     if not auto_active or not state.resizing.acquire(blocking=False):
@@ -730,18 +878,7 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
     try:
         assert auto is not None and state.final_sectors is not None
         auto.last_active = time.monotonic()
-        needed = sum(
-            max(
-                0,
-                int(
-                    allocator.needs_new_sectors(
-                        request.request_id, request.current_len(), request_len
-                    )
-                ),
-            )
-            for allocator in cache.cache_allocators.values()
-        )
-        missing = needed - len(cache.pool.free_sectors)
+        missing = missing_sectors(cache, request, request_len)
         final = state.final_sectors
         target = min(auto.max_sectors, final + max(missing, auto.step_sectors))
         if missing <= 0 or target <= final or _capturing(state):
@@ -762,6 +899,17 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
         return True
     finally:
         state.resizing.release()
+
+
+def missing_sectors(cache: Any, request: Any, request_len: int) -> int:
+    """The sectors `request` needs for `request_len` more tokens beyond the pool's free ones
+    (transformers' own count, as `can_store_request_tokens` makes it)."""
+    past = request.current_len()
+    needed = sum(
+        max(0, int(allocator.needs_new_sectors(request.request_id, past, request_len)))
+        for allocator in cache.cache_allocators.values()
+    )
+    return needed - len(cache.pool.free_sectors)
 
 
 def _capturing(state: _State) -> bool:
@@ -827,6 +975,7 @@ def resize(
     """See `extensible_kv.transformers.resize`."""
     state = _state(cache)
     num_blocks = _args.size(num_blocks, "num_blocks", minimum=1)
+    _refuse_pooled(state, "resize")
     if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
         raise ValueError(f"timeout must be None or a number of seconds >= 0, not {timeout!r}")
     if state.final_sectors is None:
@@ -839,10 +988,7 @@ def resize(
             f"num_blocks {num_blocks} is more than the reservation holds ({capacity} blocks, "
             "fixed when the cache was built: a num_blocks in the ContinuousBatchingConfig caps it)"
         )
-    target = min(
-        math.ceil(num_blocks * state.bytes_per_block / state.bytes_per_sector),
-        state.capacity_sectors,
-    )
+    target = min(state.sectors(num_blocks), state.capacity_sectors)
     start = time.perf_counter()
     tensor, final = state.tensor, state.final_sectors
     before = (state.blocks(final), tensor.physical_bytes, tensor.num_handles)
@@ -894,14 +1040,46 @@ def _paused(manager: Any) -> Iterator[None]:
 
 def _grow_live(cache: Any, state: _State, target: int) -> None:
     """Commits up to `target` data sectors (zeroed) and gives the new ones to the pool, with
-    requests in flight (the loop paused)."""
+    requests in flight (the loop paused, or on its own thread between steps)."""
     flow.refuse_while_capturing(state.device, "resize")
+    state.commit(target)
+    set_pool_size(cache, state, target)
+
+
+def set_pool_size(cache: Any, state: _State, sectors: int) -> None:
+    """transformers' pool holds `sectors` data sectors, all committed: the ones past its
+    size before join its free list; fewer, and the ones past `sectors` must have left it
+    already (`take_out_of_pool`)."""
     final = state.final_sectors
     assert final is not None
-    state.commit(target)
-    cache.pool.free_sectors[:0] = range(TRASH_SECTORS + final, TRASH_SECTORS + target)
-    state.final_sectors = target
-    _set_num_sectors(cache, target)
+    if sectors > final:
+        cache.pool.free_sectors[:0] = range(TRASH_SECTORS + final, TRASH_SECTORS + sectors)
+    state.final_sectors = sectors
+    _set_num_sectors(cache, sectors)
+
+
+def take_out_of_pool(cache: Any, state: _State, target: int) -> bool:
+    """Takes the data sectors at and past `target` out of transformers' pool if they are all
+    free now (blocks cached only for prefix sharing are evicted first; a sector a request
+    holds is never taken): whether it did. Nothing changes when it did not, but evictions."""
+    pool, cut = cache.pool, TRASH_SECTORS + target
+    final = state.final_sectors
+    assert final is not None
+    if _requests_holding(cache, cut):
+        return False
+    _evict_cached_blocks(cache, cut)
+    pool.try_to_free_sectors()
+    if sum(sector >= cut for sector in pool.free_sectors) != final - target:
+        return False
+    pool.free_sectors[:] = [sector for sector in pool.free_sectors if sector < cut]
+    return True
+
+
+def put_back_in_pool(cache: Any, state: _State, target: int) -> None:
+    """Undoes `take_out_of_pool(cache, state, target)` when what followed it failed."""
+    final = state.final_sectors
+    assert final is not None
+    cache.pool.free_sectors.extend(range(TRASH_SECTORS + target, TRASH_SECTORS + final))
 
 
 def _shrink_live(
@@ -911,9 +1089,7 @@ def _shrink_live(
     cached only for prefix sharing are evicted first); until then the pool keeps them, so the
     requests in flight may still grow into them while the loop runs between the tries. Past
     `timeout`, `TimeoutError` names the requests that hold them, and nothing has changed."""
-    pool, cut = cache.pool, TRASH_SECTORS + target
-    final = state.final_sectors
-    assert final is not None
+    cut = TRASH_SECTORS + target
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         with _paused(manager):
@@ -921,30 +1097,26 @@ def _shrink_live(
             if busy and move:
                 _move_below(cache, state, cut)
                 busy = _requests_holding(cache, cut)
-            if not busy:
-                _evict_cached_blocks(cache, cut)
-                pool.try_to_free_sectors()
-                if sum(sector >= cut for sector in pool.free_sectors) == final - target:
-                    pool.free_sectors[:] = [sector for sector in pool.free_sectors if sector < cut]
-                    try:
-                        _unmap_past(cache, state, target)
-                    except BaseException:
-                        pool.free_sectors.extend(range(cut, TRASH_SECTORS + final))
-                        raise
-                    return
+            if not busy and take_out_of_pool(cache, state, target):
+                try:
+                    unmap_past(cache, state, target)
+                except BaseException:
+                    put_back_in_pool(cache, state, target)
+                    raise
+                return
         waiting = manager.is_running() and (deadline is None or time.monotonic() < deadline)
         if not waiting:
             raise TimeoutError(_still_held(state, target, busy, timeout))
         time.sleep(0.005)
 
 
-def _unmap_past(cache: Any, state: _State, target: int) -> None:
+def unmap_past(cache: Any, state: _State, target: int) -> None:
     """Unmaps the data sectors at and past `target`, which the pool no longer holds."""
     flow.refuse_while_capturing(state.device, "resize")
     state._synchronize()  # the last steps' kernels may still read them
     state.tensor.shrink_((TRASH_SECTORS + target) * state.bytes_per_sector, exact=True)
-    state.committed_sectors = state.final_sectors = target
-    _set_num_sectors(cache, target)
+    state.committed_sectors = target
+    set_pool_size(cache, state, target)
 
 
 def _still_held(state: _State, target: int, busy: list[str], timeout: float | None) -> str:

@@ -9,7 +9,12 @@
   transformers' own except while our cache is built (see `cache`);
 - `ContinuousBatchingManager.warmup` and `._create_batch_processor` wrappers: the cache is
   extended right after the manager's warm-up (graphs captured), or right after the batch
-  processor is built when no warm-up runs (the generation loop builds it itself);
+  processor is built when no warm-up runs (the generation loop builds it itself); a cache in
+  a node pool joins it there, as the loop starts on its own thread;
+- a `ContinuousBatchingManager._run_generation_loop` wrapper: a cache in a node pool leaves
+  it when the loop ends (on the loop's thread, after its last step). While it is in the pool,
+  the serving hooks are that one manager's instance attributes (`pooled`), gone when it
+  leaves;
 - nothing for `start` and `stop`: while a cache is released, `release` guards that one
   manager's `start` and `stop` (instance attributes, gone at `resume`) rather than
   transformers' class.
@@ -30,7 +35,9 @@ from extensible_kv import _args, _torch
 from extensible_kv._native import UnsupportedError
 from extensible_kv._plugins import Patches, Provides, Recognised, Stack
 from extensible_kv.flow import ExtendReport
+from extensible_kv.pool.store import Pool
 from extensible_kv.transformers import cache as _cache
+from extensible_kv.transformers import pooled as _pooled
 
 # Its public names are the package's (`extensible_kv.transformers.__all__`), listed there once.
 
@@ -66,7 +73,15 @@ TRANSFORMERS = Stack(
         ),
         Provides(
             _MANAGER,
-            methods=("warmup", "_create_batch_processor", "pause", "is_running", "stop"),
+            methods=(
+                "warmup",
+                "_create_batch_processor",
+                "_run_generation_loop",
+                "_generation_loop_body",
+                "pause",
+                "is_running",
+                "stop",
+            ),
         ),
         Provides(_POOL, methods=("reset", "allocate_sector")),
     ),
@@ -140,12 +155,23 @@ def enable(
     margin_bytes: int | None = None,
     granularity: int | None = None,
     auto_resize: _cache.AutoResize | bool | None = None,
+    pool: Pool | str | None = None,
+    min_blocks: int | None = None,
+    max_blocks: int | None = None,
+    engine: str | None = None,
+    pool_via: str = "loan",
+    pool_step_blocks: int | None = None,
 ) -> None:
     """Every continuous-batching manager transformers creates from now on gets an extensible
     KV cache, sized after its warm-up (see `extensible_kv.transformers`). Calling it again
     replaces the options. The options are `Options`' (each described there once), checked
     before anything changes; `UnsupportedError` (nothing patched) on an unsupported
-    transformers."""
+    transformers.
+
+    `enable(pool="name", min_blocks=..., max_blocks=...)` puts every manager's cache in that
+    node pool while its generation loop runs: it starts at `min_blocks`, grows on demand
+    through the pool (the device's free memory first, then the pool's idle engines' free
+    blocks) up to `max_blocks`, and lends its own free top blocks between its steps."""
     _torch.require("extensible_kv.transformers")
     options = _cache.Options(
         budget_bytes,
@@ -153,18 +179,25 @@ def enable(
         margin_bytes,
         granularity,
         auto_resize,  # type: ignore[arg-type]  # True is Options' to turn into the defaults
+        pool,
+        min_blocks,
+        max_blocks,
+        engine,
+        pool_via,
+        pool_step_blocks,
     )
     _apply(options)
 
 
 def _apply(options: _cache.Options) -> None:
     found = _check_version()
-    if options.auto_resize is not None:
+    if options.auto_resize is not None or options.pool is not None:
         cache_class = found[_CACHE]
         if not hasattr(cache_class, "can_store_request_tokens"):
+            what = "auto_resize" if options.pool is None else "pool"
             raise UnsupportedError(
-                "auto_resize needs PagedAttentionCache.can_store_request_tokens, which this "
-                "transformers lacks (the scheduler's check the policy grows at)"
+                f"{what} needs PagedAttentionCache.can_store_request_tokens, which this "
+                "transformers lacks (the scheduler's check the cache grows at)"
             )
     if not _patches:
         _install(found)
@@ -188,6 +221,8 @@ def _install(found: Recognised) -> None:
     _patches.set(manager, "warmup", _wrap_warmup(vars(manager)["warmup"]))
     create = vars(manager)["_create_batch_processor"]
     _patches.set(manager, "_create_batch_processor", _wrap_create(create))
+    run = vars(manager)["_run_generation_loop"]
+    _patches.set(manager, "_run_generation_loop", _wrap_run(run))
 
 
 def disable() -> None:
@@ -242,10 +277,23 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_batch_processor(self: Any, *args: Any, **kwargs: Any) -> Any:
         batch_processor = original(self, *args, **kwargs)
         if not _IN_WARMUP.get():
+            # Outside the warm-up, the generation loop builds it as it starts, on its thread.
             _extend(self, batch_processor, after_warmup=False)
+            _pooled.join(self, batch_processor.cache)
         return batch_processor
 
     return create_batch_processor
+
+
+def _wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def run_generation_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _pooled.leave(self)
+
+    return run_generation_loop
 
 
 def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
@@ -259,8 +307,10 @@ def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
     if report is not None:
         _state["report"] = report
         # transformers memoizes the block count for the next cache it builds (after a stop):
-        # the final size, which then caps that cache and sizes its buffers.
-        manager.continuous_batching_config.num_blocks = cache.num_blocks
+        # the final size, which then caps that cache and sizes its buffers. A pool's cache
+        # starts at its least and grows: its capacity stays the one it was built with.
+        if cache._ekv.pool_plan is None:
+            manager.continuous_batching_config.num_blocks = cache.num_blocks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""A transformers engine process for the pool's tests: a tiny random-weight Llama
+(`test_transformers.build_model`) behind a running continuous-batching manager, created while
+`extensible_kv.transformers.enable(pool=...)` is on, driven by commands over a pipe.
+
+Its generation loop serves the pool on its own thread, as a real engine's does; the commands
+arrive on the process's main thread: `burst` runs the test prompts through the manager and
+returns their greedy tokens, `numbers` what its cache holds, `stop` stops the manager (which
+leaves the pool).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+PAGE_BYTES = 8192  # a sector of the tiny Llama: one block of 16 tokens, 2 layers, fp32
+GRANULE = 4096
+TIMEOUT_S = 120
+
+
+def _main(conn: Any, directory: str, pool_name: str, name: str, options: dict[str, Any]) -> None:
+    import test_transformers as tt
+    import transformers as tf
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool
+
+    try:
+        model = tt.build_model(tf, "llama", "sdpa", "cpu")
+        ekt.enable(
+            pool=Pool(pool_name, directory=directory),
+            engine=name,
+            granularity=GRANULE,
+            **options,
+        )
+        manager = model.init_continuous_batching(
+            generation_config=tt.gen_config(tf),
+            continuous_batching_config=tt.cb_config(tf, "cpu"),
+        )
+        manager.warmup()
+        manager.start()
+        while manager.batch_processor is None or manager.batch_processor.cache._ekv.pooled is None:
+            if not manager.is_running():
+                raise RuntimeError("the generation loop ended before its cache joined the pool")
+            time.sleep(0.005)
+        cache = manager.batch_processor.cache
+        conn.send(("ok", os.getpid()))
+        while True:
+            command, *rest = conn.recv()
+            result: Any = None
+            if command == "burst":
+                prompts = tt.prompts()[: rest[0]] if rest else tt.prompts()
+                ids = manager.add_requests(prompts, max_new_tokens=tt.MAX_NEW_TOKENS)
+                result = tt.collect(manager, ids)
+            elif command == "stop":
+                manager.stop(block=True, timeout=60)
+                conn.send(("ok", None, {}))
+                return
+            state = cache._ekv
+            numbers = {
+                "committed_blocks": state.committed_sectors,
+                "physical_bytes": state.tensor.physical_bytes,
+                "lent_bytes": state.tensor.lent_bytes,
+                "borrowed_bytes": state.tensor.borrowed_bytes,
+                "pool_sectors": cache.pool.num_sectors,
+            }
+            conn.send(("ok", result, numbers))
+    except BaseException as error:  # report, so the parent fails with the child's reason
+        conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+@dataclass
+class Proc:
+    """The parent's handle on an engine process."""
+
+    name: str
+    process: Any
+    conn: Any
+    pid: int = 0
+
+    def __call__(self, *command: Any) -> tuple[Any, dict[str, int]]:
+        self.conn.send(command)
+        if not self.conn.poll(TIMEOUT_S):
+            raise TimeoutError(f"{self.name} did not answer {command[0]!r}")
+        status, *result = self.conn.recv()
+        assert status == "ok", f"{self.name}: {result[0]}"
+        return result[0], result[1]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self("stop")
+            except (OSError, EOFError, TimeoutError, AssertionError):
+                pass
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def context() -> Any:
+    """A fork server that imported torch, transformers and the library once: each engine
+    starts without importing them again."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["torch", "transformers", "extensible_kv.transformers", "test_transformers"]
+    )
+    return ctx
+
+
+def start(ctx: Any, directory: str, pool: str, name: str, **options: Any) -> Proc:
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_main, args=(child, directory, pool, name, options), daemon=True)
+    process.start()
+    return Proc(name, process, parent)
+
+
+def joined(proc: Proc) -> Proc:
+    """Waits until `proc`'s cache is in the pool."""
+    if not proc.conn.poll(TIMEOUT_S):
+        raise TimeoutError(f"{proc.name} did not start")
+    status, *result = proc.conn.recv()
+    assert status == "ok", f"{proc.name}: {result[0]}"
+    proc.pid = result[0]
+    return proc

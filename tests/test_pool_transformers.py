@@ -1,0 +1,530 @@
+"""transformers' continuous-batching engines in a node pool (`extensible_kv.transformers.enable(
+pool=..., min_blocks=..., max_blocks=...)`, docs/design.md §11), on the host backend.
+
+The engines are tiny random-weight Llamas (`test_transformers.build_model`), one process each
+(`pool_transformers_engine.py`), whose generation loops serve the pool on their own threads
+while the test sends them bursts of requests. The device's share of the pool is set so that a
+burst finds no free memory: it must borrow from an idle engine, which lends its free top
+sectors. Checked: the burst's greedy tokens equal the same prompts' run alone on transformers'
+own cache; the ledger is consistent and says what each process maps (`/proc/<pid>/maps`); the
+donor gets its memory back when it bursts in turn; a `kill -9` of either engine leaves the
+ledger consistent and the other serving; limits changed at run time; and `via="driver"` (the
+donor releases to the driver, the needy engine commits). In one process: the adapter's
+geometry (the trash sectors below block 0, lends at sector boundaries past them, every change
+mirrored in transformers' pool), the options' checks, and the hooks gone when a manager stops.
+
+Skipped, with the reason, where transformers >=5.18,<5.25 is absent; CI sets
+EKV_REQUIRE_TRANSFORMERS=1, which turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import stack_env
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.transformers
+
+POOL = "tp"
+STEP = 4  # sectors a commit (the unit an engine lends in)
+ENGINE_OPTIONS: dict[str, Any] = {
+    "min_blocks": 2,
+    "max_blocks": 40,
+    "pool_step_blocks": STEP,
+    "budget_bytes": 42 * 8192,
+}
+
+
+@pytest.fixture(scope="module")
+def tf() -> Any:
+    stack_env.require_transformers()
+    import transformers
+
+    return transformers
+
+
+@pytest.fixture(autouse=True)
+def _disabled_after() -> Iterator[None]:
+    yield
+    from extensible_kv import transformers as ekt
+
+    ekt.disable()
+
+
+@pytest.fixture(scope="module")
+def own(tf: Any) -> list[list[int]]:
+    """The prompts' greedy tokens on transformers' own cache, alone."""
+    import test_transformers as tt
+
+    return tt.generate(tf, tt.build_model(tf, "llama", "sdpa", "cpu"), "cpu")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    started: list[Any] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def engines(tmp_path: Path, procs: list[Any], names: list[str], **options: Any) -> list[Any]:
+    import pool_transformers_engine as pte
+
+    ctx = pte.context()
+    new = [
+        pte.start(ctx, str(tmp_path), POOL, name, **{**ENGINE_OPTIONS, **options}) for name in names
+    ]
+    procs.extend(new)
+    return [pte.joined(proc) for proc in new]
+
+
+def wait_for(what: str, condition: Callable[[], bool], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.01)
+
+
+def check_consistent(pool: Any, procs: dict[str, Any]) -> Any:
+    """The ledger now: consistent, and each live engine's entry what its process maps."""
+    from extensible_kv.pool import rules
+    from pool_engine import mapped_bytes
+
+    ledger = pool.snapshot()
+    assert rules.check(ledger) == [], [e.text for e in ledger.events]
+    assert set(ledger.engines) == set(procs)
+    for name, proc in procs.items():
+        # The loop serves on its own thread: its heartbeat posts what it maps, and the entry
+        # may lag by one serve.
+        wait_for(
+            f"{name}'s entry to match its mapping",
+            lambda n=name, p=proc: pool.snapshot().engines[n].physical_bytes == mapped_bytes(p.pid),
+        )
+    return pool.snapshot()
+
+
+def settled(pool: Any) -> Any:
+    """The ledger once a recall is over: a loan was reclaimed, and every loan left is
+    borrowed and not recalled."""
+
+    def over() -> bool:
+        ledger = pool.snapshot()
+        reclaimed = any(" reclaimed " in event.text for event in ledger.events)
+        return reclaimed and all(
+            loan.state == "borrowed" and not loan.recall for loan in ledger.loans.values()
+        )
+
+    wait_for("a recall to be over", over)
+    return pool.snapshot()
+
+
+def events(pool: Any) -> list[str]:
+    return [event.text for event in pool.snapshot().events]
+
+
+def hold_nothing_free(pool: Any, device: str = "cpu") -> None:
+    """The pool's share is what its engines hold now: a burst must borrow."""
+    from extensible_kv.pool import rules
+
+    pool.set_share(device, rules.used_bytes(pool.snapshot(), device))
+
+
+def burst_on_an_idle_donor(tmp_path: Path, procs: list[Any], own: Any, **options: Any) -> Any:
+    """Engines a and b: b bursts first (it commits free memory), then the pool holds nothing
+    free and a bursts, taking b's free top sectors. Returns the pool, a and b."""
+    from extensible_kv.pool import Pool
+
+    pool = Pool(POOL, directory=tmp_path)
+    pool.set_share("cpu", 64 * 8192)
+    a, b = engines(tmp_path, procs, ["a", "b"], **options)
+    tokens, numbers = b("burst")
+    assert tokens == own
+    assert numbers["committed_blocks"] >= 2 + STEP  # it grew for the burst
+    wait_for("b to say it is idle", lambda: not pool.snapshot().engines["b"].busy)
+    hold_nothing_free(pool)
+    check_consistent(pool, {"a": a, "b": b})
+    b_before = pool.snapshot().engines["b"].committed_blocks
+    tokens, numbers = a("burst")
+    assert tokens == own, "the burst's tokens differ from the same prompts run alone"
+    assert numbers["committed_blocks"] > ENGINE_OPTIONS["min_blocks"]
+    ledger = check_consistent(pool, {"a": a, "b": b})
+    assert ledger.engines["b"].committed_blocks < b_before, "b gave nothing"
+    return pool, a, b
+
+
+@pytest.mark.timeout(300)
+def test_a_burst_borrows_from_an_idle_engine_which_gets_it_back(
+    tf: Any, own: Any, tmp_path: Path, procs: list[Any]
+) -> None:
+    pool, a, b = burst_on_an_idle_donor(tmp_path, procs, own)
+    ledger = pool.snapshot()
+    loans = list(ledger.loans.values())
+    assert loans and all(
+        (loan.lender, loan.borrower, loan.state) == ("b", "a", "borrowed") for loan in loans
+    )
+    lent = sum(loan.num_bytes for loan in loans)
+    assert ledger.engines["a"].borrowed_bytes == ledger.engines["b"].lent_bytes == lent
+    assert all(loan.blocks % STEP == 0 for loan in loans)  # whole steps: whole handles
+    assert any(e.startswith("loan ") and "a borrowed" in e for e in events(pool))
+    # b bursts in turn: it recalls what it needs (newest first), a (idle) gives it back, b
+    # reclaims it; what b did not need stays lent.
+    tokens, _ = b("burst")
+    assert tokens == own
+    ledger = settled(pool)
+    assert any("b recalls it" in e for e in events(pool))
+    assert len(ledger.loans) < len(loans)
+    check_consistent(pool, {"a": a, "b": b})
+    # a bursts again: it borrows again, and the tokens are still its own.
+    tokens, _ = a("burst")
+    assert tokens == own
+    check_consistent(pool, {"a": a, "b": b})
+    # a stops first: it gives back every loan as it leaves, and b, serving, reclaims them.
+    a("stop")
+    wait_for("b to reclaim every loan", lambda: pool.snapshot().loans == {})
+    ledger = check_consistent(pool, {"b": b})
+    assert ledger.engines["b"].lent_bytes == 0
+    b("stop")
+    assert pool.snapshot().engines == {}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", ["lender", "borrower"])
+def test_kill_9_of_an_engine_leaves_the_ledger_consistent_and_the_other_serving(
+    tf: Any, own: Any, tmp_path: Path, procs: list[Any], victim: str
+) -> None:
+    """a holds b's loans when one of them is killed. The lender killed: a keeps the memory
+    (the loans are lender-less), serves on, and frees it as it gives them back. The borrower
+    killed: its loans return to b, which reclaims them and serves on."""
+    pool, a, b = burst_on_an_idle_donor(tmp_path, procs, own)
+    assert pool.snapshot().loans
+    dead, alive = (b, a) if victim == "lender" else (a, b)
+    os.kill(dead.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    # Whoever takes the lock next recovers the ledger, once the kernel has ended the process.
+    ledger = pool.snapshot()
+    while dead.name in ledger.engines:
+        assert time.monotonic() - killed < 0.1, "not recovered within 100 ms"
+        ledger = pool.snapshot()
+    dead.process.join(timeout=10)
+    check_consistent(pool, {alive.name: alive})
+    if victim == "lender":
+        assert all(loan.lender == "" for loan in ledger.loans.values())
+    tokens, _ = alive("burst")
+    assert tokens == own
+    # Whatever the dead engine left is settled: the survivor gives back the orphans (freed)
+    # or reclaims what the dead borrower held.
+    wait_for("the dead engine's loans to end", lambda: pool.snapshot().loans == {})
+    ledger = check_consistent(pool, {alive.name: alive})
+    entry = ledger.engines[alive.name]
+    assert entry.lent_bytes == entry.borrowed_bytes == 0
+    assert any(f"{dead.name} (pid {dead.pid}) died" in e for e in events(pool))
+    alive("stop")
+    assert pool.snapshot().engines == {}
+
+
+@pytest.mark.timeout(300)
+def test_limits_changed_at_run_time(tf: Any, own: Any, tmp_path: Path, procs: list[Any]) -> None:
+    """A lowered maximum takes effect as the idle engine serves: it gives back its free top
+    sectors past it (at a handle boundary); a raised one lets it grow again."""
+    from extensible_kv.pool import Pool
+
+    pool = Pool(POOL, directory=tmp_path)
+    (b,) = engines(tmp_path, procs, ["b"])
+    tokens, numbers = b("burst")
+    assert tokens == own and numbers["committed_blocks"] > 8
+
+    def limit(*args: str) -> None:
+        where = ["--pool", POOL, "--dir", str(tmp_path)]
+        result = subprocess.run(
+            [sys.executable, "-m", "extensible_kv", "pool", *where, "limit", "b", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+
+    limit("--max", "6")
+    # 6 sectors: the handle boundary at or above it is the warm-up's 2 plus a step.
+    wait_for("b to shrink to 6", lambda: pool.snapshot().engines["b"].committed_blocks == 6)
+    _, numbers = b("numbers")
+    assert numbers["committed_blocks"] == numbers["pool_sectors"] == 6
+    check_consistent(pool, {"b": b})
+    tokens, numbers = b("burst")  # six sectors serve the prompts, a few at a time
+    assert tokens == own and numbers["committed_blocks"] == 6
+    limit("--max", "40")
+    tokens, numbers = b("burst")
+    assert tokens == own and numbers["committed_blocks"] > 6
+    check_consistent(pool, {"b": b})
+
+
+@pytest.mark.timeout(300)
+def test_via_the_driver_the_donor_releases_and_the_burst_commits(
+    tf: Any, own: Any, tmp_path: Path, procs: list[Any]
+) -> None:
+    """`pool_via="driver"`, the benchmark's kvcached-like baseline: the idle donor gives its
+    free top sectors back to the driver instead of lending them, and the bursting engine
+    commits them from the device's free memory. No loan is ever made."""
+    pool, a, b = burst_on_an_idle_donor(tmp_path, procs, own, pool_via="driver")
+    texts = events(pool)
+    assert any("b released" in e and "to the driver for a" in e for e in texts)
+    assert not any("offers" in e or "borrowed" in e for e in texts)
+    ledger = pool.snapshot()
+    assert ledger.loans == {}
+    assert all(e.lent_bytes == e.borrowed_bytes == 0 for e in ledger.engines.values())
+    tokens, _ = b("burst")  # b gets memory back the same way
+    assert tokens == own
+    check_consistent(pool, {"a": a, "b": b})
+    assert not any("offers" in e for e in events(pool))
+
+
+# ---------------------------------------------------------------------------------------------
+# in one process
+
+
+def granule_model(tf: Any, device: str) -> Any:
+    """On the host, the tiny Llama (a sector of 8 KiB, two 4 KiB granules). On CUDA, a
+    Qwen3 whose sector (16 tokens of 16 layers x 16 KV heads x 128 x bf16, K and V) is one
+    2 MiB granule, so that a burst of the test prompts needs more than a granule."""
+    import test_transformers as tt
+
+    if device == "cpu":
+        return tt.build_model(tf, "llama", "sdpa", "cpu")
+    config = tf.Qwen3Config(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.bfloat16
+    )
+    return model.to(device).eval()
+
+
+def pooled_options(tmp_path: Path, **options: Any) -> dict[str, Any]:
+    from extensible_kv.pool import Pool
+
+    return {
+        "pool": Pool(POOL, directory=tmp_path),
+        "granularity": 4096,
+        **ENGINE_OPTIONS,
+        **options,
+    }
+
+
+def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_path: Path) -> None:
+    """`SectorCache` is transformers' cache as a `PoolMember` drives it: one segment whose
+    block 0 is the first sector past the two trash sectors. Lend points, lends, borrows,
+    give-backs and reclaims fall on sector boundaries past the trash, and transformers' pool
+    follows each (its free sectors, its size); sectors a request holds are never lent."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool.member import _lend_points
+    from extensible_kv.transformers.cache import TRASH_SECTORS
+    from extensible_kv.transformers.pooled import SectorCache
+
+    with ekt.enabled(**pooled_options(tmp_path)):
+        lender = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
+        borrower = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
+    caches = [m.batch_processor.cache for m in (lender, borrower)]
+    a, b = (SectorCache(cache) for cache in caches)
+    state = caches[0]._ekv
+    sector = state.bytes_per_sector
+    assert sector == 8192 and state.tensor.export_handle_types & 1
+    assert state.pool_plan.min_sectors == 2 and state.committed_sectors == 2  # min_blocks
+    assert a.footprint().leading_blocks == TRASH_SECTORS == 2
+    assert (a.num_segments, a.segment_block_bytes, a.capacity_blocks) == ((1,), (sector,), 48)
+    a.commit(6)
+    a.commit(10)
+    pool = caches[0].pool
+    assert sorted(pool.free_sectors) == list(range(2, 12)) and pool.num_sectors == 10
+    # Handles begin at the trash's end and at each commit's: blocks 0, 2 and 6.
+    assert _lend_points(a) == {0, 2, 6}
+    assert a.free_tail_blocks() == 10
+    # A request holding sector 8 (block 6): only the 3 sectors above it are free at the top.
+    allocator = next(iter(caches[0].cache_allocators.values()))
+    allocator.block_table["held"] = [8 * allocator.blocks_per_sector]
+    assert a.free_tail_blocks() == 3
+    with pytest.raises(ValueError, match="requests hold sectors past it"):
+        a.lend(6)
+    assert a.committed_blocks == 10 and len(pool.free_sectors) == 10  # nothing changed
+    del allocator.block_table["held"]
+    (loan,) = a.lend(6)
+    assert loan.num_bytes == 4 * sector
+    assert state.tensor.bytes_per_segment == (TRASH_SECTORS + 6) * sector
+    assert (a.committed_blocks, pool.num_sectors, caches[0].num_blocks) == (6, 6, 6)
+    assert sorted(pool.free_sectors) == list(range(2, 8))
+    # The borrower maps it past its own 2 sectors: its sectors 2 to 5 (tensor sectors 4 to 7).
+    assert b.borrow([loan], zero=True) == 4
+    other = caches[1].pool
+    assert b.committed_blocks == other.num_sectors == 6
+    assert sorted(other.free_sectors) == list(range(2, 8))
+    assert caches[1]._ekv.tensor.borrowed_bytes == 4 * sector
+    with pytest.raises(ValueError, match="2 loans for a cache of one buffer"):
+        b.give_back([loan, loan])
+    b.give_back([loan])
+    assert b.committed_blocks == other.num_sectors == 2
+    assert sorted(other.free_sectors) == [2, 3]
+    a.reclaim([loan], timeout=5)
+    assert a.committed_blocks == pool.num_sectors == 10
+    assert sorted(pool.free_sectors) == list(range(2, 12))
+    a.shrink_to(2)
+    assert a.wait_released(5)
+    assert state.tensor.bytes_per_segment == 4 * sector and pool.num_sectors == 2
+
+
+@pytest.mark.timeout(300)
+def test_two_managers_in_one_process_lend_and_take_back(
+    tf: Any, device: str, tmp_path: Path
+) -> None:
+    """Two managers of one process in one pool, each serving from its own loop thread: the
+    burst on one borrows the idle one's free top sectors, with the tokens of the same prompts
+    run alone on transformers' own cache, and the donor takes them back when it bursts. On
+    CUDA the extension measures, the model's sector is one 2 MiB granule, and the decode
+    steps replay CUDA graphs into borrowed memory."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool, rules
+
+    donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
+    own = tt.generate(tf, needy_model, device)
+    pool = Pool(POOL, directory=tmp_path)
+    options = pooled_options(tmp_path)
+    if device != "cpu":  # measured, not a budget; granules of the device's
+        options = {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ekt.enabled(**options))
+        donor, needy = (
+            stack.enter_context(
+                model.continuous_batching_context_manager(
+                    generation_config=tt.gen_config(tf),
+                    continuous_batching_config=tt.cb_config(tf, device),
+                )
+            )
+            for model in (donor_model, needy_model)
+        )
+        assert tt.run(donor) == own
+        wait_for(
+            "the donor to be idle",
+            lambda: not any(e.busy for e in pool.snapshot().engines.values()),
+        )
+        hold_nothing_free(pool, device)
+        assert tt.run(needy) == own
+        ledger = pool.snapshot()
+        assert rules.check(ledger) == []
+        borrowed = [loan for loan in ledger.loans.values() if loan.state == "borrowed"]
+        assert borrowed, [e.text for e in ledger.events]
+        step = needy.batch_processor.cache._ekv.pool_plan.step_sectors
+        assert all(loan.blocks % step == 0 for loan in borrowed)
+        assert tt.run(donor) == own  # it recalls what it needs of what it lent
+        ledger = settled(pool)
+        assert len(ledger.loans) < len(borrowed)
+        assert rules.check(ledger) == []
+        assert tt.run(needy) == own
+        assert rules.check(pool.snapshot()) == []
+    # The needy engine left first, giving back what it held; the donor reclaimed it.
+    assert pool.snapshot().engines == {} and pool.snapshot().loans == {}
+
+
+def test_counts_keep_the_committed_end_on_a_granule_boundary(tf: Any, tmp_path: Path) -> None:
+    """With granules of two sectors, a borrow needs the committed end (past the two trash
+    sectors) on an even sector: the plan's least is rounded up to one, and its step to whole
+    granules, so each step's handles are whole sectors."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+
+    options = pooled_options(tmp_path, granularity=16384, min_blocks=1, pool_step_blocks=3)
+    with ekt.enabled(**options):
+        manager = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
+    plan = manager.batch_processor.cache._ekv.pool_plan
+    assert (plan.min_sectors, plan.step_sectors, plan.max_sectors) == (2, 4, 40)
+    assert plan.engine.startswith("transformers-") and plan.via == "loan"
+
+
+@pytest.mark.timeout(120)
+def test_a_pooled_manager_joins_while_its_loop_runs_and_leaves_nothing_behind(
+    tf: Any, own: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache joins as the loop starts and leaves as it ends; meanwhile the manager's
+    serving hooks are its own (instance attributes), and resize / release, which would change
+    its size behind the pool's back, are refused. After it stops, nothing of the pool is left
+    on the manager or in the ledger."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool
+
+    caplog.set_level(logging.INFO, logger="extensible_kv")
+    model = tt.build_model(tf, "llama", "sdpa", "cpu")
+    pool = Pool(POOL, directory=tmp_path)
+    with (
+        ekt.enabled(**pooled_options(tmp_path, engine="solo")),
+        model.continuous_batching_context_manager(
+            generation_config=tt.gen_config(tf), continuous_batching_config=tt.cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        assert tt.run(manager) == own
+        (entry,) = pool.snapshot().engines.values()
+        assert entry.name == "solo" and entry.committed_blocks > 2  # it grew for the burst
+        assert "_generation_loop_body" in vars(manager)
+        assert type(manager._wake_up_loop) is not threading.Event
+        with pytest.raises(RuntimeError, match="sized by the node pool"):
+            ekt.resize(manager, 4)
+        with pytest.raises(RuntimeError, match="pool limit solo"):
+            ekt.release(manager)
+        cache = manager.batch_processor.cache
+    assert pool.snapshot().engines == {}
+    assert "_generation_loop_body" not in vars(manager)
+    assert type(manager._wake_up_loop) is threading.Event
+    assert cache._ekv.pooled is None
+    messages = [r.getMessage() for r in caplog.records if r.name == "extensible_kv"]
+    assert any(m.startswith("KV cache joined pool tp as solo") for m in messages)
+    assert any(m.startswith("Grew KV cache through the pool") for m in messages)
+    assert any(m.startswith("KV cache left pool tp (solo)") for m in messages)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_pool_options_are_checked(tf: Any, tmp_path: Path) -> None:
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool
+
+    with pytest.raises(ValueError, match="pool and auto_resize both size the cache"):
+        ekt.enable(pool="p", auto_resize=True, budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="min_blocks, max_blocks without pool"):
+        ekt.enable(min_blocks=2, max_blocks=4)
+    with pytest.raises(ValueError, match="pool_via without pool"):
+        ekt.enable(pool_via="driver")
+    with pytest.raises(ValueError, match="pool_via must be one of 'loan', 'driver'"):
+        ekt.enable(pool="p", pool_via="dma")
+    with pytest.raises(ValueError, match="max_blocks 2 is below min_blocks 4"):
+        ekt.enable(pool="p", min_blocks=4, max_blocks=2)
+    with pytest.raises(ValueError, match="min_blocks must be at least 1"):
+        ekt.enable(pool="p", min_blocks=0)
+    with pytest.raises(TypeError, match="pool must be a pool's name or a Pool"):
+        ekt.enable(pool=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="engine 'a b'"):
+        ekt.enable(pool="p", engine="a b")
+    with pytest.raises(ValueError, match=r"pool '\.\./x'"):
+        ekt.enable(pool="../x")
+    assert not ekt.is_enabled()
+    ekt.enable(pool=Pool("p", directory=tmp_path), min_blocks=2, engine="e", pool_via="driver")
+    options = ekt.patch.current_options()
+    assert options is not None and (options.min_blocks, options.pool_via) == (2, "driver")
