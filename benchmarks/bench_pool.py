@@ -184,7 +184,7 @@ def enable_setup(setup: str, sizes: dict[str, Any]) -> None:
         return
     # The host backend has no free-memory figure: the most this engine may hold is its budget.
     budget = {} if sizes["gpu"] else {"budget_bytes": sizes["max_blocks"] * sizes["block_bytes"]}
-    ekt.enable(  # type: ignore[call-arg]  # the join's options
+    ekt.enable(
         pool=sizes["pool"],
         min_blocks=sizes["min_blocks"],
         max_blocks=sizes["max_blocks"],
@@ -769,6 +769,21 @@ def engine_summary(
     }
 
 
+def peak_of_sum(series: list[dict[str, Any]]) -> int:
+    """The most the engines held together: the peak of the sum of their step series."""
+    changes = sorted(
+        (t, i, value)
+        for i, memory in enumerate(series)
+        for t, value in zip(memory["t"], memory["bytes"], strict=True)
+    )
+    levels = [0] * len(series)
+    peak = 0
+    for _, i, value in changes:
+        levels[i] = value
+        peak = max(peak, sum(levels))
+    return peak
+
+
 def _time_mean(memory: dict[str, Any], t0: float) -> float:
     """The time-weighted mean of a step series from `t0` to its last sample."""
     times, values = memory["t"], memory["bytes"]
@@ -852,6 +867,9 @@ def run_setup(
         for i in indices
     ]
     result["total"] = _total(result["engines"], requests, replies, t0)
+    result["total"]["kv_total_peak_bytes"] = peak_of_sum(
+        [replies[i].get("memory", {"t": [], "bytes": []}) for i in indices]
+    )
     rows = [
         (rid, row) for reply in replies.values() for rid, row in reply.get("requests", {}).items()
     ]
@@ -967,75 +985,74 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def _ms(p: dict[str, Any], key: str) -> str:
     value = p.get(key)
-    return (
-        "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.0f}"
-    )
+    return "-" if value is None or math.isnan(value) else f"{value:.0f}"
+
+
+def _last_line(error: str | None) -> str:
+    lines = [line for line in (error or "").splitlines() if line.strip()]
+    return lines[-1][:160] if lines else ""
 
 
 def report(results: dict[str, Any]) -> str:
-    settings = results["settings"]
-    unit_name = settings["unit_name"]
+    settings, setups = results["settings"], results["setups"]
+    unit, per = settings["unit_name"], GIB if settings["unit_name"] == "GiB" else MIB
     lines = [
         f"### Three engines, bursty trace ({results['environment'].get('shape', '')})",
         "",
-        f"KV memory in all: {settings['total_kv']:.2f} {unit_name} (static: "
-        f"{settings['static_kv']:.2f} each; pool: {settings['min_blocks']}.."
-        f"{settings['max_blocks']} blocks of {settings['block_bytes'] / MIB:.3g} MiB each, share "
+        f"KV memory in all: {settings['total_kv']:.2f} {unit} (static: "
+        f"{settings['static_kv']:.2f} each; pool: {settings['min_blocks']} to "
+        f"{settings['max_blocks']} blocks of {settings['block_bytes'] / MIB:.3g} MiB, share "
         f"{settings['share_kv']:.2f}); {settings['requests']} requests, bursts of "
-        f"{settings['burst_requests']} in {settings['burst_s']} s every {settings['period_s']} s",
+        f"{settings['burst_requests']} in {settings['burst_s']} s every {settings['period_s']} s, "
+        f"{settings['new_tokens']} tokens each",
         "",
         f"| setup | engine | completed | TTFT p50 (ms) | TTFT p99 (ms) | e2e p50 (ms) | "
-        f"e2e p99 (ms) | tokens/s | KV mean ({unit_name}) | KV peak ({unit_name}) |",
+        f"e2e p99 (ms) | tokens/s | KV mean ({unit}) | KV peak ({unit}) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    setups = results["setups"]
     for name, res in setups.items():
         if "engines" not in res:
-            lines.append(f"| {name} | failed: {str(res.get('error'))[:80]!r} |||||||||")
+            lines.append(f"| {name} | failed: {_last_line(res.get('error'))} | | | | | | | | |")
             continue
-        rows = [*res["engines"], {**res["total"], "engine": "all"}]
-        for row in rows:
-            kv = (
-                f"{row['kv_mean']:.2f} | {row['kv_peak']:.2f}"
-                if "kv_mean" in row
-                else f"{sum(e['kv_mean'] for e in res['engines']):.2f} | "
-            )
+        total = res["total"]
+        for row in [*res["engines"], {**total, "engine": "all"}]:
+            mean = row.get("kv_mean", sum(e["kv_mean"] for e in res["engines"]))
+            peak = row.get("kv_peak", total["kv_total_peak_bytes"] / per)
             lines.append(
                 f"| {name} | {row['engine']} | {row['completed']}/{row['requests']} | "
                 f"{_ms(row['ttft_ms'], 'p50')} | {_ms(row['ttft_ms'], 'p99')} | "
                 f"{_ms(row['e2e_ms'], 'p50')} | {_ms(row['e2e_ms'], 'p99')} | "
-                f"{row['tokens_per_s']:.0f} | {kv} |"
+                f"{row['tokens_per_s']:.0f} | {mean:.2f} | {peak:.2f} |"
             )
     lines += [
         "",
-        "| setup | memory moved in (GiB) | loans asked | borrowed | loan GiB | latency p50 / "
+        f"| setup | moved in ({unit}) | loans | borrowed | loaned ({unit}) | loan latency p50 / "
         "p99 / max (ms) | events maybe lost | ledger problems | left in ledger | memfds after |",
-        "|---|---:|---:|---:|---:|---|---:|---|---|---|",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|---|",
     ]
     for name, res in setups.items():
         if "engines" not in res:
             continue
-        lat = res["loan_latency_ms"]
-        ledger = res.get("ledger", {})
-        done = sum(1 for loan in res["loans"] if loan["latency_ms"] is not None)
+        lat, ledger = res["loan_latency_ms"], res.get("ledger")
+        borrowed = sum(1 for loan in res["loans"] if loan["latency_ms"] is not None)
+        problems = len(res.get("ledger_problems_before_stop", [])) if ledger else "-"
         left = (
             f"{len(ledger['engines_left'])} engines, {ledger['loans_left']} loans"
             if ledger
             else "-"
         )
         lines.append(
-            f"| {name} | {res['grown_bytes'] / GIB:.3f} | {len(res['loans'])} | {done} | "
-            f"{res['loan_bytes'] / GIB:.3f} | {_ms(lat, 'p50')} / {_ms(lat, 'p99')} / "
-            f"{_ms(lat, 'max')} | {ledger.get('events_maybe_lost', '-')} | "
-            f"{len(res.get('ledger_problems_before_stop', [])) if ledger else '-'} | {left} | "
-            f"{[e['memfds_after'] for e in res['engines']]} |"
+            f"| {name} | {res['grown_bytes'] / per:.3f} | {len(res['loans'])} | {borrowed} | "
+            f"{res['loan_bytes'] / per:.3f} | {_ms(lat, 'p50')} / {_ms(lat, 'p99')} / "
+            f"{_ms(lat, 'max')} | {ledger['events_maybe_lost'] if ledger else '-'} | {problems} | "
+            f"{left} | {[e['memfds_after'] for e in res['engines']]} |"
         )
-    identical = results.get("identical", {})
     lines.append("")
+    identical = results.get("identical", {})
     for name, row in identical.get("alone", {}).items():
         lines.append(
-            f"identical to alone, {name}: {row['identical']}/{row['compared']} "
-            f"(sample of {row['sample']})"
+            f"identical to the same requests run alone, {name}: {row['identical']}/"
+            f"{row['compared']} (of a sample of {row['sample']})"
         )
     for pair, row in identical.get("cross", {}).items():
         lines.append(f"identical, {pair}: {row['identical']}/{row['compared']}")
@@ -1048,6 +1065,9 @@ def report(results: dict[str, Any]) -> str:
                 f"TTFT p99 static / {name}: {ratio:.2f} (completed {static['completed']} vs "
                 f"{other['completed']})"
             )
+    for name, res in setups.items():
+        if res.get("error"):
+            lines.append(f"{name} failed: {_last_line(res['error'])}")
     return "\n".join(lines)
 
 
@@ -1082,25 +1102,25 @@ def sizes_for(args: argparse.Namespace, info: dict[str, Any], gpu: bool) -> dict
     }
 
 
-HOST_DEFAULTS = {
-    "kv_gib": 1.5,  # MiB on the host
+HOST_DEFAULTS: dict[str, Any] = {
+    "kv_gib": 1.0,
     "min_gib": 0.125,
     "granularity": 64 << 10,
     "burst_requests": 24,
-    "burst_s": 0.3,
+    "burst_s": 0.1,
     "period_s": 1.5,
     "rounds": 1,
     "lead_s": 0.2,
     "trickle_per_s": 1.0,
     "min_prompt": 8,
     "max_prompt": 64,
-    "new_tokens": 8,
+    "new_tokens": 16,
     "max_batch_tokens": 64,
     "drain_s": 30.0,
     "check_requests": 2,
     "ready_timeout_s": 120.0,
 }
-GPU_DEFAULTS = {
+GPU_DEFAULTS: dict[str, Any] = {
     "kv_gib": 48.0,
     "min_gib": 1.0,
     "granularity": None,
@@ -1120,30 +1140,39 @@ GPU_DEFAULTS = {
 }
 
 
+# What each per-device option means; its defaults are GPU_DEFAULTS' and HOST_DEFAULTS'.
+PER_DEVICE = {
+    "kv_gib": (float, "KV memory in all setups' engines together (MiB on the host)"),
+    "min_gib": (float, "a pool engine's minimum (MiB on the host)"),
+    "granularity": (int, "the caches' granule in bytes (the device's when unset)"),
+    "burst_requests": (int, "requests in a burst"),
+    "burst_s": (float, "a burst's arrival window"),
+    "period_s": (float, "from one burst's start to the next's"),
+    "rounds": (int, "bursts of each engine"),
+    "lead_s": (float, "from the trace's start to the first burst"),
+    "trickle_per_s": (float, "an engine's requests a second outside its bursts"),
+    "min_prompt": (int, "the shortest prompt"),
+    "max_prompt": (int, "the longest prompt"),
+    "new_tokens": (int, "greedy tokens a request"),
+    "max_batch_tokens": (int, "transformers' tokens a batch"),
+    "drain_s": (float, "after the last arrival, how long the results may take"),
+    "check_requests": (int, "requests of each engine run alone, for the tokens"),
+    "ready_timeout_s": (float, "for the engines to load, or to start a setup"),
+}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_pool"))
-    parser.add_argument("--device", default="cuda:0", help="cuda:0, or cpu (tiny, MiB)")
+    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a tiny model, MiB)")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
-    parser.add_argument("--layers", type=int, help="the model's layers (32 on a GPU)")
-    parser.add_argument("--kv-gib", type=float, help="KV memory in all (GPU 48; MiB on host: 1.5)")
-    parser.add_argument("--min-gib", type=float, help="a pool engine's minimum (1; host 0.125 MiB)")
-    parser.add_argument("--granularity", type=int, help="the caches' granule (host: 64 KiB)")
-    parser.add_argument("--burst-requests", type=int, help="requests a burst (128; host 24)")
-    parser.add_argument("--burst-s", type=float, help="a burst's arrival window (2; host 0.3)")
-    parser.add_argument("--period-s", type=float, help="from one burst to the next (10; 1.5)")
-    parser.add_argument("--rounds", type=int, help="bursts of each engine (2; host 1)")
-    parser.add_argument("--lead-s", type=float, help="the trace's start to the first burst")
-    parser.add_argument(
-        "--trickle-per-s", type=float, help="an engine's requests a second between its bursts"
-    )
-    parser.add_argument("--min-prompt", type=int)
-    parser.add_argument("--max-prompt", type=int)
-    parser.add_argument("--new-tokens", type=int)
-    parser.add_argument("--max-batch-tokens", type=int, help="transformers' (2048; host 64)")
-    parser.add_argument("--drain-s", type=float, help="after the last arrival, at most (30)")
-    parser.add_argument("--check-requests", type=int, help="per engine, run alone (4; host 2)")
-    parser.add_argument("--ready-timeout-s", type=float)
+    parser.add_argument("--layers", type=int, help="the model's layers (the shape's by default)")
+    for key, (kind, what) in PER_DEVICE.items():
+        parser.add_argument(
+            "--" + key.replace("_", "-"),
+            type=kind,
+            help=f"{what} (GPU {GPU_DEFAULTS[key]}, host {HOST_DEFAULTS[key]})",
+        )
     parser.add_argument("--stop-timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
