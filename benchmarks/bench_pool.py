@@ -3,12 +3,15 @@ the same KV memory, and against the pool moving memory through the driver (issue
 
     python3 benchmarks/bench_pool.py --out DIR [--device cuda:0] [--setups pool static driver]
 
-**The engines.** Three processes (a fork server's children: each its own CUDA context), each a
-transformers continuous-batching manager over a model built from a config with random weights,
-the same seed in all three (so the same weights): on a GPU an 8B-shaped Llama (32 layers,
-hidden 4096, 32 heads, 8 KV heads of 128, bf16) with CUDA graphs, as
-`benchmarks/bench_transformers.py` runs it; on the host backend (`--device cpu`) the demo's
-tiny model, with sizes in MiB where the GPU's are GiB: a smoke run of seconds.
+**The engines.** Three processes (spawned on a GPU: each its own CUDA context; on the host,
+forks of one server that imported torch and transformers once), each a transformers
+continuous-batching manager over a model built from a config with random weights, the same
+seed in all three (so the same weights): on a GPU an 8B-shaped Llama (32 layers, hidden 4096,
+32 heads, 8 KV heads of 128, bf16) with CUDA graphs, as `benchmarks/bench_transformers.py`
+runs it; on the host backend (`--device cpu`) the demo's tiny model, with sizes in MiB where
+the GPU's are GiB: a smoke run of seconds. Three 8B engines (16 GB of weights each, their
+activations and graphs) and the default 48 GiB of KV need about 110 GB: an H200. On an 80 GB
+H100, `--layers 16 --kv-gib 24` fits.
 
 **The trace** (seeded, `--seed`): `--rounds` rounds in which each engine bursts in turn, one
 burst every `--period-s`: `--burst-requests` requests arriving at uniform random times within
@@ -21,13 +24,14 @@ arrival times over a queue; an engine adds each to its running manager on receip
 **The setups**, each a fresh manager per engine (reserved, warmed up, graphs captured), the
 same total KV memory `--kv-gib` (MiB on the host) in all:
 - `pool`: `extensible_kv.transformers.enable(pool=..., pool_via="loan")`; each engine starts
-  with `--min-gib` and may grow to the total less the others' minimums; the pool's share of
-  the device is the total. Memory moves as loans of physical handles.
+  at `--min-gib` and may grow to the total less the others' minimums, committing
+  `--step-blocks` at a time (the join's default when unset); the pool's share of the device
+  is the total. Memory moves as loans of physical handles.
 - `static`: each engine a third of the total (`enable(budget_bytes=...)`), no pool.
 - `driver`: as `pool`, with `pool_via="driver"`: a donor releases its free top blocks to the
   driver and the needy engine creates memory again (as kvcached moves memory).
-Only `enable_setup` calls the pool's `enable` options: the transformers join (issue 37, item
-4); without it the pool setups fail at their start, and the run exits 1 with the error.
+Only `enable_setup` calls the pool's options of `enable` (the transformers join, issue 37
+item 4); a setup that fails to start is reported with its error, and the run exits 1.
 
 **What each number measures** (all times `time.monotonic()`, one clock for every process):
 - TTFT: from a request's arrival time in the trace to the moment its engine's result reader
@@ -38,19 +42,26 @@ Only `enable_setup` calls the pool's `enable` options: the transformers join (is
   last arrival. tokens/s: tokens of completed requests over the engine's busy window (its
   first arrival to its last finish); in all, over the setup's.
 - KV memory: each engine's `physical_bytes` (what its cache maps: borrowed memory included,
-  lent memory not), sampled every 10 ms from `--warm-up` on; the JSON keeps the samples where
-  it changed. `grown_bytes`: the sum of its increases during the trace, over all engines: the
-  memory that moved to an engine, by loan or by the driver (a lower bound: a change undone
-  within 10 ms is not seen). `loan_bytes`: the blocks of every loan the ledger shows borrowed,
-  times the block size.
-- Loan latency: from the ledger event of the request (`loan N: A asks B for K blocks`) to the
-  event of the borrow (`loan N: A borrowed K blocks from B`); via the driver, to the first
-  later event of that loan naming one of `DONE_WORDS`. Both events carry the time of the
-  transaction that posted them, so the latency is exact. The driver reads the ledger file
-  every 5 ms (no lock: a write is a rename) and keeps every event it has not seen; the ledger
-  keeps only its last 64, and `events_maybe_lost` counts the reads whose oldest event was
-  new, where some may have fallen off between two reads. Each engine also returns its
-  `extensible_kv.pool` and `extensible_kv` log records (each decision with its reason).
+  lent memory not), sampled every 10 ms from its start on; the JSON keeps the samples where
+  it changed. KV mean is over time, from the trace's start; the peak of "all" is the peak of
+  the engines' sum, which may count a moving block twice for up to a sample.
+- Memory moved in (`grown_bytes`): the sum of every engine's increases during the trace: the
+  memory that reached an engine, from free memory, by loan or through the driver (a lower
+  bound: a change undone within a sample is not seen). Moved by the pool
+  (`pool_moved_bytes`): the blocks of every request for memory that a donor answered with a
+  loan or a release to the driver, times the donor's block.
+- Each request for memory: from the ledger's events, its ask (`loan N: A asks B for K
+  blocks`) and its answer (borrowed, released to the driver, refused, expired), each stamped
+  with the time of the transaction that posted it, so the interval is exact. The ask to the
+  needy engine (`latency_ms`): to the borrow for a loan (the memory mapped by the borrower);
+  through the driver no event marks the needy engine's commit that follows the release, so
+  the first sample of its memory that grew after the release stands in (an upper bound, by up
+  to 10 ms). Seen in its memory (`seen_ms`): that same sampled figure for both, to compare
+  them alike. The driver reads the ledger file every 5 ms (no lock: a write is a rename) and
+  keeps every event it has not seen; the ledger keeps its last 64 only, and
+  `events_maybe_lost` counts the reads whose oldest event was new (some may have fallen off
+  between two reads). Each engine also returns its `extensible_kv` log records (the pool's
+  decisions with their reasons, the cache's resizes).
 - Ledger and leaks: `rules.check` on the ledger just before the engines stop, and what the
   ledger still lists once they left (nothing, if none leaked); each engine's host memfds of
   extensible-kv after its teardown (0), and on a GPU the device's free memory before the
@@ -97,12 +108,17 @@ VIAS = {"pool": "loan", "driver": "driver"}
 SAMPLE_S = 0.01  # the memory sampler's period
 LEDGER_POLL_S = 0.005
 MAX_LOG_RECORDS = 4000  # per engine and setup
-# A loan moved through the driver is done at the first later event of the loan with one of
-# these words (the join's wording for the needy engine holding the memory).
-DONE_WORDS = ("borrowed", "committed", "created")
+# The ledger's events of a request for memory (`extensible_kv.pool.rules`' wording): the ask,
+# and its answer: borrowed (a loan, the memory mapped by the borrower), released (through the
+# driver: the donor gave it back, the needy engine commits it next), refused or expired.
 LOAN_EVENT = re.compile(r"^loan (\d+): (.*)$")
 ASKS = re.compile(r"^(\S+) asks (\S+) for (\d+) blocks")
-BORROWED = re.compile(r"^(\S+) borrowed (\d+) blocks from (\S+)")
+ANSWERS = {
+    "borrowed": re.compile(r"^\S+ borrowed (\d+) blocks from "),
+    "released": re.compile(r"^\S+ released (\d+) blocks to the driver"),
+    "refused": re.compile(r"^\S+ refuses"),
+    "expired": re.compile(r"expired|is stuck"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,9 +189,9 @@ def check_sample(requests: list[Request], per_engine: int, seed: int) -> list[Re
 # the engine process
 
 
-def enable_setup(setup: str, sizes: dict[str, Any]) -> None:
-    """Enables `setup` in this engine process: the one place that calls the pool join's options
-    of `extensible_kv.transformers.enable` (issue 37, item 4)."""
+def enable_setup(setup: str, sizes: dict[str, Any], engine: str) -> None:
+    """Enables `setup` in this engine process, named `engine` in the pool: the one place that
+    calls the pool join's options of `extensible_kv.transformers.enable` (issue 37, item 4)."""
     import extensible_kv.transformers as ekt
 
     granularity = {"granularity": sizes["granularity"]} if sizes["granularity"] else {}
@@ -184,13 +200,16 @@ def enable_setup(setup: str, sizes: dict[str, Any]) -> None:
         return
     # The host backend has no free-memory figure: the most this engine may hold is its budget.
     budget = {} if sizes["gpu"] else {"budget_bytes": sizes["max_blocks"] * sizes["block_bytes"]}
+    step = {"pool_step_blocks": sizes["step_blocks"]} if sizes["step_blocks"] else {}
     ekt.enable(
         pool=sizes["pool"],
+        engine=engine,
         min_blocks=sizes["min_blocks"],
         max_blocks=sizes["max_blocks"],
         pool_via=VIAS[setup],
         **budget,
         **granularity,
+        **step,
     )
 
 
@@ -404,7 +423,7 @@ class _Engine:
         logs = _LogRecords()
         reply: dict[str, Any] = {"error": None}
         try:
-            enable_setup(name, sizes)
+            enable_setup(name, sizes, f"engine{self.index}")
             manager = self._new_manager(hints)
             row = serve.Contender(name)
             serve._start_up(manager, row, self.device, extensible=True)
@@ -422,17 +441,21 @@ class _Engine:
             reply["error"] = traceback.format_exc()
             self.outbox.put(("failed", self.index, reply["error"]))
         received: dict[str, float] = {}
+        refused: dict[str, str] = {}
         while True:
             command, *rest = inbox.get()
             if command == "stop":
                 break
             if command == "req" and manager is not None:
                 rid, prompt, new_tokens = rest
-                manager.add_request(
-                    prompt, request_id=rid, max_new_tokens=new_tokens, streaming=True
-                )
                 received[rid] = time.monotonic()
-        drained = results is not None and len(results.done) == len(received)
+                try:
+                    manager.add_request(
+                        prompt, request_id=rid, max_new_tokens=new_tokens, streaming=True
+                    )
+                except Exception as error:  # the manager's loop died: the request is lost
+                    refused[rid] = f"add_request: {error!r}"
+        drained = results is not None and len(results.done) + len(refused) == len(received)
         try:
             if results is not None:
                 results.stop()
@@ -441,6 +464,7 @@ class _Engine:
                         "received": t,
                         "first": results.first.get(rid),
                         **results.done.get(rid, {}),
+                        **({"error": refused[rid]} if rid in refused else {}),
                     }
                     for rid, t in received.items()
                 }
@@ -533,8 +557,13 @@ class Engines:
     """The three engine processes, a queue to each, and what they answered."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "transformers", "extensible_kv.transformers"])
+        if config["device"].startswith("cuda"):
+            # Spawned: the child of a fork server whose imports initialized CUDA (transformers'
+            # may ask torch for devices) could not use it.
+            ctx = mp.get_context("spawn")
+        else:  # forks of one server that imported torch and transformers once: seconds saved
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "transformers", "extensible_kv.transformers"])
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(ENGINES)]
         self.processes = [
@@ -560,6 +589,8 @@ class Engines:
             try:
                 kind, index, payload = self.outbox.get()
             except (EOFError, OSError):
+                return
+            if kind == "closed":
                 return
             with self.lock:
                 if kind == "done":
@@ -604,6 +635,8 @@ class Engines:
             if process.is_alive():
                 process.kill()
                 process.join()
+        self.outbox.put(("closed", -1, None))
+        self.reader.join(10)
 
 
 class LedgerWatcher:
@@ -655,8 +688,13 @@ class LedgerWatcher:
 def loans_from_events(
     events: list[tuple[float, str]], block_bytes: dict[str, int], default_block: int, t0: float
 ) -> list[dict[str, Any]]:
-    """Each loan's request, its end and its latency, from the ledger's events; its bytes are
-    its blocks times its borrower's block (the ledger's, else `default_block`)."""
+    """Each request for memory from the ledger's events: who asked whom for how many blocks,
+    when (`asked_s`, from `t0`), its answer and how long after the ask it was posted
+    (`answered_ms`), and the bytes it moved (its blocks times the block of the engine they
+    came from: `block_bytes`, the ledger's, else `default_block`). `latency_ms`, from the ask
+    to the memory being the needy engine's, is `answered_ms` for a borrowed loan; through the
+    driver the needy engine commits after the release, which no event records (`seen_ms`,
+    set from the memory samples, stands in)."""
     by_loan: dict[int, list[tuple[float, str]]] = {}
     for t, text in sorted(events):
         match = LOAN_EVENT.match(text)
@@ -664,35 +702,61 @@ def loans_from_events(
             by_loan.setdefault(int(match.group(1)), []).append((t, match.group(2)))
     loans = []
     for loan_id, timeline in sorted(by_loan.items()):
-        asked = next(((t, ASKS.match(x)) for t, x in timeline if ASKS.match(x)), None)
+        asked = next(((t, m) for t, x in timeline if (m := ASKS.match(x))), None)
         if asked is None:
-            continue  # asked before the watcher started, or its event was lost
+            continue  # asked before the watcher's first read, or its event was lost
         t_ask, match = asked
-        assert match is not None
         row: dict[str, Any] = {
             "loan_id": loan_id,
             "borrower": match.group(1),
             "lender": match.group(2),
             "asked_blocks": int(match.group(3)),
             "asked_s": t_ask - t0,
-            "timeline": [[round((t - t_ask) * 1e3, 3), x] for t, x in timeline],
+            "answer": None,
+            "answered_ms": None,
             "blocks": 0,
             "bytes": 0,
             "latency_ms": None,
+            "seen_ms": None,
+            "timeline": [[round((t - t_ask) * 1e3, 3), x] for t, x in timeline],
         }
         for t, text in timeline:
-            if t < t_ask:
+            answer = next(((a, m) for a, r in ANSWERS.items() if (m := r.match(text))), None)
+            if t < t_ask or answer is None:
                 continue
-            borrowed = BORROWED.match(text)
-            if borrowed:
-                row["blocks"] = int(borrowed.group(2))
-                borrower_block = block_bytes.get(row["borrower"], default_block)
-                row["bytes"] = row["blocks"] * borrower_block
-            if borrowed or (t > t_ask and any(w in text for w in DONE_WORDS)):
-                row["latency_ms"] = (t - t_ask) * 1e3
-                break
+            row["answer"], row["answered_ms"] = answer[0], (t - t_ask) * 1e3
+            if answer[0] in ("borrowed", "released"):
+                row["blocks"] = int(answer[1].group(1))
+                row["bytes"] = row["blocks"] * block_bytes.get(row["lender"], default_block)
+            if answer[0] == "borrowed":
+                row["latency_ms"] = row["answered_ms"]
+            break
         loans.append(row)
     return loans
+
+
+def seen_in_memory(
+    loans: list[dict[str, Any]], memory: dict[str, dict[str, Any]], t0: float
+) -> None:
+    """Sets each answered loan's `seen_ms`: from its ask to the first sample of the needy
+    engine's memory (`memory`: by engine name, times from `t0`) that grew, at or after the
+    answer; through the driver, also its `latency_ms`. An upper bound, by up to a sample."""
+    for loan in loans:
+        series = memory.get(loan["borrower"])
+        if loan["answer"] not in ("borrowed", "released") or series is None:
+            continue
+        asked = loan["asked_s"]
+        answered = asked + loan["answered_ms"] / 1e3
+        times, values = series["t"], series["bytes"]
+        grew = next(
+            (t for i, t in enumerate(times) if i and t >= answered and values[i] > values[i - 1]),
+            None,
+        )
+        if grew is None:
+            continue
+        loan["seen_ms"] = (grew - asked) * 1e3
+        if loan["answer"] == "released":
+            loan["latency_ms"] = loan["seen_ms"]
 
 
 def percentiles(values: list[float]) -> dict[str, float | int]:
@@ -806,9 +870,11 @@ def run_setup(
     sizes: dict[str, Any],
     requests: list[Request],
     keep: list[str],
+    pids: dict[int, int],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One setup: managers started, the trace sent at its times, drained, stopped."""
+    """One setup: managers started, the trace sent at its times, drained, stopped. `pids`:
+    each engine's process, which names it in the ledger."""
     from extensible_kv.pool import Pool, rules
 
     indices = list(range(ENGINES))
@@ -878,11 +944,21 @@ def run_setup(
     result["kept_tokens"] = {rid: row["tokens"] for rid, row in ok_rows if "tokens" in row}
     events = watcher.events if watcher is not None else []
     loans = loans_from_events(events, block_bytes, sizes["block_bytes"], t0)
-    result["loans"] = loans
-    result["loan_latency_ms"] = percentiles(
-        [loan["latency_ms"] for loan in loans if loan["latency_ms"] is not None]
+    by_pid = {pid: index for index, pid in pids.items()}
+    names = watcher.engines if watcher is not None else {}
+    seen_in_memory(
+        loans,
+        {
+            n: result["engines"][by_pid[e["pid"]]]["memory"]
+            for n, e in names.items()
+            if e["pid"] in by_pid
+        },
+        t0,
     )
-    result["loan_bytes"] = sum(loan["bytes"] for loan in loans)
+    result["loans"] = loans
+    for key in ("latency_ms", "seen_ms"):
+        result[f"loan_{key}"] = percentiles([loan[key] for loan in loans if loan[key] is not None])
+    result["pool_moved_bytes"] = sum(loan["bytes"] for loan in loans)
     result["grown_bytes"] = sum(e["grown_bytes"] for e in result["engines"])
     result["ok"] = not errors
     return result
@@ -893,6 +969,8 @@ def send_trace(
 ) -> None:
     """Sends each request to its engine at its arrival time, then waits up to `drain_s` after
     the last arrival for every result."""
+    with engines.lock:
+        engines.done.clear()  # the last setup's (every setup has the same request ids)
     for request in requests:
         delay = t0 + request.arrival_s - time.monotonic()
         if delay > 0:
@@ -985,7 +1063,9 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 def _ms(p: dict[str, Any], key: str) -> str:
     value = p.get(key)
-    return "-" if value is None or math.isnan(value) else f"{value:.0f}"
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
 def _last_line(error: str | None) -> str:
@@ -1026,26 +1106,28 @@ def report(results: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        f"| setup | moved in ({unit}) | loans | borrowed | loaned ({unit}) | loan latency p50 / "
-        "p99 / max (ms) | events maybe lost | ledger problems | left in ledger | memfds after |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---|---|",
+        f"| setup | memory moved in ({unit}) | asked | answered: borrowed / released / refused "
+        f"| moved by the pool ({unit}) | ask to the needy engine p50 / p99 / max (ms) | seen in "
+        "its memory p50 / p99 (ms) | events maybe lost | ledger problems | left in ledger | "
+        "memfds after |",
+        "|---|---:|---:|---|---:|---|---|---:|---:|---|---|",
     ]
     for name, res in setups.items():
         if "engines" not in res:
             continue
-        lat, ledger = res["loan_latency_ms"], res.get("ledger")
-        borrowed = sum(1 for loan in res["loans"] if loan["latency_ms"] is not None)
+        lat, seen, ledger = res["loan_latency_ms"], res["loan_seen_ms"], res.get("ledger")
+        answers = Counter(loan["answer"] for loan in res["loans"])
         problems = len(res.get("ledger_problems_before_stop", [])) if ledger else "-"
-        left = (
-            f"{len(ledger['engines_left'])} engines, {ledger['loans_left']} loans"
-            if ledger
-            else "-"
-        )
+        left = "-"
+        if ledger:
+            left = f"{len(ledger['engines_left'])} engines, {ledger['loans_left']} loans"
         lines.append(
-            f"| {name} | {res['grown_bytes'] / per:.3f} | {len(res['loans'])} | {borrowed} | "
-            f"{res['loan_bytes'] / per:.3f} | {_ms(lat, 'p50')} / {_ms(lat, 'p99')} / "
-            f"{_ms(lat, 'max')} | {ledger['events_maybe_lost'] if ledger else '-'} | {problems} | "
-            f"{left} | {[e['memfds_after'] for e in res['engines']]} |"
+            f"| {name} | {res['grown_bytes'] / per:.3f} | {len(res['loans'])} | "
+            f"{answers['borrowed']} / {answers['released']} / {answers['refused']} | "
+            f"{res['pool_moved_bytes'] / per:.3f} | {_ms(lat, 'p50')} / {_ms(lat, 'p99')} / "
+            f"{_ms(lat, 'max')} | {_ms(seen, 'p50')} / {_ms(seen, 'p99')} | "
+            f"{ledger['events_maybe_lost'] if ledger else '-'} | {problems} | {left} | "
+            f"{[e['memfds_after'] for e in res['engines']]} |"
         )
     lines.append("")
     identical = results.get("identical", {})
@@ -1099,13 +1181,14 @@ def sizes_for(args: argparse.Namespace, info: dict[str, Any], gpu: bool) -> dict
         "min_blocks": min_blocks,
         "max_blocks": max_blocks,
         "granularity": args.granularity,
+        "step_blocks": args.step_blocks,
     }
 
 
 HOST_DEFAULTS: dict[str, Any] = {
-    "kv_gib": 1.0,
-    "min_gib": 0.125,
-    "granularity": 64 << 10,
+    "kv_gib": 0.75,
+    "min_gib": 0.0625,
+    "granularity": 16 << 10,  # two blocks of the host's model: loans of a few blocks
     "burst_requests": 24,
     "burst_s": 0.1,
     "period_s": 1.5,
@@ -1173,9 +1256,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             type=kind,
             help=f"{what} (GPU {GPU_DEFAULTS[key]}, host {HOST_DEFAULTS[key]})",
         )
+    parser.add_argument(
+        "--step-blocks",
+        type=int,
+        help="a pool engine's commit step, its smallest loan (the join's default)",
+    )
     parser.add_argument("--stop-timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    args.setups = list(dict.fromkeys(args.setups))  # each once, in the order given
     defaults = GPU_DEFAULTS if args.device.startswith("cuda") else HOST_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -1206,6 +1295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = engines.wait(("loaded",), list(range(ENGINES)), args.ready_timeout_s)
         info = loaded[0][1]
+        pids = {index: answer[1]["pid"] for index, answer in loaded.items()}
         log(f"engines loaded in {time.monotonic() - start:.1f} s: {info['shape']}")
         sizes = sizes_for(args, info, gpu)
         if config["num_blocks"] is not None and config["num_blocks"] != sizes["max_blocks"]:
@@ -1224,7 +1314,6 @@ def main(argv: list[str] | None = None) -> int:
                 "share_kv": sizes["share_bytes"] / unit,
                 "requests": len(requests),
                 "sample_s": SAMPLE_S,
-                "done_words": DONE_WORDS,
             },
             "trace": {
                 "bursts": [asdict(b) for b in bursts],
@@ -1246,7 +1335,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.setups:
             log(f"setup {name}")
             try:
-                results["setups"][name] = run_setup(engines, name, sizes, requests, keep, args)
+                results["setups"][name] = run_setup(
+                    engines, name, sizes, requests, keep, pids, args
+                )
             except (RuntimeError, TimeoutError) as error:
                 results["setups"][name] = {"ok": False, "error": str(error)}
                 log(f"{name} failed: {error}")
