@@ -10,8 +10,8 @@ seed in all three (so the same weights): on a GPU an 8B-shaped Llama (32 layers,
 32 heads, 8 KV heads of 128, bf16) with CUDA graphs, as `benchmarks/bench_transformers.py`
 runs it; on the host backend (`--device cpu`) the demo's tiny model, with sizes in MiB where
 the GPU's are GiB: a smoke run of seconds. Three 8B engines (16 GB of weights each, their
-activations and graphs) and the default 48 GiB of KV need about 110 GB: an H200. On an 80 GB
-H100, `--layers 16 --kv-gib 24` fits.
+activations and graphs) and the default 48 GiB of KV need about 110 GB by estimate: an H200.
+On an 80 GB H100, `--layers 16 --kv-gib 24` should fit (estimated, not tried).
 
 **The trace** (seeded, `--seed`): `--rounds` rounds in which each engine bursts in turn, one
 burst every `--period-s`: `--burst-requests` requests arriving at uniform random times within
@@ -875,9 +875,8 @@ def run_setup(
 ) -> dict[str, Any]:
     """One setup: managers started, the trace sent at its times, drained, stopped. `pids`:
     each engine's process, which names it in the ledger."""
-    from extensible_kv.pool import Pool, rules
+    from extensible_kv.pool import Pool
 
-    indices = list(range(ENGINES))
     result: dict[str, Any] = {"ok": False, "error": None}
     pool = watcher = None
     if name in VIAS:
@@ -886,46 +885,30 @@ def run_setup(
         pool.set_share(args.device, sizes["share_bytes"])
         sizes = {**sizes, "pool": pool.name}
         watcher = LedgerWatcher(pool)
-    result["device_free_before"] = device_free(engines, sizes)
-    hints = (
-        max(len(r.prompt) for r in requests),
-        max(Counter(r.engine for r in requests).values()),
-    )
-    for i in indices:
-        engines.send(i, "setup", name, sizes, hints, keep)
-    ready = engines.wait(("ready", "failed"), indices, args.ready_timeout_s)
-    failed = {i: payload for i, (kind, payload) in ready.items() if kind == "failed"}
-    t0 = time.monotonic() + 0.5
-    if not failed:
-        log(f"{name}: engines ready, trace of {len(requests)} requests")
-        send_trace(engines, requests, t0, args.drain_s, result)
-    if pool is not None:
-        with pool.transaction() as ledger:
-            result["ledger_problems_before_stop"] = rules.check(ledger)
-    for i in indices:
-        engines.send(i, "stop")
-    replies = {
-        i: reply
-        for i, (_, reply) in engines.wait(("result",), indices, args.stop_timeout_s).items()
-    }
-    block_bytes: dict[str, int] = {}
-    if watcher is not None and pool is not None:
-        watcher.stop()
-        left = pool.snapshot()
-        pool.destroy()
-        block_bytes = {n: e["block_bytes"] for n, e in watcher.engines.items()}
-        result["ledger"] = {
-            "reads": watcher.reads,
-            "events_seen": len(watcher.events),
-            "events_maybe_lost": watcher.maybe_lost,
-            "engines_left": sorted(left.engines),
-            "loans_left": len(left.loans),
-            "engines": watcher.engines,
-            "events": [[round(t - t0, 4), text] for t, text in watcher.events],
-        }
+    try:
+        replies, t0 = _serve(engines, name, sizes, requests, keep, args, result, pool)
+        if watcher is not None and pool is not None:
+            watcher.stop()
+            left = pool.snapshot()
+            result["ledger"] = {
+                "reads": watcher.reads,
+                "events_seen": len(watcher.events),
+                "events_maybe_lost": watcher.maybe_lost,
+                "engines_left": sorted(left.engines),
+                "loans_left": len(left.loans),
+                "engines": watcher.engines,
+                "events": [[round(t - t0, 4), text] for t, text in watcher.events],
+            }
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        if pool is not None:
+            pool.destroy()
+    indices = list(range(ENGINES))
+    block_bytes = {n: e["block_bytes"] for n, e in watcher.engines.items()} if watcher else {}
     result["device_free_after"] = device_free(engines, sizes)
     errors = {i: reply["error"] for i, reply in replies.items() if reply.get("error")}
-    errors.update(failed)
+    errors.update(result.pop("failed_to_start"))
     if errors:
         result["error"] = "\n".join(f"engine {i}: {e}" for i, e in sorted(errors.items()))
     result["engines"] = [
@@ -962,6 +945,43 @@ def run_setup(
     result["grown_bytes"] = sum(e["grown_bytes"] for e in result["engines"])
     result["ok"] = not errors
     return result
+
+
+def _serve(
+    engines: Engines,
+    name: str,
+    sizes: dict[str, Any],
+    requests: list[Request],
+    keep: list[str],
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    pool: Any,
+) -> tuple[dict[int, dict[str, Any]], float]:
+    """Starts the setup in every engine, sends the trace, stops them: their replies, and the
+    trace's start."""
+    from extensible_kv.pool import rules
+
+    indices = list(range(ENGINES))
+    result["device_free_before"] = device_free(engines, sizes)
+    hints = (
+        max(len(r.prompt) for r in requests),
+        max(Counter(r.engine for r in requests).values()),
+    )
+    for i in indices:
+        engines.send(i, "setup", name, sizes, hints, keep)
+    ready = engines.wait(("ready", "failed"), indices, args.ready_timeout_s)
+    result["failed_to_start"] = {i: p for i, (kind, p) in ready.items() if kind == "failed"}
+    t0 = time.monotonic() + 0.5
+    if not result["failed_to_start"]:
+        log(f"{name}: engines ready, trace of {len(requests)} requests")
+        send_trace(engines, requests, t0, args.drain_s, result)
+    if pool is not None:
+        with pool.transaction() as ledger:
+            result["ledger_problems_before_stop"] = rules.check(ledger)
+    for i in indices:
+        engines.send(i, "stop")
+    answers = engines.wait(("result",), indices, args.stop_timeout_s)
+    return {i: reply for i, (_, reply) in answers.items()}, t0
 
 
 def send_trace(
