@@ -10,7 +10,7 @@ seed in all three (so the same weights): on a GPU an 8B-shaped Llama (32 layers,
 32 heads, 8 KV heads of 128, bf16) with CUDA graphs, as `benchmarks/bench_transformers.py`
 runs it; on the host backend (`--device cpu`) the demo's tiny model, with sizes in MiB where
 the GPU's are GiB: a smoke run of seconds. Three 8B engines (16 GB of weights each, their
-activations and graphs) and the default 48 GiB of KV need about 110 GB by estimate: an H200.
+activations and graphs) and the default 36 GiB of KV need about 100 GB by estimate: an H200.
 On an 80 GB H100, `--layers 16 --kv-gib 24` should fit (estimated, not tried).
 
 **The trace** (seeded, `--seed`): `--rounds` rounds in which each engine bursts in turn, one
@@ -1223,8 +1223,12 @@ HOST_DEFAULTS: dict[str, Any] = {
     "check_requests": 2,
     "ready_timeout_s": 120.0,
 }
+# On a GPU (estimates, not run yet): a burst's KV (128 requests of ~560 + 256 tokens, ~4 blocks
+# of 32 MiB each, ~16 GiB) is above the static third (12 GiB), and its prefill (~72k tokens) is
+# short beside its decode (256 steps): in the static split the last requests wait for the first
+# to finish. Each setup about 2 minutes: three fit the gpu-check step's 480 s.
 GPU_DEFAULTS: dict[str, Any] = {
-    "kv_gib": 48.0,
+    "kv_gib": 36.0,
     "min_gib": 1.0,
     "granularity": None,
     "burst_requests": 128,
@@ -1233,12 +1237,12 @@ GPU_DEFAULTS: dict[str, Any] = {
     "rounds": 2,
     "lead_s": 0.5,
     "trickle_per_s": 0.2,
-    "min_prompt": 128,
-    "max_prompt": 4096,
-    "new_tokens": 128,
+    "min_prompt": 64,
+    "max_prompt": 2048,
+    "new_tokens": 256,
     "max_batch_tokens": 2048,
-    "drain_s": 30.0,
-    "check_requests": 4,
+    "drain_s": 40.0,
+    "check_requests": 3,
     "ready_timeout_s": 300.0,
 }
 
