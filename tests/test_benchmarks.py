@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import bench_scripts
+from support import bench_scripts, stack_env
 
 
 def test_bench_shrink_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,3 +137,221 @@ def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert serve["identical"] is True
     assert serve["auto"]["blocks_seen"][0] < serve["fixed"]["blocks_seen"][0]
     assert "### Bursty trace" in capsys.readouterr().out
+
+
+def pool_args(bench: Any, *argv: str) -> Any:
+    return bench.parse(["--device", "cpu", *argv])
+
+
+def test_bench_pool_trace_bursts_each_engine_in_turn() -> None:
+    """The seeded trace: each engine's bursts in turn, its trickle only outside its own bursts,
+    prompts within the bounds, the same trace from the same seed."""
+    bench = bench_scripts.load("bench_pool")
+    args = pool_args(bench, "--rounds", "2", "--trickle-per-s", "4", "--burst-requests", "10")
+    bursts, requests = bench.make_trace(args, vocab=100)
+    assert [b.engine for b in bursts] == [0, 1, 2, 0, 1, 2]
+    assert all(b.end_s - b.start_s == pytest.approx(args.burst_s) for b in bursts)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    for index, burst in enumerate(bursts):
+        mine = [r for r in requests if r.burst == index]
+        assert len(mine) == 10 and {r.engine for r in mine} == {burst.engine}
+        assert all(burst.start_s <= r.arrival_s <= burst.end_s for r in mine)
+    trickle = [r for r in requests if r.burst is None]
+    assert trickle, "a trickle of 4/s over the trace"
+    for request in trickle:
+        own = [b for b in bursts if b.engine == request.engine]
+        assert not any(b.start_s <= request.arrival_s <= b.end_s for b in own)
+    lengths = [len(r.prompt) for r in requests]
+    assert args.min_prompt <= min(lengths) < max(lengths) <= args.max_prompt
+    assert all(0 < t < 100 for r in requests for t in r.prompt)
+    assert len({r.rid for r in requests}) == len(requests)
+    again = bench.make_trace(args, vocab=100)
+    assert again == (bursts, requests)
+    sample = bench.check_sample(requests, 3, args.seed)
+    assert [sum(r.engine == e for r in sample) for e in range(3)] == [3, 3, 3]
+    assert all(r.burst is not None for r in sample)
+
+
+def test_bench_pool_reads_each_request_for_memory_from_the_ledger(tmp_path: Path) -> None:
+    """The ledger watcher keeps every event it reads once; each request for memory is its ask
+    and its answer, timed by the transactions that posted them: a loan's latency is ask to
+    borrow; a release to the driver's is ask to the first sample of the needy engine's memory
+    that grew after it; a refusal moves nothing. A read that finds only new events, the
+    ledger full, counts as maybe lost."""
+    from extensible_kv.pool import Engine, Pool, rules
+    from extensible_kv.pool.ledger import MAX_EVENTS
+
+    bench = bench_scripts.load("bench_pool")
+    clock = [100.0]
+    pool = Pool("bench", directory=tmp_path, clock=lambda: clock[0], alive=lambda *_: True)
+    watcher = bench.LedgerWatcher(pool)
+    watcher.stop()  # read by hand below, at known points
+
+    def at(t: float) -> Any:
+        clock[0] = t
+        return pool.transaction()
+
+    for name, pid, block in (("a", 11, 4096), ("b", 12, 8192), ("c", 13, 4096)):
+        with at(100.0) as ledger:
+            rules.join(ledger, Engine(name, pid, 1, "cpu", "x", block, 1, 64, 64), 100.0)
+    native = ["cpu", 1, 2, 3, 4, 5, 6, [[0, 1, 2, 3]]]
+    with at(100.010) as ledger:
+        lent = rules.ask(ledger, "b", "a", 8, 101.0, 100.010, "a burst")
+    watcher._read()
+    with at(100.025) as ledger:
+        rules.offer(ledger, lent, 56, 8, 8 * 4096, [native], 101.0, 100.025)
+    with at(100.0355) as ledger:
+        rules.took(ledger, ledger.loans[lent], 64, 100.0355)
+    watcher._read()
+    watcher._read()  # nothing new: nothing counted twice
+    with at(100.5) as ledger:
+        refused = rules.ask(ledger, "a", "c", 4, 101.5, 100.5, "refused")
+        released = rules.ask(ledger, "c", "b", 2, 101.5, 100.5, "through the driver")
+        rules.refuse(ledger, refused, "its top blocks are live", 100.5)
+    with at(100.52) as ledger:
+        # The join's wording for a release to the driver (`rules.released`).
+        del ledger.loans[released]
+        ledger.log(100.52, f"loan {released}: b released 2 blocks to the driver for c")
+    watcher._read()
+    texts = [text for _, text in watcher.events]
+    assert len(texts) == len(set(texts)) and watcher.maybe_lost == 0
+    assert watcher.engines == {
+        "a": {"pid": 11, "block_bytes": 4096},
+        "b": {"pid": 12, "block_bytes": 8192},
+        "c": {"pid": 13, "block_bytes": 4096},
+    }
+    blocks = {name: e["block_bytes"] for name, e in watcher.engines.items()}
+    loans = bench.loans_from_events(watcher.events, blocks, 1, t0=100.0)
+    assert [loan["answer"] for loan in loans] == ["borrowed", "refused", "released"]
+    loan, no, driver = loans
+    assert (loan["borrower"], loan["lender"], loan["asked_blocks"]) == ("b", "a", 8)
+    assert loan["latency_ms"] == loan["answered_ms"] == pytest.approx(25.5)
+    assert loan["asked_s"] == pytest.approx(0.010)
+    assert (loan["blocks"], loan["bytes"]) == (8, 8 * 4096)  # the lender's blocks
+    assert [step[1].split()[1] for step in loan["timeline"]] == ["asks", "offers", "borrowed"]
+    assert no["latency_ms"] is None and no["bytes"] == 0
+    assert driver["answered_ms"] == pytest.approx(20.0) and driver["latency_ms"] is None
+    assert (driver["blocks"], driver["bytes"]) == (2, 2 * 8192)
+    # The needy engines' memory: c grows 30 ms after the release, b 10 ms after its borrow.
+    memory = {
+        "b": {"t": [-0.5, 0.02, 0.0455], "bytes": [1, 2, 3]},  # an earlier growth: not it
+        "c": {"t": [-0.5, 0.51, 0.55], "bytes": [4, 3, 5]},  # shrank, then grew
+    }
+    bench.seen_in_memory(loans, memory, t0=100.0)
+    assert loan["seen_ms"] == pytest.approx(35.5) and loan["latency_ms"] == pytest.approx(25.5)
+    assert driver["seen_ms"] == driver["latency_ms"] == pytest.approx(50.0)
+    assert no["seen_ms"] is None
+    assert bench.percentiles([loan["latency_ms"]])["p99"] == loan["latency_ms"]
+    # More events than the ledger keeps between two reads: some may be lost.
+    with at(101.0) as ledger:
+        for i in range(MAX_EVENTS + 1):
+            ledger.log(101.0 + i * 1e-3, f"event {i}")
+    watcher._read()
+    assert watcher.maybe_lost == 1
+
+
+def test_bench_pool_memory_figures() -> None:
+    """The step series' time mean, the peak of the engines' sum and the memory grown."""
+    bench = bench_scripts.load("bench_pool")
+    a = {"t": [0.0, 1.0, 3.0, 4.0], "bytes": [10, 30, 10, 10]}
+    b = {"t": [0.5, 2.0, 4.0], "bytes": [5, 25, 25]}
+    assert bench._time_mean(a, 0.0) == pytest.approx((10 * 1 + 30 * 2 + 10 * 1) / 4)
+    assert bench._growth(a, 0.0) == 20 and bench._growth(a, 2.0) == 0
+    assert bench.peak_of_sum([a, b]) == 30 + 25
+
+
+def check_served(res: dict[str, Any], name: str) -> None:
+    """Setup `name` of bench_pool's results served every request of the trace, with the
+    tokens of the same requests run alone, and kept none of its caches' memory after."""
+    settings, setup = res["settings"], res["setups"][name]
+    requests = res["trace"]["requests"]
+    assert setup["ok"] and setup["error"] is None, (name, setup["error"])
+    assert setup["drained"], name
+    total = setup["total"]
+    assert total["completed"] == total["requests"] == len(requests), name
+    assert len(setup["tokens"]) == len(requests)
+    for engine in setup["engines"]:
+        mine = sum(r["engine"] == engine["engine"] for r in requests)
+        assert engine["completed"] == engine["requests"] == mine
+        assert engine["ttft_ms"]["n"] == mine
+        assert 0 < engine["ttft_ms"]["p50"] <= engine["ttft_ms"]["p99"]
+        assert engine["ttft_ms"]["p99"] <= engine["e2e_ms"]["p99"]
+        assert engine["tokens"] == mine * settings["new_tokens"]
+        assert engine["memory"]["samples"] > 10 and engine["kv_peak"] > 0
+        assert engine["memfds_after"] == 0, (name, engine["engine"])
+    alone = res["identical"]["alone"][name]
+    assert alone["compared"] == alone["sample"] == 3 * settings["check_requests"]
+    assert alone["identical"] == alone["compared"], (name, alone["first_difference"])
+
+
+@pytest.mark.transformers
+def test_bench_pool_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three engine processes serve the bursty trace in each setup: every request completes,
+    with the tokens of the same requests run alone; the static split never moves memory; the
+    pool setups move memory into the bursting engines (as loans, or released to the driver)
+    and leave nothing in the ledger; nothing of the caches' memory outlives its setup. (The
+    pool setups need the transformers join, `enable(pool=...)`: the static one is checked
+    first.)"""
+    stack_env.require_transformers()
+    bench = bench_scripts.load("bench_pool")
+    status = bench.main(["--out", str(tmp_path), "--device", "cpu"])
+    res = json.loads((tmp_path / "bench_pool.json").read_text())
+    settings = res["settings"]
+    assert settings["share_bytes"] == 3 * settings["static_bytes"]
+    assert len(res["trace"]["bursts"]) == 3 * settings["rounds"]
+    assert list(res["setups"]) == ["pool", "static", "driver"]
+    check_served(res, "static")
+    static = res["setups"]["static"]
+    assert static["grown_bytes"] == 0 and static["loans"] == []
+    assert static["total"]["kv_total_peak_bytes"] <= settings["share_bytes"]
+    assert "### Three engines, bursty trace" in capsys.readouterr().out
+    # The pool setups.
+    assert status == 0, [res["setups"][n].get("error") for n in ("pool", "driver")]
+    answers = {}
+    for name in ("pool", "driver"):
+        check_served(res, name)
+        setup = res["setups"][name]
+        assert setup["grown_bytes"] > 0, name  # memory followed the bursts
+        assert setup["ledger_problems_before_stop"] == []
+        ledger = setup["ledger"]
+        assert ledger["engines_left"] == [] and ledger["loans_left"] == 0
+        assert len(ledger["engines"]) == 3 and ledger["events_maybe_lost"] == 0
+        answers[name] = {loan["answer"] for loan in setup["loans"]}
+        assert all(loan["latency_ms"] is None or loan["latency_ms"] > 0 for loan in setup["loans"])
+        assert setup["pool_moved_bytes"] > 0 and setup["loan_latency_ms"]["n"] > 0, name
+    assert "borrowed" in answers["pool"] and "released" not in answers["pool"]
+    assert "released" in answers["driver"] and "borrowed" not in answers["driver"]
+    for pair, row in res["identical"]["cross"].items():
+        assert row["identical"] == row["compared"] == len(res["trace"]["requests"]), pair
+
+
+def test_plot_pool_draws_a_panel_per_setup(tmp_path: Path) -> None:
+    """benchmarks/plot_pool.py draws bench_pool's JSON (matplotlib: the `plot` extra); a setup
+    that failed before serving has no panel."""
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    plot = bench_scripts.load("plot_pool")
+    memory = {"t": [-0.5, 0.2, 1.0, 2.0], "bytes": [1 << 20, 3 << 20, 1 << 20, 1 << 20]}
+    engines = [{"engine": i, "memory": memory} for i in range(3)]
+    total = {"ttft_ms": {"p99": 12.0}, "completed": 9, "requests": 9}
+    results = {
+        "environment": {"shape": "tiny"},
+        "settings": {"unit_name": "MiB", "static_bytes": 2 << 20},
+        "trace": {
+            "bursts": [{"engine": i, "start_s": i * 0.5, "end_s": i * 0.5 + 0.1} for i in range(3)]
+        },
+        "setups": {
+            "pool": {"engines": engines, "total": total},
+            "static": {"engines": engines, "total": total},
+            "driver": {"ok": False, "error": "no join"},
+        },
+    }
+    source = tmp_path / "bench_pool.json"
+    source.write_text(json.dumps(results))
+    assert plot.plot(results, tmp_path / "direct.png") == ["pool", "static"]
+    assert plot.main([str(source), str(tmp_path / "out" / "trace.png")]) == 0
+    png = (tmp_path / "out" / "trace.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    results["setups"] = {"driver": results["setups"]["driver"]}
+    source.write_text(json.dumps(results))
+    with pytest.raises(SystemExit, match="no setup"):
+        plot.main([str(source), str(tmp_path / "none.png")])
