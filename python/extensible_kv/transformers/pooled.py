@@ -35,7 +35,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from extensible_kv import sizing
 from extensible_kv.ipc import Loan
 from extensible_kv.pool.member import PoolMember
 from extensible_kv.tensor import ExtensibleTensor
@@ -55,32 +54,17 @@ LEAVE_S = 10.0  # for borrowers to give back what it lent, as it leaves
 _JOINED: weakref.WeakKeyDictionary[Any, Joined] = weakref.WeakKeyDictionary()
 
 
-class SectorCache:
-    """transformers' cache as `PoolMember` drives it (a `PoolCache`): one buffer, one
-    segment, a block per data sector, the trash sectors below block 0. Call it only on the
-    generation loop's thread, between steps."""
+class SectorCache(_cache._Sectors):
+    """transformers' cache as `PoolMember` drives it (a `PoolCache`): the flow's view of its
+    data sectors (one buffer, one segment, a block per data sector, the trash sectors below
+    block 0), which also lends and borrows. Call it only on the generation loop's thread,
+    between steps."""
 
     def __init__(self, cache: Any) -> None:
+        super().__init__(cache._ekv)
         self._cache = cache
-        self._state: _cache._State = cache._ekv
         # Where each loan this cache borrowed begins, in its blocks: a give-back cuts there.
         self._borrowed_at: dict[tuple[int, int, int], int] = {}
-
-    @property
-    def capacity_blocks(self) -> int:
-        return self._state.capacity_sectors
-
-    @property
-    def committed_blocks(self) -> int:
-        return self._state.committed_sectors
-
-    @property
-    def physical_bytes(self) -> int:
-        return self._state.tensor.physical_bytes
-
-    @property
-    def legacy(self) -> bool:
-        return False
 
     @property
     def buffers(self) -> tuple[ExtensibleTensor, ...]:
@@ -93,9 +77,6 @@ class SectorCache:
     @property
     def segment_block_bytes(self) -> tuple[int, ...]:
         return (self._state.bytes_per_sector,)
-
-    def footprint(self) -> sizing.CacheFootprint:
-        return _cache._Sectors(self._state).footprint()
 
     # -- what transformers' pool does not use ------------------------------------------------
 
