@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from extensible_kv import _args
 from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
+from extensible_kv.flow import ExtendableCache
 from extensible_kv.ipc import Loan
 from extensible_kv.pool import _proc, rules
 from extensible_kv.pool.ledger import Engine, Ledger, LoanEntry
@@ -40,7 +41,6 @@ from extensible_kv.pool.policy import Decision, plan_answer, plan_grow, plan_rel
 from extensible_kv.pool.store import Pool
 
 if TYPE_CHECKING:
-    from extensible_kv.sizing import CacheFootprint
     from extensible_kv.tensor import ExtensibleTensor
 
 logger = logging.getLogger("extensible_kv.pool")
@@ -52,30 +52,20 @@ __all__ = ["VIAS", "PoolCache", "PoolMember"]
 VIAS = ("loan", "driver")
 
 
-class PoolCache(Protocol):
-    """What `PoolMember` drives: a cache of whole blocks, each buffer an `ExtensibleTensor`
-    of `num_segments` segments that grow by `segment_block_bytes` a block, whose
-    `footprint().leading_blocks` blocks sit below block 0 in every segment (transformers'
-    trash sectors; none in an `ExtensibleKVCache`). It commits, shrinks, lends, borrows, gives
-    back and reclaims whole blocks as `ExtensibleKVCache` does, which is one;
+class PoolCache(ExtendableCache, Protocol):
+    """What `PoolMember` drives: a cache the flow drives (`ExtendableCache`) whose buffers are
+    each an `ExtensibleTensor` of `num_segments` segments that grow by `segment_block_bytes` a
+    block, whose `footprint().leading_blocks` blocks sit below block 0 in every segment
+    (transformers' trash sectors; none in an `ExtensibleKVCache`). It also shrinks, lends,
+    borrows, gives back and reclaims whole blocks as `ExtensibleKVCache` does, which is one;
     `extensible_kv.transformers` adapts transformers' cache to it."""
 
-    @property
-    def capacity_blocks(self) -> int: ...
-    @property
-    def committed_blocks(self) -> int: ...
-    @property
-    def physical_bytes(self) -> int: ...
-    @property
-    def legacy(self) -> bool: ...
     @property
     def buffers(self) -> tuple[ExtensibleTensor, ...]: ...
     @property
     def num_segments(self) -> tuple[int, ...]: ...
     @property
     def segment_block_bytes(self) -> tuple[int, ...]: ...
-    def footprint(self) -> CacheFootprint: ...
-    def commit(self, num_blocks: int) -> None: ...
     def shrink_to(self, num_blocks: int, *, exact: bool = False) -> None: ...
     def wait_released(self, timeout: float | None = None) -> bool: ...
     def lend(self, num_blocks: int, *, stream: int | None = None) -> tuple[Loan, ...]: ...
