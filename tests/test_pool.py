@@ -497,6 +497,27 @@ def test_a_donor_lends_free_top_blocks_above_its_minimum_and_says_why_not() -> N
         plan_answer(ledger, "d", 1, free_tail_blocks=8, allow_move=True)
 
 
+def test_a_donor_lends_whole_handles_covering_a_small_ask_if_the_borrower_has_room() -> None:
+    ledger = Ledger()
+    ledger.engines = {"d": engine("d", 1, 20, lo=8), "n": engine("n", 2, 4)}
+    ledger.loans[1] = LoanEntry(1, "d", "n", 2, "asked", NOW + 1)
+    ledger.next_loan_id = 2
+    # Handles start at blocks 12 and 16: a loan is 4 or 8 blocks, never the 2 asked.
+    lend = plan_answer(ledger, "d", 1, free_tail_blocks=12, lend_points={12, 16})
+    assert (lend.action, lend.blocks) == ("lend", 4)
+    assert "the fewest whole handles that cover the ask" in lend.reason
+    ledger.loans[1].blocks = 6  # the most of the ask that ends at a handle
+    assert plan_answer(ledger, "d", 1, free_tail_blocks=12, lend_points={12, 16}).blocks == 4
+    ledger.loans[1].blocks = 2
+    # Not free (the top 3 blocks only), or no room under the borrower's maximum: refused.
+    refused = plan_answer(ledger, "d", 1, free_tail_blocks=3, lend_points={12, 16})
+    assert (refused.action, refused.blocks) == ("refuse", 0)
+    assert "no handle starts within its 2 free top blocks" in refused.reason
+    ledger.engines["n"].max_blocks = 7
+    refused = plan_answer(ledger, "d", 1, free_tail_blocks=12, lend_points={12, 16})
+    assert refused.action == "refuse" and "than n has room for" in refused.reason
+
+
 def test_an_engine_gives_back_recalled_and_orphaned_loans_top_first_once_free() -> None:
     ledger = Ledger()
     ledger.engines = {"a": engine("a", 1, 8), "b": engine("b", 2, 24, hi=64)}

@@ -376,9 +376,9 @@ class PoolMember:
             if self._settling:
                 rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
                 continue
-            decision = plan_answer(ledger, self.name, loan.loan_id, free_tail_blocks=free_tail)
-            if decision.action == "lend":
-                decision = _at_a_handle_boundary(decision, engine.committed_blocks, points)
+            decision = plan_answer(
+                ledger, self.name, loan.loan_id, free_tail_blocks=free_tail, lend_points=points
+            )
             if decision.action == "lend" and self.via == "driver":
                 why = f"{decision.reason}; released to the driver, not lent"
                 decision = dataclasses.replace(decision, action="release", reason=why)
@@ -588,18 +588,6 @@ def _lend_points(cache: PoolCache) -> set[int]:
             }
         points = {k for k in points if all(first + k * block_bytes in starts for first in firsts)}
     return {k for k in points or () if k < cache.committed_blocks}
-
-
-def _at_a_handle_boundary(decision: Decision, committed: int, points: set[int]) -> Decision:
-    """`decision`'s lend cut down to the largest that keeps a lend point."""
-    fits = [committed - k for k in points if 0 < committed - k <= decision.blocks]
-    if not fits:
-        why = (
-            f"no handle starts within its {decision.blocks} free top blocks (a loan is "
-            "whole handles)"
-        )
-        return dataclasses.replace(decision, action="refuse", blocks=0, reason=why)
-    return dataclasses.replace(decision, blocks=max(fits))
 
 
 def _layout(cache: PoolCache) -> str:

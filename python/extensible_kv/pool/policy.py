@@ -182,10 +182,22 @@ def borrowers(ledger: Ledger) -> set[str]:
 
 
 def plan_answer(
-    ledger: Ledger, name: str, loan_id: int, *, free_tail_blocks: int, allow_move: bool = False
+    ledger: Ledger,
+    name: str,
+    loan_id: int,
+    *,
+    free_tail_blocks: int,
+    lend_points: Collection[int] | None = None,
+    allow_move: bool = False,
 ) -> Decision:
     """Donor `name`'s answer to request `loan_id`: lend at most its free top blocks
-    (`free_tail_blocks`, which only the engine knows), never below its minimum."""
+    (`free_tail_blocks`, which only the engine knows), never below its minimum.
+
+    `lend_points` (what only the engine knows too: the block counts it may keep, where a
+    handle starts in every segment) makes the loan whole handles: the most it asked for that
+    ends at one; or, when no handle starts within that many top blocks, the fewest whole
+    handles that cover the ask, if they are free and the borrower has room under its maximum
+    (a donor of handles larger than the ask would otherwise refuse every small request)."""
     if allow_move:
         raise NotImplementedError(
             "moving live blocks down before lending (the run-time resize's move=True) is not "
@@ -208,6 +220,25 @@ def plan_answer(
         return Decision("refuse", name, 0, why, loan.borrower, loan_id)
     blocks = min(loan.blocks, lendable)
     why = f"{lendable} free blocks at its top above its minimum"
+    if lend_points is not None:
+        sizes = [engine.committed_blocks - k for k in lend_points]
+        sizes = [n for n in sizes if 0 < n <= lendable]
+        borrower = ledger.engines.get(loan.borrower)
+        room = borrower.max_blocks - borrower.committed_blocks if borrower else 0
+        fits = [n for n in sizes if n <= blocks]
+        covers = [n for n in sizes if blocks < n <= room]
+        if fits:
+            blocks = max(fits)
+        elif covers:
+            blocks = min(covers)
+            why += f"; {blocks} blocks, the fewest whole handles that cover the ask"
+        else:
+            why = (
+                f"no handle starts within its {blocks} free top blocks, and the whole "
+                f"handles past them are more than are free or than {loan.borrower} has room "
+                "for (a loan is whole handles)"
+            )
+            return Decision("refuse", name, 0, why, loan.borrower, loan_id)
     return Decision("lend", name, blocks, why, loan.borrower, loan_id)
 
 
