@@ -160,18 +160,21 @@ def _main(conn: Any, args: tuple[Any, ...]) -> None:
 
 @dataclass
 class Proc:
-    """The parent's handle on an engine process."""
+    """The parent's handle on an engine process (this module's, or
+    `pool_transformers_engine`'s, whose commands take longer: `timeout_s` and `stop_s`)."""
 
     name: str
     process: Any
     conn: Any
     pid: int = 0
+    timeout_s: float = TIMEOUT_S
+    stop_s: float = 10.0
 
     def send(self, *command: Any) -> None:
         self.conn.send(command)
 
-    def reply(self, timeout_s: float = TIMEOUT_S) -> tuple[Any, dict[str, int]]:
-        if not self.conn.poll(timeout_s):
+    def reply(self, timeout_s: float | None = None) -> tuple[Any, dict[str, int]]:
+        if not self.conn.poll(self.timeout_s if timeout_s is None else timeout_s):
             raise TimeoutError(f"{self.name} did not answer")
         status, *result = self.conn.recv()
         assert status == "ok", f"{self.name}: {result[0]}"
@@ -185,12 +188,13 @@ class Proc:
         os.kill(self.pid, signal.SIGKILL)
 
     def stop(self) -> None:
+        """Asks the engine to stop, waits `stop_s` for it, then kills it."""
         if self.process.is_alive():
             try:
                 self.conn.send(("stop",))
             except OSError:
                 pass
-        self.process.join(timeout=10)
+        self.process.join(timeout=self.stop_s)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
@@ -225,7 +229,8 @@ def start(
 
 
 def joined(proc: Proc) -> Proc:
-    if not proc.conn.poll(TIMEOUT_S):
+    """Waits until `proc` started (and, for a transformers engine, its cache is in the pool)."""
+    if not proc.conn.poll(proc.timeout_s):
         raise TimeoutError(f"{proc.name} did not start")
     status, *result = proc.conn.recv()
     assert status == "ok", f"{proc.name}: {result[0]}"

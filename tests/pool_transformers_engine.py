@@ -14,8 +14,9 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
+
+from pool_engine import Proc
 
 PAGE_BYTES = 8192  # a sector of the tiny Llama: one block of 16 tokens, 2 layers, fp32
 GRANULE = 4096
@@ -72,35 +73,6 @@ def _main(conn: Any, directory: str, pool_name: str, name: str, options: dict[st
         conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
-@dataclass
-class Proc:
-    """The parent's handle on an engine process."""
-
-    name: str
-    process: Any
-    conn: Any
-    pid: int = 0
-
-    def __call__(self, *command: Any) -> tuple[Any, dict[str, int]]:
-        self.conn.send(command)
-        if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"{self.name} did not answer {command[0]!r}")
-        status, *result = self.conn.recv()
-        assert status == "ok", f"{self.name}: {result[0]}"
-        return result[0], result[1]
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self("stop")
-            except (OSError, EOFError, TimeoutError, AssertionError):
-                pass
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
 def context() -> Any:
     """A fork server that imported torch, transformers and the library once: each engine
     starts without importing them again."""
@@ -115,14 +87,4 @@ def start(ctx: Any, directory: str, pool: str, name: str, **options: Any) -> Pro
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_main, args=(child, directory, pool, name, options), daemon=True)
     process.start()
-    return Proc(name, process, parent)
-
-
-def joined(proc: Proc) -> Proc:
-    """Waits until `proc`'s cache is in the pool."""
-    if not proc.conn.poll(TIMEOUT_S):
-        raise TimeoutError(f"{proc.name} did not start")
-    status, *result = proc.conn.recv()
-    assert status == "ok", f"{proc.name}: {result[0]}"
-    proc.pid = result[0]
-    return proc
+    return Proc(name, process, parent, timeout_s=TIMEOUT_S, stop_s=TIMEOUT_S)

@@ -82,13 +82,14 @@ def procs() -> Iterator[list[Any]]:
 
 def engines(tmp_path: Path, procs: list[Any], names: list[str], **options: Any) -> list[Any]:
     import pool_transformers_engine as pte
+    from pool_engine import joined
 
     ctx = pte.context()
     new = [
         pte.start(ctx, str(tmp_path), POOL, name, **{**ENGINE_OPTIONS, **options}) for name in names
     ]
     procs.extend(new)
-    return [pte.joined(proc) for proc in new]
+    return [joined(proc) for proc in new]
 
 
 def wait_for(what: str, condition: Callable[[], bool], seconds: float = 30) -> None:
