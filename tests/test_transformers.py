@@ -939,6 +939,8 @@ def test_resize_refuses_bad_sizes_before_anything_changes(tf: Any) -> None:
             ekt.resize(manager, NUM_BLOCKS + 1)
         with pytest.raises(ValueError, match="timeout"):
             ekt.resize(manager, 4, timeout=-1)
+        with pytest.raises(TypeError, match="timeout"):
+            ekt.resize(manager, 4, timeout="1")  # type: ignore[arg-type]
         ekt.release(manager)
         with pytest.raises(RuntimeError, match="resume"):
             ekt.resize(manager, 4)
@@ -1004,6 +1006,8 @@ def test_auto_resize_options_are_checked(tf: Any) -> None:
         ekt.AutoResize(min_blocks=2, max_blocks=1)
     with pytest.raises(ValueError, match="idle_s"):
         ekt.AutoResize(idle_s=-1)
+    with pytest.raises(TypeError, match="idle_s"):
+        ekt.AutoResize(idle_s="60")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="step_blocks"):
         ekt.AutoResize(step_blocks=1.5)  # type: ignore[arg-type]
     ekt.enable(budget_bytes=1 << 20, auto_resize=True)

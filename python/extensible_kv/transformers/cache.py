@@ -110,9 +110,9 @@ class AutoResize:
             )
         if self.max_blocks is not None and self.max_blocks < self.min_blocks:
             raise ValueError(f"max_blocks {self.max_blocks} is below min_blocks {self.min_blocks}")
-        idle = self.idle_s
-        if isinstance(idle, bool) or not isinstance(idle, int | float) or not idle >= 0:
-            raise ValueError(f"idle_s must be a number of seconds >= 0, not {idle!r}")
+        if self.idle_s is None:
+            raise TypeError("idle_s must be a number of seconds, not None")
+        object.__setattr__(self, "idle_s", _args.seconds(self.idle_s, "idle_s"))
 
 
 @dataclass(frozen=True)
@@ -976,8 +976,7 @@ def resize(
     state = _state(cache)
     num_blocks = _args.size(num_blocks, "num_blocks", minimum=1)
     _refuse_pooled(state, "resize")
-    if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, not {timeout!r}")
+    timeout = _args.seconds(timeout)
     if state.final_sectors is None:
         raise RuntimeError("the KV cache is not sized yet: resize it after the warm-up or start")
     if state.released:
