@@ -88,10 +88,12 @@ class AutoResize:
     then, while the manager serves:
 
     - **grow on demand**: when the scheduler finds too few free sectors for a request, the
-      cache grows first, by what that request lacks and at least `step_blocks` (default: an
-      eighth of the most), up to `max_blocks` (default: what the extension measured as
-      fitting), so no request waits or is preempted while memory is there; a commit the device
-      refuses (out of memory: another engine took it) leaves the size as it is;
+      cache grows first, by what that request lacks, at least `step_blocks` (default: an
+      eighth of the most) and at least its current size (it doubles: a burst that starts from
+      the least grows in a few commits, each of which pauses the generation loop), up to
+      `max_blocks` (default: what the extension measured as fitting), so no request waits or
+      is preempted while memory is there; a commit the device refuses (out of memory: another
+      engine took it) leaves the size as it is;
     - **shrink when idle**: once no request has held a block for `idle_s` seconds, the cache
       shrinks back to `min_blocks` (sectors that are all free, as `resize` does).
 
@@ -867,7 +869,8 @@ class _Auto:
 def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
     """Under the policy, called when transformers' scheduler found too few free sectors for
     `request` (on the generation loop's thread, which is then not computing): grows by what it
-    lacks, at least a step, up to the most. True when it grew."""
+    lacks, at least a step and at least its size (it doubles), up to the most. True when it
+    grew."""
     state = _state(cache)
     if state.pooled is not None:  # in a node pool: it grows through the pool
         return bool(state.pooled.grow_on_demand(missing_sectors(cache, request, request_len)))
@@ -880,7 +883,7 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
         auto.last_active = time.monotonic()
         missing = missing_sectors(cache, request, request_len)
         final = state.final_sectors
-        target = min(auto.max_sectors, final + max(missing, auto.step_sectors))
+        target = min(auto.max_sectors, final + max(missing, auto.step_sectors, final))
         if missing <= 0 or target <= final or _capturing(state):
             return False
         try:
