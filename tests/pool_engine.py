@@ -173,8 +173,8 @@ class Proc:
     def send(self, *command: Any) -> None:
         self.conn.send(command)
 
-    def reply(self, timeout_s: float | None = None) -> tuple[Any, dict[str, int]]:
-        if not self.conn.poll(self.timeout_s if timeout_s is None else timeout_s):
+    def reply(self) -> tuple[Any, dict[str, int]]:
+        if not self.conn.poll(self.timeout_s):
             raise TimeoutError(f"{self.name} did not answer")
         status, *result = self.conn.recv()
         assert status == "ok", f"{self.name}: {result[0]}"

@@ -1013,6 +1013,8 @@ def test_auto_resize_options_are_checked(tf: Any) -> None:
         ekt.AutoResize(idle_s=-1)
     with pytest.raises(TypeError, match="idle_s"):
         ekt.AutoResize(idle_s="60")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="idle_s must be a number of seconds"):
+        ekt.AutoResize(idle_s=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="step_blocks"):
         ekt.AutoResize(step_blocks=1.5)  # type: ignore[arg-type]
     ekt.enable(budget_bytes=1 << 20, auto_resize=True)

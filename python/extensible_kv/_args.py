@@ -47,16 +47,18 @@ def sizes(values: object, name: str, *, minimum: int | None = 0) -> tuple[int, .
     return tuple(size(v, f"{name}[{i}]", minimum=low) for i, v in enumerate(items))
 
 
-def seconds(value: object, name: str = "timeout") -> float | None:
-    """`value` as a duration in seconds: None (no limit) or a real number of at least 0."""
-    if value is None:
+def seconds(value: object, name: str = "timeout", *, optional: bool = True) -> float | None:
+    """`value` as a duration in seconds: a real number of at least 0, or None (no limit)
+    where `optional`."""
+    if value is None and optional:
         return None
+    either = "None or " if optional else ""
     is_real = isinstance(value, int | float) or hasattr(type(value), "__float__")
     if isinstance(value, bool) or not is_real:
-        raise TypeError(f"{name} must be None or a number of seconds, not {_type_name(value)}")
+        raise TypeError(f"{name} must be {either}a number of seconds, not {_type_name(value)}")
     number = float(value)  # type: ignore[arg-type]
     if not number >= 0:  # NaN too
-        raise ValueError(f"{name} must be None or >= 0 seconds, got {value}")
+        raise ValueError(f"{name} must be {either}>= 0 seconds, got {value}")
     return number
 
 

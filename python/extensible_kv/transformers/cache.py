@@ -112,9 +112,7 @@ class AutoResize:
             )
         if self.max_blocks is not None and self.max_blocks < self.min_blocks:
             raise ValueError(f"max_blocks {self.max_blocks} is below min_blocks {self.min_blocks}")
-        if self.idle_s is None:
-            raise TypeError("idle_s must be a number of seconds, not None")
-        object.__setattr__(self, "idle_s", _args.seconds(self.idle_s, "idle_s"))
+        object.__setattr__(self, "idle_s", _args.seconds(self.idle_s, "idle_s", optional=False))
 
 
 @dataclass(frozen=True)
