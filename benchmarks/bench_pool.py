@@ -9,9 +9,9 @@ continuous-batching manager over a model built from a config with random weights
 seed in all three (so the same weights): on a GPU an 8B-shaped Llama (32 layers, hidden 4096,
 32 heads, 8 KV heads of 128, bf16) with CUDA graphs, as `benchmarks/bench_transformers.py`
 runs it; on the host backend (`--device cpu`) the demo's tiny model, with sizes in MiB where
-the GPU's are GiB: a smoke run of seconds. Three 8B engines (16 GB of weights each, their
-activations and graphs) and the default 36 GiB of KV need about 100 GB by estimate: an H200.
-On an 80 GB H100, `--layers 16 --kv-gib 24` should fit (estimated, not tried).
+the GPU's are GiB: a smoke run of seconds. Three 8B engines hold 16 GB of weights each
+beside their activations and graphs: an H200 ran them with 36 GiB of KV; the default 6 GiB
+should fit an 80 GB H100 too (estimated, not tried).
 
 **The trace** (seeded, `--seed`): `--rounds` rounds in which each engine bursts in turn, one
 burst every `--period-s`: `--burst-requests` requests arriving at uniform random times within
@@ -187,6 +187,13 @@ def check_sample(requests: list[Request], per_engine: int, seed: int) -> list[Re
 
 # ---------------------------------------------------------------------------------------------
 # the engine process
+
+
+def setup_blocks(setup: str, sizes: dict[str, Any]) -> int:
+    """The most blocks an engine of `setup` may hold: its cache's cap (see `_new_manager`)."""
+    if setup == "static":
+        return max(1, sizes["static_bytes"] // sizes["block_bytes"] - 2)  # less the trash
+    return int(sizes["max_blocks"])
 
 
 def enable_setup(setup: str, sizes: dict[str, Any], engine: str) -> None:
@@ -403,14 +410,26 @@ class _Engine:
         torch.cuda.empty_cache()
         return int(torch.cuda.mem_get_info(self.device)[0])
 
-    def _new_manager(self, hints: tuple[int, int]) -> Any:
+    def _new_manager(self, hints: tuple[int, int], num_blocks: int | None = None) -> Any:
+        """`num_blocks` (when the engine has no cap of its own) caps its cache, and so what
+        transformers sizes from it: without one, each engine's transformers sizes its reads
+        per batch (`max_tokens_read`: the masks, and the warm-up's and every padded batch's
+        attention scores) for ~90% of the free memory it sees, as if alone on the device.
+        On an H200 that was 1,121-2,321 blocks an engine (logged), and every setup crawled
+        (36 of 398 requests done)."""
+        import dataclasses
+
         from extensible_kv._demo import serve
+
+        options = self.options
+        if num_blocks is not None and options.num_blocks is None:
+            options = dataclasses.replace(options, num_blocks=num_blocks)
 
         # transformers' workload hints (the longest prompt, the number of requests), the same
         # in every engine and setup and in the alone run: the batch limits, and so the graphs
         # and the numerics, do not depend on which engine serves a request.
         longest, count = hints
-        return serve.new_manager(self.model, self.options, [[1] * longest] * count)
+        return serve.new_manager(self.model, options, [[1] * longest] * count)
 
     def setup(
         self, name: str, sizes: dict[str, Any], hints: tuple[int, int], keep: set[str], inbox: Any
@@ -424,7 +443,7 @@ class _Engine:
         reply: dict[str, Any] = {"error": None}
         try:
             enable_setup(name, sizes, f"engine{self.index}")
-            manager = self._new_manager(hints)
+            manager = self._new_manager(hints, setup_blocks(name, sizes))
             row = serve.Contender(name)
             serve._start_up(manager, row, self.device, extensible=True)
             manager.start()
@@ -484,7 +503,12 @@ class _Engine:
             reply["memfds_after"] = _memfds()
             self.outbox.put(("result", self.index, reply))
 
-    def alone(self, hints: tuple[int, int], requests: list[tuple[str, list[int], int]]) -> None:
+    def alone(
+        self,
+        hints: tuple[int, int],
+        requests: list[tuple[str, list[int], int]],
+        num_blocks: int | None = None,
+    ) -> None:
         """Each request alone on a manager with transformers' own KV cache: the reference."""
         import extensible_kv.transformers as ekt
         from extensible_kv._demo import serve
@@ -493,7 +517,7 @@ class _Engine:
         reply: dict[str, Any] = {"error": None, "tokens": {}}
         manager = None
         try:
-            manager = self._new_manager(hints)
+            manager = self._new_manager(hints, num_blocks)
             serve._start_up(manager, serve.Contender("alone"), self.device, extensible=False)
             manager.start()
             for rid, prompt, new_tokens in requests:
@@ -1228,28 +1252,31 @@ HOST_DEFAULTS: dict[str, Any] = {
     "check_requests": 2,
     "ready_timeout_s": 120.0,
 }
-# On a GPU (estimates, not run yet): a burst's KV (128 requests of ~560 + 256 tokens, ~4 blocks
-# of 32 MiB each, ~16 GiB) is above the static third (12 GiB), and its prefill (~72k tokens) is
-# short beside its decode (256 steps): in the static split the last requests wait for the first
-# to finish. Each setup about 2 minutes: three fit the gpu-check step's 480 s.
+# On a GPU (estimates; the first H200 run, at 36 GiB and bursts of 128 requests of 256 tokens,
+# served 36 of 398 requests: each engine's transformers read for 1,121-2,321 blocks, see
+# `_new_manager`, and its sdpa path computes every decode step's attention over the batch's
+# gathered keys, 175 ms a step at ~128 requests there). Here a burst's KV (48 requests of
+# ~290 + 256 tokens, ~26k tokens of 128 KiB) is above the static third (2 GiB: ~15.9k tokens
+# past the trash), so there a burst's last requests wait for its first ones' 256 steps, while
+# a pool engine may grow to ~4.8 GiB (~39k tokens). One round: each setup ~1.5 minutes.
 GPU_DEFAULTS: dict[str, Any] = {
-    "kv_gib": 36.0,
-    "min_gib": 1.0,
+    "kv_gib": 6.0,
+    "min_gib": 0.5,
     "granularity": None,
-    "burst_requests": 128,
-    "burst_s": 2.0,
-    "period_s": 10.0,
-    "rounds": 2,
+    "burst_requests": 48,
+    "burst_s": 1.0,
+    "period_s": 15.0,
+    "rounds": 1,
     "lead_s": 0.5,
-    "trickle_per_s": 0.2,
+    "trickle_per_s": 0.1,
     "min_prompt": 64,
-    "max_prompt": 2048,
+    "max_prompt": 512,
     "new_tokens": 256,
     # transformers' sdpa path materializes a prefill's scores, queries x every key it reads;
     # its warm-up sizes them by the longest request the cache holds: at 2048 a static third's
-    # warm-up (~100k tokens) took 12.4 GiB an engine (H100, 4 layers), at 512 a quarter.
+    # warm-up took 12.4 GiB an engine (H100, 4 layers), at 512 a quarter.
     "max_batch_tokens": 512,
-    "drain_s": 40.0,
+    "drain_s": 60.0,
     "check_requests": 3,
     "ready_timeout_s": 300.0,
 }
@@ -1385,7 +1412,13 @@ def main(argv: list[str] | None = None) -> int:
                 max(len(r.prompt) for r in requests),
                 max(Counter(r.engine for r in requests).values()),
             )
-            engines.send(0, "alone", hints, [(r.rid, r.prompt, r.new_tokens) for r in sample])
+            engines.send(
+                0,
+                "alone",
+                hints,
+                [(r.rid, r.prompt, r.new_tokens) for r in sample],
+                sizes["max_blocks"],
+            )
             answer = engines.wait(("alone",), [0], args.ready_timeout_s + 300)[0][1]
             results["alone"] = {"error": answer["error"], "tokens": answer["tokens"]}
             alone = answer["tokens"] if answer["error"] is None else None
