@@ -470,19 +470,28 @@ def test_two_managers_in_one_process_lend_and_take_back(
     assert pool.snapshot().engines == {} and pool.snapshot().loans == {}
 
 
-def test_counts_keep_the_committed_end_on_a_granule_boundary(tf: Any, tmp_path: Path) -> None:
+def test_counts_keep_the_committed_end_on_a_granule_boundary(
+    tf: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """With granules of two sectors, a borrow needs the committed end (past the two trash
     sectors) on an even sector: the plan's least is rounded up to one, and its step to whole
-    granules, so each step's handles are whole sectors."""
+    granules, so each step's handles are whole sectors. The config's 48 blocks are more than
+    the pool's maximum of 40: a warning says that transformers' reads are sized past it."""
     import test_transformers as tt
     from extensible_kv import transformers as ekt
 
+    caplog.set_level(logging.WARNING, logger="extensible_kv")
     options = pooled_options(tmp_path, granularity=16384, min_blocks=1, pool_step_blocks=3)
     with ekt.enabled(**options):
         manager = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
     plan = manager.batch_processor.cache._ekv.pool_plan
     assert (plan.min_sectors, plan.step_sectors, plan.max_sectors) == (2, 4, 40)
     assert plan.engine.startswith("transformers-") and plan.via == "loan"
+    assert any(
+        "sized for 48 blocks, more than this pooled cache's max_blocks=40" in r.getMessage()
+        and "ContinuousBatchingConfig(num_blocks=40)" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.timeout(120)

@@ -478,6 +478,18 @@ def _cache_class(base: Any, pool_class: type) -> type:
             state.blocks(read_sectors),
             device,
         )
+        most = build.options.max_blocks if build.options.pool is not None else None
+        if most is not None and state.blocks(read_sectors) > most:
+            # transformers sized itself as if alone on the device; engines that share it each
+            # pay masks and attention scores for keys they may never hold.
+            logger.warning(
+                "reads per batch are sized for %d blocks, more than this pooled cache's "
+                "max_blocks=%d: set ContinuousBatchingConfig(num_blocks=%d) to size them "
+                "(and transformers' warm-up) for what the cache may hold",
+                state.blocks(read_sectors),
+                most,
+                most,
+            )
 
     return ExtensiblePagedAttentionCache
 
