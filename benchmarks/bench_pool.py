@@ -366,6 +366,7 @@ class _Engine:
         start = time.perf_counter()
         self.model = serve.build_model(self.options)
         self.model_s = time.perf_counter() - start
+        self.model_allocated = self._torch_memory()["allocated"]
 
     def info(self) -> dict[str, Any]:
         import torch
@@ -398,6 +399,17 @@ class _Engine:
             props = torch.cuda.get_device_properties(self.device)
             info.update(device=props.name, total_memory_gib=props.total_memory / GIB)
         return info
+
+    def _torch_memory(self) -> dict[str, int]:
+        """What torch's allocator holds in this process (0 on the host)."""
+        import torch
+
+        if self.device.type != "cuda":
+            return {"allocated": 0, "reserved": 0}
+        return {
+            "allocated": int(torch.cuda.memory_allocated(self.device)),
+            "reserved": int(torch.cuda.memory_reserved(self.device)),
+        }
 
     def free_bytes(self) -> int | None:
         import gc
@@ -501,6 +513,13 @@ class _Engine:
             del manager, sampler, results
             self.free_bytes()  # empties torch's cache on a GPU
             reply["memfds_after"] = _memfds()
+            # The device's free memory fell ~3 GiB a setup on the H200: which engine kept it,
+            # and whether torch's allocator holds it (tensors past the model's, or cache).
+            held = self._torch_memory()
+            reply["torch_after"] = {
+                "allocated_over_model": held["allocated"] - self.model_allocated,
+                "reserved": held["reserved"],
+            }
             self.outbox.put(("result", self.index, reply))
 
     def alone(
@@ -852,6 +871,7 @@ def engine_summary(
         },
         "startup": reply.get("startup"),
         "memfds_after": reply.get("memfds_after"),
+        "torch_after": reply.get("torch_after"),
         "log": [[round(t - t0, 4), name, text] for t, name, text in reply.get("log", [])],
         "log_dropped": reply.get("log_dropped", 0),
         "error": reply.get("error"),
@@ -1179,6 +1199,18 @@ def report(results: dict[str, Any]) -> str:
             f"{[e['memfds_after'] for e in res['engines']]} |"
         )
     lines.append("")
+    for name, res in setups.items():
+        kept = [e.get("torch_after") for e in res.get("engines", [])]
+        if settings.get("gpu") and any(kept):
+            lines.append(
+                f"torch after {name}'s teardown, per engine (MiB allocated past the model / "
+                f"reserved): "
+                + ", ".join(
+                    f"{k['allocated_over_model'] / MIB:.0f} / {k['reserved'] / MIB:.0f}"
+                    for k in kept
+                    if k
+                )
+            )
     identical = results.get("identical", {})
     for name, row in identical.get("alone", {}).items():
         lines.append(
