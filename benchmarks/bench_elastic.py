@@ -13,6 +13,10 @@ decode stream to every shrink:
 - `ours`: the shrinks return at once, the memory going back from the tensor's release thread
   once the decode stream has passed the shrink (`src/tensor/release.rs`);
 - `synchronize`: what the peers do: a device synchronize before each shrink.
+With `--diagnose`, three phases more, to say what slows the steps while resizing (both `ours`
+and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the loop never
+reads), `python` (the resizing thread's Python and GIL traffic, a native getter in a loop, no
+driver call: a worst case for the GIL) and `paced` (ours, 50 ms between calls).
 Reported: the step time p50 / p99 / max per phase, the host time of every grow and shrink
 call, how long after a shrink returned its memory was released, and the host time of a
 `release_physical` of `--resize-gib` under the loop. The grows do not zero (paged KV is
@@ -160,8 +164,10 @@ def _resize_cycles(
     synchronize: bool,
     zero: bool,
     rng: random.Random,
+    pause_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """Grows by `resize_bytes` and shrinks back, in 1-8 `unit` steps, until `until`."""
+    """Grows by `resize_bytes` and shrinks back, in 1-8 `unit` steps, until `until`, sleeping
+    `pause_s` after each call."""
     import torch
 
     calls: dict[str, list[float]] = {"grow_ms": [], "shrink_ms": [], "released_after_ms": []}
@@ -175,6 +181,7 @@ def _resize_cycles(
                 start = time.perf_counter()
                 tensor.resize_(size, zero_new=zero)
                 calls["grow_ms"].append((time.perf_counter() - start) * 1e3)
+                time.sleep(pause_s)
             for step in _steps_bytes(resize_bytes, unit, rng):
                 size -= step
                 start = time.perf_counter()
@@ -187,7 +194,28 @@ def _resize_cycles(
                 # thousands of times a second and slow the steps it measures).
                 tensor.wait_released()
                 calls["released_after_ms"].append((time.perf_counter() - returned) * 1e3)
+                time.sleep(pause_s)
     return calls
+
+
+def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
+    """The resizing thread's Python side without its driver calls: a getter of the native
+    tensor in a loop (the GIL taken and given back as the resize loop does)."""
+    calls: dict[str, list[float]] = {"getter_ms": []}
+    while time.monotonic() < until:
+        start = time.perf_counter()
+        for _ in range(100):
+            tensor.physical_bytes  # noqa: B018 (the call is the point)
+        calls["getter_ms"].append((time.perf_counter() - start) * 1e3 / 100)
+    return calls
+
+
+# `--diagnose`: what slows the decode steps while resizing (issue 36: the p99 was 1.09-1.14x
+# quiet with and without a synchronize per shrink). `elsewhere`: ours, on a second
+# reservation the decode loop does not read (its page tables untouched); `python`: the
+# resizing thread's Python and GIL traffic without driver calls; `paced`: ours with 50 ms
+# between calls, nearer an engine's rate than back to back.
+DIAGNOSE = ("elsewhere", "python", "paced")
 
 
 def decode_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -204,18 +232,45 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
     loop = DecodeLoop(tensor, batch, context)
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"live_bytes": loop.live_bytes, "resize_bytes": resize_bytes}
+    phases = ("quiet", "ours", "synchronize") + (DIAGNOSE if args.diagnose else ())
+    elsewhere = (
+        ExtensibleTensor(resize_bytes + 2 * unit, device=args.device, **kw)
+        if args.diagnose
+        else None
+    )
     try:
         time.sleep(1.0)  # warm-up steps
-        for phase in ("quiet", "ours", "synchronize"):
+        for phase in phases:
             log(f"decode: phase {phase} ({args.phase_s} s)")
             loop.phase = phase
             until = time.monotonic() + args.phase_s
             if phase == "quiet":
                 time.sleep(args.phase_s)
                 continue
-            result[phase] = _resize_cycles(
-                tensor, loop, resize_bytes, unit, until, phase == "synchronize", args.zero, rng
-            )
+            if phase == "python":
+                result[phase] = _python_only(tensor, until)
+                continue
+            target = tensor
+            if phase == "elsewhere":
+                assert elsewhere is not None
+                target, loop_live = elsewhere, loop.live_bytes
+                loop.live_bytes = 0  # the second reservation starts empty
+            pause = 0.05 if phase == "paced" else 0.0
+            try:
+                result[phase] = _resize_cycles(
+                    target,
+                    loop,
+                    resize_bytes,
+                    unit,
+                    until,
+                    phase == "synchronize",
+                    args.zero,
+                    rng,
+                    pause,
+                )
+            finally:
+                if phase == "elsewhere":
+                    loop.live_bytes = loop_live
         loop.phase = "release"
         other = ExtensibleTensor(resize_bytes, device=args.device, **kw)
         other.resize_(resize_bytes, zero_new=False)
@@ -232,8 +287,10 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
         other.close()
     finally:
         loop.stop()
+        if elsewhere is not None:
+            elsewhere.close()
     result["steps"] = {phase: _percentiles(times) for phase, times in loop.times.items()}
-    for phase in ("ours", "synchronize"):
+    for phase in [p for p in phases if p != "quiet"]:
         calls = result.get(phase, {})
         result[f"{phase}_calls"] = {name: _percentiles(v) for name, v in calls.items()}
         result.pop(phase, None)
@@ -374,7 +431,7 @@ def report(results: dict[str, Any]) -> str:
             "| phase | steps | p50 | p99 | max | p99 / quiet p99 | max / quiet p50 |",
             "|---|---|---|---|---|---|---|",
         ]
-        for phase in ("quiet", "ours", "synchronize"):
+        for phase in ("quiet", "ours", "synchronize", *DIAGNOSE):
             s = steps.get(phase)
             if not s or not s["n"]:
                 continue
@@ -389,7 +446,7 @@ def report(results: dict[str, Any]) -> str:
             "| phase | call | n | p50 | p99 | max |",
             "|---|---|---|---|---|---|",
         ]
-        for phase in ("ours", "synchronize"):
+        for phase in ("ours", "synchronize", *DIAGNOSE):
             for name, s in decode.get(f"{phase}_calls", {}).items():
                 lines.append(
                     f"| {phase} | {name} | {s['n']} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
@@ -429,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--zero", action="store_true")
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also the phases that say what slows the steps: " + ", ".join(DIAGNOSE),
+    )
     parser.add_argument("--bursts", type=int, default=6)
     parser.add_argument("--gap-s", type=float, default=4.0)
     parser.add_argument("--idle-s", type=float, default=1.0)

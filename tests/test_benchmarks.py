@@ -139,6 +139,28 @@ def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "### Bursty trace" in capsys.readouterr().out
 
 
+def test_bench_elastic_diagnose_runs_its_phases(tmp_path: Path) -> None:
+    """`--diagnose`: the resizer cycles a second reservation (`elsewhere`), paces its calls
+    (`paced`, 50 ms between), or only calls a getter (`python`), each phase with its steps and
+    calls; the decode reservation ends as it began (its live bytes only)."""
+    bench = bench_scripts.load("bench_elastic")
+    argv = [
+        "--out", str(tmp_path), "--device", "cpu", "--parts", "decode", "--phase-s", "0.3",
+        "--resize-gib", "8", "--diagnose",
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    decode = json.loads((tmp_path / "bench_elastic.json").read_text())["decode"]
+    assert set(bench.DIAGNOSE) <= set(decode["steps"])
+    assert all(decode["steps"][p]["n"] > 0 for p in bench.DIAGNOSE)
+    for phase in ("elsewhere", "paced"):
+        calls = decode[f"{phase}_calls"]
+        assert calls["grow_ms"]["n"] > 0
+        assert calls["released_after_ms"]["n"] == calls["shrink_ms"]["n"] > 0
+    # 50 ms after each call: a few calls in 0.3 s, where back to back makes hundreds.
+    assert decode["paced_calls"]["grow_ms"]["n"] < decode["elsewhere_calls"]["grow_ms"]["n"]
+    assert decode["python_calls"]["getter_ms"]["n"] > 0
+
+
 def pool_args(bench: Any, *argv: str) -> Any:
     return bench.parse(["--device", "cpu", *argv])
 
