@@ -323,21 +323,6 @@ def granule_model(tf: Any, device: str) -> Any:
     return model.to(device).eval()
 
 
-def alone(tf: Any, model: Any, device: str, new_tokens: int) -> list[list[int]]:
-    """The prompts' greedy tokens on transformers' own cache, `new_tokens` each."""
-    import test_transformers as tt
-
-    config = tf.GenerationConfig(
-        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
-    )
-    outputs = model.generate_batch(
-        tt.prompts(), generation_config=config, continuous_batching_config=tt.cb_config(tf, device)
-    )
-    tokens = [output.generated_tokens for output in outputs.values()]
-    assert [len(t) for t in tokens] == [new_tokens] * len(tt.PROMPT_LENGTHS)
-    return tokens
-
-
 def pooled_options(tmp_path: Path, **options: Any) -> dict[str, Any]:
     from extensible_kv.pool import Pool
 
@@ -427,11 +412,7 @@ def test_two_managers_in_one_process_lend_and_take_back(
     # On CUDA the warm-up's graph capture commits about ten sectors an engine: there the
     # burst generates longer (about 25 blocks live at once), or it would fit in them.
     new_tokens = tt.MAX_NEW_TOKENS if device == "cpu" else 48
-    own = alone(tf, needy_model, device, new_tokens)
-
-    def run(manager: Any) -> list[list[int]]:
-        return tt.collect(manager, manager.add_requests(tt.prompts(), max_new_tokens=new_tokens))
-
+    own = tt.generate(tf, needy_model, device, new_tokens)
     pool = Pool(POOL, directory=tmp_path)
     options = pooled_options(tmp_path)
     if device != "cpu":  # measured, not a budget; granules of the device's
@@ -447,24 +428,24 @@ def test_two_managers_in_one_process_lend_and_take_back(
             )
             for model in (donor_model, needy_model)
         )
-        assert run(donor) == own
+        assert tt.run(donor, new_tokens) == own
         wait_for(
             "the donor to be idle",
             lambda: not any(e.busy for e in pool.snapshot().engines.values()),
         )
         hold_nothing_free(pool, device)
-        assert run(needy) == own
+        assert tt.run(needy, new_tokens) == own
         ledger = pool.snapshot()
         assert rules.check(ledger) == []
         borrowed = [loan for loan in ledger.loans.values() if loan.state == "borrowed"]
         assert borrowed, [e.text for e in ledger.events]
         step = needy.batch_processor.cache._ekv.pool_plan.step_sectors
         assert all(loan.blocks % step == 0 for loan in borrowed)
-        assert run(donor) == own  # it recalls what it needs of what it lent
+        assert tt.run(donor, new_tokens) == own  # it recalls what it needs of what it lent
         ledger = settled(pool)
         assert len(ledger.loans) < len(borrowed)
         assert rules.check(ledger) == []
-        assert run(needy) == own
+        assert tt.run(needy, new_tokens) == own
         assert rules.check(pool.snapshot()) == []
     # The needy engine left first, giving back what it held; the donor reclaimed it.
     assert pool.snapshot().engines == {} and pool.snapshot().loans == {}

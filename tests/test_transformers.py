@@ -122,9 +122,9 @@ def num_blocks(device: str) -> int:
     return CUDA_NUM_BLOCKS if device != "cpu" else NUM_BLOCKS
 
 
-def gen_config(tf: Any) -> Any:
+def gen_config(tf: Any, new_tokens: int = MAX_NEW_TOKENS) -> Any:
     return tf.GenerationConfig(
-        max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
 
 
@@ -135,15 +135,15 @@ def prompts(vocab_size: int = 160) -> list[list[int]]:
     ]
 
 
-def generate(tf: Any, model: Any, device: str) -> list[list[int]]:
+def generate(tf: Any, model: Any, device: str, new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     outputs = model.generate_batch(
         prompts(),
-        generation_config=gen_config(tf),
+        generation_config=gen_config(tf, new_tokens),
         continuous_batching_config=cb_config(tf, device),
     )
     assert len(outputs) == len(PROMPT_LENGTHS)
     tokens = [output.generated_tokens for output in outputs.values()]
-    assert all(len(t) == MAX_NEW_TOKENS for t in tokens)
+    assert all(len(t) == new_tokens for t in tokens)
     return tokens
 
 
@@ -268,9 +268,9 @@ def full_block_bytes(cache: Any) -> int:
     return int(cache._ekv.bytes_per_block)
 
 
-def run(manager: Any) -> list[list[int]]:
+def run(manager: Any, new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """The prompts through a running manager, in order."""
-    return collect(manager, manager.add_requests(prompts(), max_new_tokens=MAX_NEW_TOKENS))
+    return collect(manager, manager.add_requests(prompts(), max_new_tokens=new_tokens))
 
 
 def collect(manager: Any, ids: list[str]) -> list[list[int]]:
