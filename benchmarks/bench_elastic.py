@@ -158,6 +158,7 @@ def _steps_bytes(total: int, unit: int, rng: random.Random) -> list[int]:
 def _resize_cycles(
     tensor: Any,
     loop: DecodeLoop,
+    base_bytes: int,
     resize_bytes: int,
     unit: int,
     until: float,
@@ -166,8 +167,8 @@ def _resize_cycles(
     rng: random.Random,
     pause_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """Grows by `resize_bytes` and shrinks back, in 1-8 `unit` steps, until `until`, sleeping
-    `pause_s` after each call."""
+    """Grows `tensor` from `base_bytes` by `resize_bytes` and shrinks it back, in 1-8 `unit`
+    steps, until `until`, sleeping `pause_s` after each call."""
     import torch
 
     calls: dict[str, list[float]] = {"grow_ms": [], "shrink_ms": [], "released_after_ms": []}
@@ -175,7 +176,7 @@ def _resize_cycles(
     context = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
     with context:
         while time.monotonic() < until:
-            size = loop.live_bytes
+            size = base_bytes
             for step in _steps_bytes(resize_bytes, unit, rng):
                 size += step
                 start = time.perf_counter()
@@ -250,27 +251,21 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             if phase == "python":
                 result[phase] = _python_only(tensor, until)
                 continue
-            target = tensor
-            if phase == "elsewhere":
-                assert elsewhere is not None
-                target, loop_live = elsewhere, loop.live_bytes
-                loop.live_bytes = 0  # the second reservation starts empty
-            pause = 0.05 if phase == "paced" else 0.0
-            try:
-                result[phase] = _resize_cycles(
-                    target,
-                    loop,
-                    resize_bytes,
-                    unit,
-                    until,
-                    phase == "synchronize",
-                    args.zero,
-                    rng,
-                    pause,
-                )
-            finally:
-                if phase == "elsewhere":
-                    loop.live_bytes = loop_live
+            # `elsewhere` cycles the second reservation from empty; the others the decode
+            # loop's, above the bytes it reads.
+            target, base = (elsewhere, 0) if phase == "elsewhere" else (tensor, loop.live_bytes)
+            result[phase] = _resize_cycles(
+                target,
+                loop,
+                base,
+                resize_bytes,
+                unit,
+                until,
+                phase == "synchronize",
+                args.zero,
+                rng,
+                0.05 if phase == "paced" else 0.0,
+            )
         loop.phase = "release"
         other = ExtensibleTensor(resize_bytes, device=args.device, **kw)
         other.resize_(resize_bytes, zero_new=False)
