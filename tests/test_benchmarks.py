@@ -114,6 +114,26 @@ def test_bench_lend_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "### " in capsys.readouterr().out
 
 
+def test_bench_pool_loan_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A needy engine gets the whole loan from an idle donor through the pool, by loan (twice:
+    the first loan, then again after giving it back) and through the driver; it reads zeros
+    in what it got, and the donor's live blocks keep their bytes."""
+    bench = bench_scripts.load("bench_pool_loan")
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--loan-mib", "8"]
+    assert bench.main(argv) == 0
+    res = json.loads((tmp_path / "bench_pool_loan.json").read_text())
+    blocks = res["settings"]["blocks"]
+    assert blocks["loan"] == (8 << 20) // res["settings"]["block_bytes"]
+    assert list(res["vias"]) == list(bench.VIAS)
+    for via, row in res["vias"].items():
+        assert (row["got_all"], row["zeros"], row["live_kept"]) == (True, True, True), via
+        (run,) = row["runs"]
+        assert run["first"]["committed"] == blocks["min"] + blocks["loan"]
+        assert run["first"]["ms"] > 0
+        assert (run["again"] is None) == (via == "driver")
+    assert "| loan |" in capsys.readouterr().out
+
+
 def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The decode loop runs through all three phases with the resizer cycling, every shrink's
     memory is released, and the bursty trace serves identical tokens on both caches."""
