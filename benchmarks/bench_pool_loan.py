@@ -22,6 +22,9 @@ import, map, zero on its stream; or create through the driver). `first`: the don
 (its handles exported then); `again`: after the needy engine gave the loan back (`settle`) and
 the donor reclaimed it, the same grow (exports cached). Each repetition checks that the donor's
 live blocks kept their pattern and that the needy engine reads zeros in a sample of what it got.
+Then (by loan) `kill -9` of the needy engine holding the loan: the time to a consistent ledger
+(the parent polls; each transaction reaps dead engines, `rules.check` finds nothing) and to the
+donor's cache being whole again (its reclaim, at its next serve).
 
 Markdown on stdout, DIR/bench_pool_loan.json. On the host backend (`--device cpu`) the sizes
 are MiB (`--live-mib` ...), for a smoke run.
@@ -92,6 +95,12 @@ def _engine_main(conn: Any, role: str, config: dict[str, Any]) -> None:
             view[:live:step, 0, 0, 0, 0] = marks % 200
         if device.startswith("cuda"):
             torch.cuda.synchronize()
+        full_at: list[float] = []  # when the cache last grew to its full size (a reclaim)
+
+        def resized(committed: int) -> None:
+            if committed >= capacity:
+                full_at.append(time.monotonic())
+
         member = PoolMember(
             Pool(config["pool"], directory=config["directory"]),
             role,
@@ -102,14 +111,18 @@ def _engine_main(conn: Any, role: str, config: dict[str, Any]) -> None:
             answer_timeout_s=5.0,
             take_timeout_s=5.0,
             commit_step_blocks=blocks["step"],
+            on_resize=resized,
             via=via,
         )
         member.join()
         conn.send(("ok", None))
         idle_s = config["idle_serve_ms"] / 1e3
+        next_serve = time.monotonic() + idle_s
         while True:
-            if not conn.poll(idle_s):
+            # Serves every idle period whatever the parent asks meanwhile.
+            if not conn.poll(max(0.0, next_serve - time.monotonic())):
                 member.serve(busy=False)
+                next_serve = time.monotonic() + idle_s
                 continue
             command, *args = conn.recv()
             if command == "stop":
@@ -142,7 +155,10 @@ def _engine_main(conn: Any, role: str, config: dict[str, Any]) -> None:
                 marks = torch.arange(len(range(0, live, step)), device=device, dtype=torch.bfloat16)
                 kept = bool(torch.equal(view[:live:step, 0, 0, 0, 0], marks % 200))
                 kept = kept and bool((view[:live:step, 1, -1, -1] == 3.0).all().item())
-                conn.send(("ok", {"kept": kept, "committed": cache.committed_blocks}))
+                full = full_at[-1] if full_at else None
+                conn.send(
+                    ("ok", {"kept": kept, "committed": cache.committed_blocks, "full_at": full})
+                )
     except BaseException as error:  # the parent fails with the child's reason
         import traceback
 
@@ -217,11 +233,48 @@ def one_repetition(args: argparse.Namespace, via: str, blocks: dict[str, int]) -
                     time.sleep(args.idle_serve_ms / 1e3)
                 again = needy("grow", blocks["loan"])
                 again["donor"] = donor("check")
+                killed = kill_9(pool, donor, needy, blocks, args.idle_serve_ms)
+                needy = None
         finally:
             if needy is not None:
                 needy.stop()
             donor.stop()
-    return {"first": first, "again": again}
+    return {"first": first, "again": again, "kill_9": killed if via == "loan" else None}
+
+
+def kill_9(
+    pool: Any, donor: _Engine, needy: _Engine, blocks: dict[str, int], idle_ms: float
+) -> Any:
+    """`kill -9` of the needy engine while it holds the loan: the time to a consistent ledger
+    (the next transaction reaps it: the parent's, polling), and to the donor's reclaim (at its
+    next serve: its handles mapped again, zeroed)."""
+    from extensible_kv.pool import rules
+
+    killed = time.monotonic()
+    needy.process.kill()
+    while True:
+        ledger = pool.snapshot()
+        if "needy" not in ledger.engines:
+            break
+        if time.monotonic() - killed > 30:
+            raise TimeoutError("the ledger did not reap the killed engine in 30 s")
+    consistent = time.monotonic()
+    problems = rules.check(ledger)
+    while (check := donor("check"))["committed"] < blocks["donor"]:
+        if time.monotonic() - killed > 30:
+            raise TimeoutError("the donor did not reclaim its loan in 30 s")
+        time.sleep(idle_ms / 1e3)
+    needy.process.join(timeout=30)
+    return {
+        "ledger_ms": (consistent - killed) * 1e3,
+        "ledger_problems": problems,
+        "reclaimed_ms": (check["full_at"] - killed) * 1e3,
+        "live_kept": check["kept"],
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{live * block_bytes / unit:.1f} {name} live ({args.device}, donor serving every "
         f"{args.idle_serve_ms:g} ms, medians of {args.reps})"
     )
-    print("| via | grow ms (first loan) | grow ms (again) | got all | zeros | live kept |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| via | grow ms (first loan) | grow ms (again) | got all | zeros | live kept | "
+        "kill -9: ledger ms | kill -9: reclaimed ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     ok = True
     for via in args.vias:
         runs = []
@@ -280,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for run in runs for r in (run["first"], run["again"]) if r is not None]
         got = all(r["committed"] >= least + loan for r in rows)
         zeros = all(r["zeros"] for r in rows)
-        kept = all(r["donor"]["kept"] for r in rows)
-        ok = ok and got and zeros and kept
+        kills = [run["kill_9"] for run in runs if run["kill_9"] is not None]
+        kept = all(r["donor"]["kept"] for r in rows) and all(k["live_kept"] for k in kills)
+        clean = all(not k["ledger_problems"] for k in kills)
+        ok = ok and got and zeros and kept and clean
         summary = {
             "median_first_ms": median(run["first"]["ms"] for run in runs),
             "median_again_ms": (
@@ -290,15 +348,24 @@ def main(argv: list[str] | None = None) -> int:
             "got_all": got,
             "zeros": zeros,
             "live_kept": kept,
+            "kill_9_ledger_ms": max((k["ledger_ms"] for k in kills), default=None),
+            "kill_9_reclaimed_ms": max((k["reclaimed_ms"] for k in kills), default=None),
+            "kill_9_ledger_problems": [p for k in kills for p in k["ledger_problems"]],
             "runs": runs,
         }
         results["vias"][via] = summary
         again = summary["median_again_ms"]
+        ledger_ms, reclaimed_ms = summary["kill_9_ledger_ms"], summary["kill_9_reclaimed_ms"]
         print(
-            f"| {via} | {summary['median_first_ms']:.1f} | "
-            f"{'n/a' if again is None else f'{again:.1f}'} | {'yes' if got else 'NO'} | "
-            f"{'yes' if zeros else 'NO'} | {'yes' if kept else 'NO'} |"
+            f"| {via} | {summary['median_first_ms']:.1f} | {_ms(again)} | "
+            f"{'yes' if got else 'NO'} | {'yes' if zeros else 'NO'} | "
+            f"{'yes' if kept else 'NO'} | {_ms(ledger_ms)}{'' if clean else ' (PROBLEMS)'} | "
+            f"{_ms(reclaimed_ms)} |"
         )
+    print(
+        "\nkill -9 columns: the most of the repetitions, from the kill of the needy engine "
+        "holding the loan (after `again`)"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_pool_loan.json").write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

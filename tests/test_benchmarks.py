@@ -117,7 +117,8 @@ def test_bench_lend_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_bench_pool_loan_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A needy engine gets the whole loan from an idle donor through the pool, by loan (twice:
     the first loan, then again after giving it back) and through the driver; it reads zeros
-    in what it got, and the donor's live blocks keep their bytes."""
+    in what it got, and the donor's live blocks keep their bytes; killed holding the loan, it
+    leaves the ledger consistent and the donor whole."""
     bench = bench_scripts.load("bench_pool_loan")
     argv = ["--out", str(tmp_path), "--device", "cpu", "--reps", "1", "--loan-mib", "8"]
     assert bench.main(argv) == 0
@@ -131,6 +132,10 @@ def test_bench_pool_loan_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert run["first"]["committed"] == blocks["min"] + blocks["loan"]
         assert run["first"]["ms"] > 0
         assert (run["again"] is None) == (via == "driver")
+        if via == "loan":  # the needy engine killed holding the loan: reaped, reclaimed
+            kill = run["kill_9"]
+            assert kill["ledger_problems"] == [] and kill["live_kept"]
+            assert 0 < kill["ledger_ms"] <= kill["reclaimed_ms"]
     assert "| loan |" in capsys.readouterr().out
 
 
