@@ -17,7 +17,9 @@ With `--diagnose`, three phases more, to say what slows the steps while resizing
 and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the loop never
 reads), `python` (the resizing thread's Python and GIL traffic, a native getter in a loop, no
 driver call: a worst case for the GIL) and `paced` (ours, 50 ms between calls).
-Reported: the step time p50 / p99 / max per phase, the host time of every grow and shrink
+Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
+stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
+the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
 call, how long after a shrink returned its memory was released, and the host time of a
 `release_physical` of `--resize-gib` under the loop. The grows do not zero (paged KV is
 written before it is read; vLLM does not zero its cache either): `--zero` zeroes them.
@@ -116,6 +118,10 @@ class DecodeLoop:
                     step()
         self.phase = "warm-up"
         self.times: dict[str, list[float]] = {}
+        # The device's own time of each replay (CUDA events around it): a step slowed on the
+        # GPU (page tables, the copy engines) shows here, one slowed on the host (the GIL, a
+        # CPU) only in `times`.
+        self.device_times: dict[str, list[float]] = {}
         self.running = True
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -129,16 +135,23 @@ class DecodeLoop:
 
         context = torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext()
         with context:
+            began = torch.cuda.Event(enable_timing=True) if self.gpu else None
+            ended = torch.cuda.Event(enable_timing=True) if self.gpu else None
             while self.running:
                 start = time.perf_counter()
                 if self.graph is not None:
+                    assert self.stream is not None and began is not None and ended is not None
+                    began.record(self.stream)
                     self.graph.replay()
-                    assert self.stream is not None
+                    ended.record(self.stream)
                     self.stream.synchronize()
                 else:
                     self._step()
                 took = (time.perf_counter() - start) * 1e3
-                self.times.setdefault(self.phase, []).append(took)
+                phase = self.phase
+                self.times.setdefault(phase, []).append(took)
+                if began is not None and ended is not None:
+                    self.device_times.setdefault(phase, []).append(began.elapsed_time(ended))
 
     def stop(self) -> None:
         self.running = False
@@ -285,6 +298,7 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
         if elsewhere is not None:
             elsewhere.close()
     result["steps"] = {phase: _percentiles(times) for phase, times in loop.times.items()}
+    result["device_steps"] = {p: _percentiles(t) for p, t in loop.device_times.items()}
     for phase in [p for p in phases if p != "quiet"]:
         calls = result.get(phase, {})
         result[f"{phase}_calls"] = {name: _percentiles(v) for name, v in calls.items()}
@@ -435,6 +449,23 @@ def report(results: dict[str, Any]) -> str:
                 f"{s['max_ms']:.3f} | {s['p99_ms'] / quiet['p99_ms']:.3f} | "
                 f"{s['max_ms'] / quiet['p50_ms']:.2f} |"
             )
+        device = decode.get("device_steps") or {}
+        if "quiet" in device:
+            dq = device["quiet"]
+            lines += [
+                "",
+                "### The same steps on the device's clock (CUDA events around each replay, ms)",
+                "| phase | p50 | p99 | max | p99 / quiet p99 | max / quiet p50 |",
+                "|---|---|---|---|---|---|",
+            ]
+            for phase in ("quiet", "ours", "synchronize", *DIAGNOSE):
+                s = device.get(phase)
+                if not s or not s["n"]:
+                    continue
+                lines.append(
+                    f"| {phase} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['max_ms']:.3f} | "
+                    f"{s['p99_ms'] / dq['p99_ms']:.3f} | {s['max_ms'] / dq['p50_ms']:.2f} |"
+                )
         lines += [
             "",
             "### Host time of each call (ms)",
