@@ -16,7 +16,9 @@ decode stream to every shrink:
 With `--diagnose`, three phases more, to say what slows the steps while resizing (both `ours`
 and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the loop never
 reads), `python` (the resizing thread's Python and GIL traffic, a native getter in a loop, no
-driver call: a worst case for the GIL) and `paced` (ours, 50 ms between calls).
+driver call: a worst case for the GIL), `paced` (ours, 50 ms between calls) and `remap` (a
+second reservation of `--resize-gib`, committed, lending all of it to itself and reclaiming
+it: unmaps and maps of the same handles, none created or released).
 Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
 stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
@@ -212,6 +214,21 @@ def _resize_cycles(
     return calls
 
 
+def _remap_cycles(tensor: Any, loop: DecodeLoop, until: float) -> dict[str, list[float]]:
+    """Page-table work without the driver's allocator: `tensor` (committed, exporting POSIX
+    fds) lends all its memory to itself and reclaims it, again and again: its handles are
+    unmapped and mapped back, none created, scrubbed or released."""
+    calls: dict[str, list[float]] = {"unmap_ms": [], "map_ms": []}
+    while time.monotonic() < until:
+        start = time.perf_counter()
+        loan = tensor.lend(0, stream=loop.raw_stream)
+        lent = time.perf_counter()
+        tensor.reclaim(loan, zero=False, timeout=60, stream=loop.raw_stream)
+        calls["unmap_ms"].append((lent - start) * 1e3)
+        calls["map_ms"].append((time.perf_counter() - lent) * 1e3)
+    return calls
+
+
 def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
     """The resizing thread's Python side without its driver calls: a getter of the native
     tensor in a loop (the GIL taken and given back as the resize loop does)."""
@@ -228,8 +245,9 @@ def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
 # quiet with and without a synchronize per shrink). `elsewhere`: ours, on a second
 # reservation the decode loop does not read (its page tables untouched); `python`: the
 # resizing thread's Python and GIL traffic without driver calls; `paced`: ours with 50 ms
-# between calls, nearer an engine's rate than back to back.
-DIAGNOSE = ("elsewhere", "python", "paced")
+# between calls, nearer an engine's rate than back to back; `remap`: page-table updates
+# alone (the same handles unmapped and mapped back), without the driver's create and release.
+DIAGNOSE = ("elsewhere", "python", "paced", "remap")
 
 
 def decode_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -252,6 +270,12 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
         if args.diagnose
         else None
     )
+    remap = None
+    if args.diagnose:
+        remap = ExtensibleTensor(
+            resize_bytes, device=args.device, export_handle_types="posix_fd", **kw
+        )
+        remap.resize_(resize_bytes, zero_new=False)
     try:
         time.sleep(1.0)  # warm-up steps
         for phase in phases:
@@ -263,6 +287,9 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             if phase == "python":
                 result[phase] = _python_only(tensor, until)
+                continue
+            if phase == "remap":
+                result[phase] = _remap_cycles(remap, loop, until)
                 continue
             # `elsewhere` cycles the second reservation from empty; the others the decode
             # loop's, above the bytes it reads.
@@ -297,6 +324,8 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
         loop.stop()
         if elsewhere is not None:
             elsewhere.close()
+        if remap is not None:
+            remap.close()
     result["steps"] = {phase: _percentiles(times) for phase, times in loop.times.items()}
     result["device_steps"] = {p: _percentiles(t) for p, t in loop.device_times.items()}
     for phase in [p for p in phases if p != "quiet"]:
