@@ -22,9 +22,11 @@ import, map, zero on its stream; or create through the driver). `first`: the don
 (its handles exported then); `again`: after the needy engine gave the loan back (`settle`) and
 the donor reclaimed it, the same grow (exports cached). Each repetition checks that the donor's
 live blocks kept their pattern and that the needy engine reads zeros in a sample of what it got.
-Then (by loan) `kill -9` of the needy engine holding the loan: the time to a consistent ledger
-(the parent polls; each transaction reaps dead engines, `rules.check` finds nothing) and to the
-donor's cache being whole again (its reclaim, at its next serve).
+Then (by loan) `kill -9` of the needy engine holding the loan: the time until the kernel has
+ended it (`dead`: a CUDA process's teardown; nobody can see it dead before), to a consistent
+ledger (the parent polls; every transaction reaps dead engines, the parent's or the donor's
+serve, whichever comes first; `rules.check` finds nothing) and to the donor's cache being whole
+again (its reclaim, at its next serve; it may come before the parent's poll sees the ledger).
 
 Markdown on stdout, DIR/bench_pool_loan.json. On the host backend (`--device cpu`) the sizes
 are MiB (`--live-mib` ...), for a smoke run.
@@ -252,25 +254,44 @@ def kill_9(
 
     killed = time.monotonic()
     needy.process.kill()
+    dead = None
     while True:
+        # The kernel ends the process (a CUDA context's teardown) before anyone can see it
+        # dead: that first, then the ledger (whoever's transaction reaps it: this poll, or the
+        # donor's serve).
+        if dead is None and _ended(needy.process.pid):
+            dead = time.monotonic()
         ledger = pool.snapshot()
         if "needy" not in ledger.engines:
             break
         if time.monotonic() - killed > 30:
             raise TimeoutError("the ledger did not reap the killed engine in 30 s")
     consistent = time.monotonic()
+    while dead is None:  # the ledger saw it first (the donor's serve reaped it)
+        if _ended(needy.process.pid):
+            dead = time.monotonic()
     problems = rules.check(ledger)
     while (check := donor("check"))["committed"] < blocks["donor"]:
         if time.monotonic() - killed > 30:
             raise TimeoutError("the donor did not reclaim its loan in 30 s")
         time.sleep(idle_ms / 1e3)
-    needy.process.join(timeout=30)
     return {
+        "dead_ms": (dead - killed) * 1e3,
         "ledger_ms": (consistent - killed) * 1e3,
         "ledger_problems": problems,
         "reclaimed_ms": (check["full_at"] - killed) * 1e3,
         "live_kept": check["kept"],
     }
+
+
+def _ended(pid: int) -> bool:
+    """Whether the kernel has ended process `pid` (a zombie, or gone): what the ledger's
+    liveness check can see."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
 
 
 def _ms(value: float | None) -> str:
@@ -324,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| via | grow ms (first loan) | grow ms (again) | got all | zeros | live kept | "
-        "kill -9: ledger ms | kill -9: reclaimed ms |"
+        "kill -9: dead ms | kill -9: ledger ms | kill -9: reclaimed ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     ok = True
     for via in args.vias:
         runs = []
@@ -348,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             "got_all": got,
             "zeros": zeros,
             "live_kept": kept,
+            "kill_9_dead_ms": max((k["dead_ms"] for k in kills), default=None),
             "kill_9_ledger_ms": max((k["ledger_ms"] for k in kills), default=None),
             "kill_9_reclaimed_ms": max((k["reclaimed_ms"] for k in kills), default=None),
             "kill_9_ledger_problems": [p for k in kills for p in k["ledger_problems"]],
@@ -359,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {via} | {summary['median_first_ms']:.1f} | {_ms(again)} | "
             f"{'yes' if got else 'NO'} | {'yes' if zeros else 'NO'} | "
-            f"{'yes' if kept else 'NO'} | {_ms(ledger_ms)}{'' if clean else ' (PROBLEMS)'} | "
+            f"{'yes' if kept else 'NO'} | {_ms(summary['kill_9_dead_ms'])} | "
+            f"{_ms(ledger_ms)}{'' if clean else ' (PROBLEMS)'} | "
             f"{_ms(reclaimed_ms)} |"
         )
     print(

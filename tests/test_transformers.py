@@ -1002,6 +1002,42 @@ def test_auto_resize_follows_a_bursty_load(
     assert sum(m.startswith("Shrank idle KV cache") for m in messages) >= 3
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", [True, False], ids=["auto_resize", "fixed"])
+def test_the_schedulers_margin_check_grows_the_cache_under_the_policy(
+    tf: Any, policy: bool
+) -> None:
+    """transformers' FIFO scheduler admits no new request while others decode once under 15%
+    of the cache is free, so it never asks `can_store_request_tokens` for one: under the
+    policy its margin check (`compute_free_capacity`) grows the cache first, to at least
+    `GROW_BELOW_FREE` free; a fixed cache stays as it is."""
+    from extensible_kv import transformers as ekt
+    from extensible_kv.transformers import cache as ekt_cache
+
+    model, _, options = resizable(tf, "llama")
+    auto = {"auto_resize": ekt.AutoResize(min_blocks=2, idle_s=600)} if policy else {}
+    with (
+        ekt.enabled(**options, **auto),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        free, before = cache.pool.free_sectors, cache.num_sectors
+        held = [free.pop() for _ in range(len(free))]  # all held, as by decoding requests
+        try:
+            ratio = cache.compute_free_capacity()
+            if policy:
+                assert cache.num_sectors >= 2 * before  # the policy's grow doubles
+                assert ratio >= ekt_cache.GROW_BELOW_FREE
+                assert len(free) == cache.num_sectors - before
+            else:
+                assert (cache.num_sectors, ratio, len(free)) == (before, 0.0, 0)
+        finally:
+            free.extend(held)
+        assert sorted(free) == list(range(2, 2 + cache.num_sectors))  # every sector free once
+
+
 def test_auto_resize_options_are_checked(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 

@@ -78,6 +78,10 @@ __all__ = ["AutoResize", "Options", "build_classes", "extend", "release", "resum
 
 GIB = 1 << 30
 TRASH_SECTORS = 2
+# Under the policy or in a pool, the free share of the cache below which it grows before the
+# scheduler asks: above the FIFO scheduler's default safety margin (0.15), under which it
+# admits no new request while others decode (`compute_free_capacity`).
+GROW_BELOW_FREE = 0.2
 logger = logging.getLogger("extensible_kv")
 
 
@@ -426,6 +430,16 @@ def _cache_class(base: Any, pool_class: type) -> type:
             if fits or not grow_on_demand(self, state, request_len):
                 return fits
             return bool(super().can_store_request_tokens(state, request_len, *args, **kwargs))
+
+        def compute_free_capacity(self, relative: bool = True) -> Any:
+            """transformers' free capacity; under the `AutoResize` policy or in a pool, a grow
+            first when it is under `GROW_BELOW_FREE`: under its safety margin (the FIFO
+            scheduler's is 15%) the scheduler admits no new request while others decode, so it
+            never asks `can_store_request_tokens` for one, and the cache would not grow."""
+            free = super().compute_free_capacity(relative)
+            if relative and free < GROW_BELOW_FREE and grow_to_margin(self):
+                free = super().compute_free_capacity(relative)
+            return free
 
     def _place(
         cache: Any, device: torch.device, build: _Build, cb_config: Any, free_at_init: int | None
@@ -884,6 +898,11 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
     state = _state(cache)
     if state.pooled is not None:  # in a node pool: it grows through the pool
         return bool(state.pooled.grow_on_demand(missing_sectors(cache, request, request_len)))
+    return _auto_grow(cache, state, missing_sectors(cache, request, request_len))
+
+
+def _auto_grow(cache: Any, state: _State, missing: int) -> bool:
+    """The policy's grow by `missing` sectors (at least a step, at least doubling)."""
     auto = state.auto
     auto_active = auto is not None and not state.released and state.final_sectors is not None
     if not auto_active or not state.resizing.acquire(blocking=False):
@@ -891,7 +910,6 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
     try:
         assert auto is not None and state.final_sectors is not None
         auto.last_active = time.monotonic()
-        missing = missing_sectors(cache, request, request_len)
         final = state.final_sectors
         target = min(auto.max_sectors, final + max(missing, auto.step_sectors, final))
         if missing <= 0 or target <= final or _capturing(state):
@@ -912,6 +930,24 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
         return True
     finally:
         state.resizing.release()
+
+
+def grow_to_margin(cache: Any) -> bool:
+    """Under the policy or in a pool, grows the cache so that at least `GROW_BELOW_FREE` of it
+    is free (on the generation loop's thread, from the scheduler's margin check). True when it
+    grew."""
+    state = _state(cache)
+    auto_active = state.auto is not None and not state.released and state.final_sectors is not None
+    if state.pooled is None and not auto_active:
+        return False
+    total, free = cache.num_sectors, len(cache.pool.free_sectors)
+    # Sectors s such that (free + s) / (total + s) reaches the margin.
+    missing = math.ceil((GROW_BELOW_FREE * total - free) / (1 - GROW_BELOW_FREE))
+    if missing <= 0:
+        return False
+    if state.pooled is not None:
+        return bool(state.pooled.grow_on_demand(missing))
+    return _auto_grow(cache, state, missing)
 
 
 def missing_sectors(cache: Any, request: Any, request_len: int) -> int:
