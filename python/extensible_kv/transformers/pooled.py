@@ -19,7 +19,8 @@ both on the loop's thread. In between:
   sectors for a request, the member asks the pool. With other requests holding blocks the loop
   does not wait: the free memory is committed at once, a loan is taken at a later step, and the
   request is scheduled then. With none, transformers would fail the request (nothing to
-  offload), so the loop waits for the pool, up to `IDLE_GROW_S`.
+  offload), so the loop waits for the pool, up to `IDLE_GROW_S`. The scheduler's margin check
+  asks too (`cache.grow_to_margin`): under its margin it would admit no new request.
 
 The hooks are the manager's instance attributes (`_generation_loop_body`, `_wake_up_loop`),
 put there when its cache joins and removed when it leaves, so `disable()` never strands a
