@@ -96,7 +96,9 @@ class AutoResize:
       eighth of the most) and at least its current size (it doubles: a burst that starts from
       the least grows in a few commits, each of which pauses the generation loop), up to
       `max_blocks` (default: what the extension measured as fitting), so no request waits or
-      is preempted while memory is there; a commit the device refuses (out of memory: another
+      is preempted while memory is there; it grows the same way when the scheduler's margin
+      check finds under `GROW_BELOW_FREE` of the cache free (under its margin the scheduler
+      would admit no new request); a commit the device refuses (out of memory: another
       engine took it) leaves the size as it is;
     - **shrink when idle**: once no request has held a block for `idle_s` seconds, the cache
       shrinks back to `min_blocks` (sectors that are all free, as `resize` does).
