@@ -458,43 +458,41 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "NO"
 
 
+def _step_rows(steps: dict[str, dict[str, float]], count: bool) -> list[str]:
+    """A table row per phase that ran: its step times and their ratios to the quiet phase's
+    (with the number of steps if `count`)."""
+    quiet, rows = steps["quiet"], []
+    for phase in ("quiet", "ours", "synchronize", *DIAGNOSE):
+        s = steps.get(phase)
+        if not s or not s["n"]:
+            continue
+        n = f" {s['n']} |" if count else ""
+        rows.append(
+            f"| {phase} |{n} {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['max_ms']:.3f} | "
+            f"{s['p99_ms'] / quiet['p99_ms']:.3f} | {s['max_ms'] / quiet['p50_ms']:.2f} |"
+        )
+    return rows
+
+
 def report(results: dict[str, Any]) -> str:
     lines: list[str] = []
     decode = results.get("decode")
     if decode:
-        steps = decode["steps"]
-        quiet = steps["quiet"]
         lines += [
             "### Decode step while resizing (ms)",
             "| phase | steps | p50 | p99 | max | p99 / quiet p99 | max / quiet p50 |",
             "|---|---|---|---|---|---|---|",
+            *_step_rows(decode["steps"], count=True),
         ]
-        for phase in ("quiet", "ours", "synchronize", *DIAGNOSE):
-            s = steps.get(phase)
-            if not s or not s["n"]:
-                continue
-            lines.append(
-                f"| {phase} | {s['n']} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
-                f"{s['max_ms']:.3f} | {s['p99_ms'] / quiet['p99_ms']:.3f} | "
-                f"{s['max_ms'] / quiet['p50_ms']:.2f} |"
-            )
         device = decode.get("device_steps") or {}
         if "quiet" in device:
-            dq = device["quiet"]
             lines += [
                 "",
                 "### The same steps on the device's clock (CUDA events around each replay, ms)",
                 "| phase | p50 | p99 | max | p99 / quiet p99 | max / quiet p50 |",
                 "|---|---|---|---|---|---|",
+                *_step_rows(device, count=False),
             ]
-            for phase in ("quiet", "ours", "synchronize", *DIAGNOSE):
-                s = device.get(phase)
-                if not s or not s["n"]:
-                    continue
-                lines.append(
-                    f"| {phase} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['max_ms']:.3f} | "
-                    f"{s['p99_ms'] / dq['p99_ms']:.3f} | {s['max_ms'] / dq['p50_ms']:.2f} |"
-                )
         lines += [
             "",
             "### Host time of each call (ms)",

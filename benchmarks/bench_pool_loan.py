@@ -90,11 +90,12 @@ def _engine_main(conn: Any, role: str, config: dict[str, Any]) -> None:
         while cache.committed_blocks < target:
             cache.commit(min(target, cache.committed_blocks + blocks["step"]))
         used = cache.committed_blocks if role == "needy" else live
+        # The live blocks: a value everywhere, and a mark in a sample of them.
+        every = max(1, live // SAMPLES)
+        marks = torch.arange(len(range(0, live, every)), device=device, dtype=torch.bfloat16) % 200
         if live:
             view[:live].fill_(3.0)
-            step = max(1, live // SAMPLES)
-            marks = torch.arange(len(range(0, live, step)), device=device, dtype=torch.bfloat16)
-            view[:live:step, 0, 0, 0, 0] = marks % 200
+            view[:live:every, 0, 0, 0, 0] = marks
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         full_at: list[float] = []  # when the cache last grew to its full size (a reclaim)
@@ -149,14 +150,9 @@ def _engine_main(conn: Any, role: str, config: dict[str, Any]) -> None:
                 used = blocks["min"]
                 member.settle(timeout_s=30.0)
                 conn.send(("ok", cache.committed_blocks))
-            elif command == "serve":
-                member.serve(busy=False)
-                conn.send(("ok", cache.committed_blocks))
             elif command == "check":
-                step = max(1, live // SAMPLES)
-                marks = torch.arange(len(range(0, live, step)), device=device, dtype=torch.bfloat16)
-                kept = bool(torch.equal(view[:live:step, 0, 0, 0, 0], marks % 200))
-                kept = kept and bool((view[:live:step, 1, -1, -1] == 3.0).all().item())
+                kept = bool(torch.equal(view[:live:every, 0, 0, 0, 0], marks))
+                kept = kept and bool((view[:live:every, 1, -1, -1] == 3.0).all().item())
                 full = full_at[-1] if full_at else None
                 conn.send(
                     ("ok", {"kept": kept, "committed": cache.committed_blocks, "full_at": full})

@@ -897,10 +897,16 @@ def grow_on_demand(cache: Any, request: Any, request_len: int) -> bool:
     `request` (on the generation loop's thread, which is then not computing): grows by what it
     lacks, at least a step and at least its size (it doubles), up to the most. True when it
     grew."""
+    return _grow_by(cache, missing_sectors(cache, request, request_len))
+
+
+def _grow_by(cache: Any, missing: int) -> bool:
+    """Grows by at least `missing` sectors: through the pool in a node pool, else by the
+    policy (nothing without it). True when it grew."""
     state = _state(cache)
-    if state.pooled is not None:  # in a node pool: it grows through the pool
-        return bool(state.pooled.grow_on_demand(missing_sectors(cache, request, request_len)))
-    return _auto_grow(cache, state, missing_sectors(cache, request, request_len))
+    if state.pooled is not None:
+        return bool(state.pooled.grow_on_demand(missing))
+    return _auto_grow(cache, state, missing)
 
 
 def _auto_grow(cache: Any, state: _State, missing: int) -> bool:
@@ -938,18 +944,10 @@ def grow_to_margin(cache: Any) -> bool:
     """Under the policy or in a pool, grows the cache so that at least `GROW_BELOW_FREE` of it
     is free (on the generation loop's thread, from the scheduler's margin check). True when it
     grew."""
-    state = _state(cache)
-    auto_active = state.auto is not None and not state.released and state.final_sectors is not None
-    if state.pooled is None and not auto_active:
-        return False
     total, free = cache.num_sectors, len(cache.pool.free_sectors)
     # Sectors s such that (free + s) / (total + s) reaches the margin.
     missing = math.ceil((GROW_BELOW_FREE * total - free) / (1 - GROW_BELOW_FREE))
-    if missing <= 0:
-        return False
-    if state.pooled is not None:
-        return bool(state.pooled.grow_on_demand(missing))
-    return _auto_grow(cache, state, missing)
+    return missing > 0 and _grow_by(cache, missing)
 
 
 def missing_sectors(cache: Any, request: Any, request_len: int) -> int:
