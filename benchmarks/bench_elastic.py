@@ -22,7 +22,8 @@ it: unmaps and maps of the same handles, none created or released).
 Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
 stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
-call, how long after a shrink returned its memory was released, and the host time of a
+call, how long after a shrink returned its memory was released (and, on a GPU, after the
+stream's last use of it: an event recorded after the shrink, seen complete), and the host time of a
 `release_physical` of `--resize-gib` under the loop. The grows do not zero (paged KV is
 written before it is read; vLLM does not zero its cache either): `--zero` zeroes them.
 
@@ -186,7 +187,12 @@ def _resize_cycles(
     steps, until `until`, sleeping `pause_s` after each call."""
     import torch
 
-    calls: dict[str, list[float]] = {"grow_ms": [], "shrink_ms": [], "released_after_ms": []}
+    calls: dict[str, list[float]] = {
+        "grow_ms": [],
+        "shrink_ms": [],
+        "released_after_ms": [],
+        "released_after_last_use_ms": [],
+    }
     own = torch.cuda.Stream(loop.device) if loop.gpu else None
     context = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
     with context:
@@ -206,10 +212,21 @@ def _resize_cycles(
                 tensor.shrink_(size, stream=loop.raw_stream)
                 returned = time.perf_counter()
                 calls["shrink_ms"].append((returned - start) * 1e3)
+                last_use = returned
+                if loop.gpu:
+                    # The stream's last use of the memory: an event recorded after the shrink's
+                    # own completes after it, and torch's synchronize spins without the GIL, so
+                    # the host sees it within microseconds.
+                    passed = torch.cuda.Event()
+                    passed.record(loop.stream)
+                    passed.synchronize()
+                    last_use = time.perf_counter()
                 # Blocks without the GIL (a poll here would take it from the decode thread
                 # thousands of times a second and slow the steps it measures).
                 tensor.wait_released()
-                calls["released_after_ms"].append((time.perf_counter() - returned) * 1e3)
+                released = time.perf_counter()
+                calls["released_after_ms"].append((released - returned) * 1e3)
+                calls["released_after_last_use_ms"].append((released - last_use) * 1e3)
                 time.sleep(pause_s)
     return calls
 

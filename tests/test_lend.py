@@ -261,6 +261,49 @@ def test_a_loan_over_a_unix_socket(device: str, g: int, child: Child) -> None:
     assert torch.equal(read(lender, 1, 0, BEFORE * g), pattern(BEFORE * g, 21))
 
 
+def test_handles_exported_ahead_are_what_a_lend_sends(device: str, g: int, child: Child) -> None:
+    """`_export_ahead` (a pool donor's, between its steps) exports the top handles first, a
+    few at a time; a later lend opens no fd for them, and the borrower reads the bytes."""
+    other = make(device, g, BEFORE)
+    assert other._export_ahead(0) == other.num_handles > 0
+    plain = ExtensibleTensor(2 * g, **device_kwargs(device)).resize_(2 * g)
+    assert plain._export_ahead(8) == 0, "no loan could take a handle not exported as an fd"
+    lender = make(device, g, BEFORE)
+    fill(lender, 30)
+    _sync(lender.device)
+    handles = lender.num_handles
+    fds = counts()[0]
+    assert lender._export_ahead(2) == handles - 2
+    assert counts()[0] == fds + 2
+    while lender._export_ahead(2):
+        pass
+    assert counts()[0] == fds + handles
+    assert lender._export_ahead(2) == 0
+    assert counts()[0] == fds + handles, "each handle is exported once"
+
+    # A lend of exported handles opens only its board; one of fresh handles an fd each more.
+    fresh = make(device, g, BEFORE)
+    fds = counts()[0]
+    fresh_loan = fresh.lend(KEPT * g)
+    fresh_opened = counts()[0] - fds
+    fds = counts()[0]
+    loan = lender.lend(KEPT * g)
+    opened = counts()[0] - fds
+    lent_handles = SEGMENTS * (BEFORE - KEPT) // 2
+    assert fresh_opened == opened + lent_handles, (fresh_opened, opened)
+    fresh.reclaim(fresh_loan, timeout=0)
+
+    child("make", START)
+    child("borrow", loan, False)
+    for s in range(SEGMENTS):
+        (got,) = child("read", s, START * g, (START + BEFORE - KEPT) * g)
+        assert got == bytes(pattern(BEFORE * g, 30 + s)[KEPT * g :].numpy()), s
+    child("give_back")
+    lender.reclaim(loan, zero=False, timeout=10)
+    assert lender._export_ahead(2) == 0, "reclaimed handles keep their export"
+    lender._check_invariants()
+
+
 BORROWER_STEPS = ["lent", "borrowed", "partly given back", "given back"]
 
 

@@ -38,6 +38,7 @@ from extensible_kv.pool import (
     rules,
 )
 from extensible_kv.pool.ledger import MAX_EVENTS, decode, encode
+from extensible_kv.pool.member import EXPORT_AHEAD_HANDLES
 from extensible_kv.pool.policy import plan_answer, plan_grow, plan_release
 
 BB = 8192  # bytes a block
@@ -712,6 +713,39 @@ def test_two_members_in_one_process_lend_recall_and_leave(tmp_path: Path) -> Non
         b.leave()
         a.leave()
         assert pool.snapshot().engines == {}
+
+
+def test_an_idle_member_exports_its_handles_ahead_of_a_loan(tmp_path: Path) -> None:
+    """A first loan of 60 GiB spent half its time exporting handles: a member with nothing to
+    answer exports a few a round, again after it grew; through the driver it exports none."""
+    pool = Pool("test", directory=tmp_path)
+    pool.set_share("cpu", 64 * 2 * 4096)
+    with cache() as ca, cache() as cd:
+        a = PoolMember(pool, "a", ca, min_blocks=0, max_blocks=64, free_tail_blocks=lambda: 0)
+        d = PoolMember(
+            pool, "d", cd, min_blocks=0, max_blocks=64, free_tail_blocks=lambda: 0, via="driver"
+        )
+        a.join()
+        d.join()
+        (ta,), (td,) = ca.buffers, cd.buffers
+        for blocks in (8, 24):
+            ca.commit(blocks)
+            left = ta._export_ahead(0)
+            assert left > 0, "a grow makes handles not exported yet"
+            for _ in range(100):
+                a.serve()
+                now = ta._export_ahead(0)
+                assert now == max(0, left - EXPORT_AHEAD_HANDLES), (left, now)
+                left = now
+                if not left:
+                    break
+            assert left == 0
+        cd.commit(24)
+        for _ in range(8):
+            d.serve()
+        assert td._export_ahead(0) == td.num_handles > 0
+        a.leave()
+        d.leave()
 
 
 def test_via_the_driver_a_donor_releases_and_the_needy_engine_commits(tmp_path: Path) -> None:

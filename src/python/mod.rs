@@ -682,6 +682,13 @@ impl PyExtensibleTensor {
         self.run(py, |core| Ok(core.wait_released(timeout)))
     }
 
+    /// Exports (without the GIL) up to `max_handles` handles not exported yet, the top ones
+    /// first, so that a later `lend` of them need not: how many are still not exported (0 for
+    /// a tensor whose handles do not export as POSIX fds).
+    fn _export_ahead(&self, py: Python<'_>, max_handles: usize) -> PyResult<usize> {
+        self.run(py, |core| core.export_ahead(max_handles))
+    }
+
     /// The host backend's stand-in for a busy stream, for tests: while held, released memory
     /// stays pending until let go (or a synchronize). UnsupportedError on CUDA.
     fn _hold_events(&self, py: Python<'_>, held: bool) -> PyResult<()> {

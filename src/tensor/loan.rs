@@ -333,6 +333,39 @@ impl ExtensibleTensor {
         Ok(description)
     }
 
+    /// Exports up to `max_handles` of the handles not exported yet, the highest addresses
+    /// first (a lend gives the top of each segment), so that a later `lend` of them only
+    /// unmaps: the export is ~0.5 ms a handle on CUDA, half of a first 60 GiB loan. A donor
+    /// calls it a few handles at a time between its steps (the tensor's lock is held while it
+    /// exports). Returns how many handles (of its own: not borrowed ones) are still not
+    /// exported. Does nothing, and returns
+    /// 0, for a tensor whose handles do not export as POSIX fds (no loan could take them).
+    /// Each export holds one fd until its handle is released.
+    pub fn export_ahead(&self, max_handles: usize) -> Result<usize> {
+        if !self.export_types().contains(ExportTypes::POSIX_FD) {
+            return Ok(0);
+        }
+        let state = self.lock_owned("export ahead of a loan")?;
+        let driver = &self.inner.ctx.driver;
+        let mut exported = 0;
+        let mut left = 0;
+        for mapping in state.mappings.values().rev() {
+            let handle = mapping.handle();
+            // A borrowed handle goes back to its lender, never onward.
+            if handle.exported.get().is_some() || handle.loan.is_some() {
+                continue;
+            }
+            if exported == max_handles {
+                left += 1;
+                continue;
+            }
+            let export = driver.export(handle.id, ExportTypes::POSIX_FD)?;
+            handle.exported.get_or_init(|| export);
+            exported += 1;
+        }
+        Ok(left)
+    }
+
     /// Exports (once) the handles over `runs` and names them for the board.
     fn export_for_loan(&self, state: &State, runs: &[Run]) -> Result<Vec<LoanEntry>> {
         let ctx = &self.inner.ctx;

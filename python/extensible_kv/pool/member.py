@@ -51,6 +51,9 @@ __all__ = ["VIAS", "PoolCache", "PoolMember"]
 # (released, then created again by the needy engine).
 VIAS = ("loan", "driver")
 
+# Handles a buffer exports ahead of a loan in one idle `serve()` (`PoolMember._export_ahead`).
+EXPORT_AHEAD_HANDLES = 4
+
 
 class PoolCache(ExtendableCache, Protocol):
     """What `PoolMember` drives: a cache the flow drives (`ExtendableCache`) whose buffers are
@@ -160,6 +163,7 @@ class PoolMember:
         self.busy = False
         self._last_plan: list[tuple[str, str, int]] = []
         self._refused: dict[str, float] = {}  # donor -> when it may be asked again
+        self._exported_at = -1  # the committed blocks when every handle was last exported
         self._settling = False
 
     # ---------------------------------------------------------------------------------------
@@ -341,6 +345,24 @@ class PoolMember:
             released = plan_release(ledger, self.name, free_tail_blocks=self._free_tail())
         for decision in released:
             self._release(decision)
+        if not (to_reclaim or lends or to_take or released):
+            self._export_ahead()
+
+    def _export_ahead(self) -> None:
+        """With nothing else to do: exports a few of the cache's handles ahead of a loan, the
+        top ones first, so that a lend only unmaps (a first loan of 60 GiB spent half of its
+        ~60 ms exporting 60 handles, ~0.5 ms each on CUDA). A few a round keep each call to
+        ~2 ms; a failed export (out of fds, say) is left to the lend, which reports it."""
+        committed = self.cache.committed_blocks
+        if self.via != "loan" or committed == self._exported_at:
+            return
+        try:
+            left = sum(t._export_ahead(EXPORT_AHEAD_HANDLES) for t in self.cache.buffers)
+        except Exception as error:  # an optimization: serving goes on without it
+            logger.warning("%s: not exporting ahead of loans: %s", self.name, error)
+            left = 0
+        if not left:
+            self._exported_at = committed
 
     def _reclaimable(self, ledger: Ledger, now: float) -> list[LoanEntry]:
         """The loans it lent that it can take back now, newest first (the fewest blocks kept:
