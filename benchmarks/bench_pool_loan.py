@@ -16,11 +16,13 @@ the needy engine's memory can only come from the donor.
 
 **What is timed.** The needy engine calls `PoolMember.grow(loan blocks)`; the time is from the
 call to its return with every block committed (its own clock): the ask posted in the ledger,
-the donor's next serve (up to one idle period later), its answer (lend: export the handles,
-or `via="driver"`: shrink and wait for the release), the needy engine's next serve (borrow:
-import, map, zero on its stream; or create through the driver). `first`: the donor's first loan
-(its handles exported then); `again`: after the needy engine gave the loan back (`settle`) and
-the donor reclaimed it, the same grow (exports cached). Each repetition checks that the donor's
+the donor's next serve (up to one idle period later), its answer (lend: unmap the handles,
+exported unless they were already, or `via="driver"`: shrink and wait for the release), the
+needy engine's next serve (borrow: import, map, zero on its stream; or create through the
+driver). `first`: the donor's first loan (its handles exported ahead at its idle serves while
+the needy engine started, `PoolMember._export_ahead`; `unexported` in the JSON says how many
+were not yet); `again`: after the needy engine gave the loan back (`settle`) and the donor
+reclaimed it, the same grow. Each repetition checks that the donor's
 live blocks kept their pattern and that the needy engine reads zeros in a sample of what it got.
 Then (by loan) `kill -9` of the needy engine holding the loan: the time until the kernel has
 ended it (`dead`: a CUDA process's teardown; nobody can see it dead before), to a consistent
@@ -154,8 +156,17 @@ def _engine_main(conn: Any, role: str, config: dict[str, Any]) -> None:
                 kept = bool(torch.equal(view[:live:every, 0, 0, 0, 0], marks))
                 kept = kept and bool((view[:live:every, 1, -1, -1] == 3.0).all().item())
                 full = full_at[-1] if full_at else None
+                unexported = sum(t._export_ahead(0) for t in cache.buffers)
                 conn.send(
-                    ("ok", {"kept": kept, "committed": cache.committed_blocks, "full_at": full})
+                    (
+                        "ok",
+                        {
+                            "kept": kept,
+                            "committed": cache.committed_blocks,
+                            "full_at": full,
+                            "unexported": unexported,
+                        },
+                    )
                 )
     except BaseException as error:  # the parent fails with the child's reason
         import traceback
@@ -218,7 +229,9 @@ def one_repetition(args: argparse.Namespace, via: str, blocks: dict[str, int]) -
             donor.answer()
             needy = _Engine(context, "needy", config)
             needy.answer()
+            unexported = donor("check")["unexported"]
             first = needy("grow", blocks["loan"])
+            first["unexported"] = unexported
             first["donor"] = donor("check")
             needy("settle")
             again = None
@@ -340,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.idle_serve_ms:g} ms, medians of {args.reps})"
     )
     print(
-        "| via | grow ms (first loan) | grow ms (again) | got all | zeros | live kept | "
-        "kill -9: dead ms | kill -9: ledger ms | kill -9: reclaimed ms |"
+        "| via | grow ms (first loan) | not exported ahead | grow ms (again) | got all | zeros | "
+        "live kept | kill -9: dead ms | kill -9: ledger ms | kill -9: reclaimed ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ok = True
     for via in args.vias:
         runs = []
@@ -373,9 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         results["vias"][via] = summary
         again = summary["median_again_ms"]
+        unexported = (
+            f"{max(run['first']['unexported'] for run in runs)} handles" if via == "loan" else "n/a"
+        )
         ledger_ms, reclaimed_ms = summary["kill_9_ledger_ms"], summary["kill_9_reclaimed_ms"]
         print(
-            f"| {via} | {summary['median_first_ms']:.1f} | {_ms(again)} | "
+            f"| {via} | {summary['median_first_ms']:.1f} | "
+            f"{unexported} | {_ms(again)} | "
             f"{'yes' if got else 'NO'} | {'yes' if zeros else 'NO'} | "
             f"{'yes' if kept else 'NO'} | {_ms(summary['kill_9_dead_ms'])} | "
             f"{_ms(ledger_ms)}{'' if clean else ' (PROBLEMS)'} | "
