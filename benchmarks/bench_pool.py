@@ -75,6 +75,13 @@ item 4); a setup that fails to start is reported with its error, and the run exi
   compared with each other too (every request completed in both, by a hash of its tokens). On
   a GPU, bf16 matmuls are not batch-invariant: a request batched differently may pick another
   token where two logits nearly tie; the static setup, which moves no memory, shows that floor.
+  On the H100 every sampled request of every setup (the static one too) parted from the alone
+  run within its first 15 tokens: a random-weight model's logits nearly tie often. So each
+  setup's sampled tokens, and the alone run's, are also scored by the model itself (`score`):
+  one plain forward over prompt and tokens, each token ranked among the logits for its own
+  prefix; a token written from wrong KV is not near the top for its true prefix, and the
+  `control` row (the alone run's tokens after another request's prompt) shows how far off
+  that looks.
 
 Markdown on stdout, DIR/bench_pool.json with everything (written after each setup), including
 the memory time series and the trace's bursts, which `benchmarks/plot_pool.py` draws.
@@ -527,8 +534,11 @@ class _Engine:
         hints: tuple[int, int],
         requests: list[tuple[str, list[int], int]],
         num_blocks: int | None = None,
+        candidates: dict[str, dict[str, list[int]]] | None = None,
     ) -> None:
-        """Each request alone on a manager with transformers' own KV cache: the reference."""
+        """Each request alone on a manager with transformers' own KV cache: the reference;
+        then every setup's tokens for them (`candidates`), and the reference's, scored by the
+        model itself (`score`)."""
         import extensible_kv.transformers as ekt
         from extensible_kv._demo import serve
 
@@ -555,7 +565,59 @@ class _Engine:
         finally:
             if manager is not None:
                 _stop(manager, hard=False)
-            self.outbox.put(("alone", self.index, reply))
+        if reply["error"] is None:
+            try:
+                scored = {**(candidates or {}), "alone": reply["tokens"]}
+                reply["scores"] = self.score({rid: p for rid, p, _ in requests}, scored)
+            except BaseException:
+                reply["error"] = traceback.format_exc()
+        self.outbox.put(("alone", self.index, reply))
+
+    def score(
+        self, prompts: dict[str, list[int]], candidates: dict[str, dict[str, list[int]]]
+    ) -> dict[str, dict[str, Any]]:
+        """Teacher forcing: one plain forward of the model (no KV cache, the whole sequence at
+        once) over each request's prompt and the tokens a setup generated for it; each token
+        is ranked among the logits for its own prefix (rank 0: the argmax) and its gap to the
+        top logit taken. bf16 matmuls are not batch-invariant, so greedy tokens of differently
+        batched runs of a random-weight model part early (near ties); but a token that came
+        from wrong KV (another request's blocks, a stale or zeroed block) is not near the top
+        for its true prefix. `control` shows that: the reference's tokens of each request
+        scored after the next request's prompt, which is what a request reading another's
+        blocks would have written. Per name: tokens, the share of argmax and of top 5, the
+        largest gap (logits) and rank."""
+        import torch
+
+        rids = sorted(prompts)
+        named = dict(candidates)
+        alone = candidates.get("alone", {})
+        named["control"] = {rid: alone[rid] for rid in rids if rid in alone and len(rids) > 1}
+        out: dict[str, dict[str, Any]] = {}
+        with torch.no_grad():
+            for name, tokens in named.items():
+                ranks: list[int] = []
+                gaps: list[float] = []
+                for i, rid in enumerate(rids):
+                    if rid not in tokens or not tokens[rid]:
+                        continue
+                    prompt = prompts[rids[(i + 1) % len(rids)] if name == "control" else rid]
+                    generated = tokens[rid]
+                    ids = torch.tensor([prompt + generated[:-1]], device=self.device)
+                    logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
+                    chosen = torch.tensor(generated, device=self.device).unsqueeze(1)
+                    picked = logits.gather(1, chosen)
+                    ranks += (logits > picked).sum(dim=1).tolist()
+                    gaps += (logits.max(dim=1).values - picked.squeeze(1)).tolist()
+                    del logits
+                n = len(ranks)
+                out[name] = {
+                    "tokens": n,
+                    "argmax": sum(r == 0 for r in ranks) / n if n else None,
+                    "top5": sum(r < 5 for r in ranks) / n if n else None,
+                    "max_gap": max(gaps, default=None),
+                    "max_rank": max(ranks, default=None),
+                }
+        return out
 
 
 def _stop(manager: Any, hard: bool) -> None:
@@ -1219,6 +1281,24 @@ def report(results: dict[str, Any]) -> str:
         )
     for pair, row in identical.get("cross", {}).items():
         lines.append(f"identical, {pair}: {row['identical']}/{row['compared']}")
+    scores = (results.get("alone") or {}).get("scores")
+    if scores:
+        lines += [
+            "",
+            "Each sampled request's tokens scored by the model itself (one forward over prompt "
+            "and tokens, no KV cache): where each token ranks among the logits for its prefix "
+            "(`control`: the reference's tokens after another request's prompt)",
+            "",
+            "| tokens of | tokens | argmax | in the top 5 | largest gap (logits) | worst rank |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, row in scores.items():
+            if not row["tokens"]:
+                continue
+            lines.append(
+                f"| {name} | {row['tokens']} | {row['argmax']:.1%} | {row['top5']:.1%} | "
+                f"{row['max_gap']:.3f} | {row['max_rank']} |"
+            )
     static = setups.get("static", {}).get("total")
     for name in ("pool", "driver"):
         other = setups.get(name, {}).get("total")
@@ -1288,22 +1368,25 @@ HOST_DEFAULTS: dict[str, Any] = {
 # served 36 of 398 requests: each engine's transformers read for 1,121-2,321 blocks, see
 # `_new_manager`, and its sdpa path computes every decode step's attention over the batch's
 # gathered keys, 175 ms a step at ~128 requests there). Here a burst's KV (48 requests of
-# ~290 + 256 tokens, ~26k tokens of 128 KiB) is above the static third (2 GiB: ~15.9k tokens
-# past the trash), so there a burst's last requests wait for its first ones' 256 steps, while
-# a pool engine may grow to ~4.8 GiB (~39k tokens). One round: each setup ~1.5 minutes.
+# ~290 + 128 tokens, ~20k tokens of 128 KiB) is above the static third (2 GiB: ~15.9k tokens
+# past the trash), so there a burst's last requests wait for its first ones' 128 steps, while
+# a pool engine may grow to ~4.8 GiB (~39k tokens). A burst is served before the next engine's
+# (the H100 run at 256 tokens and 15 s: its requests took ~40 s, so every burst overlapped the
+# one before and each engine needed its memory at once: nothing to lend). One round: each
+# setup ~2 minutes.
 GPU_DEFAULTS: dict[str, Any] = {
     "kv_gib": 6.0,
     "min_gib": 0.5,
     "granularity": None,
     "burst_requests": 48,
     "burst_s": 1.0,
-    "period_s": 15.0,
+    "period_s": 28.0,
     "rounds": 1,
     "lead_s": 0.5,
     "trickle_per_s": 0.1,
     "min_prompt": 64,
     "max_prompt": 512,
-    "new_tokens": 256,
+    "new_tokens": 128,
     # transformers' sdpa path materializes a prefill's scores, queries x every key it reads;
     # its warm-up sizes them by the longest request the cache holds: at 2048 a static third's
     # warm-up took 12.4 GiB an engine (H100, 4 layers), at 512 a quarter.
@@ -1450,9 +1533,18 @@ def main(argv: list[str] | None = None) -> int:
                 hints,
                 [(r.rid, r.prompt, r.new_tokens) for r in sample],
                 sizes["max_blocks"],
+                {
+                    name: setup.get("kept_tokens", {})
+                    for name, setup in results["setups"].items()
+                    if setup.get("ok")
+                },
             )
             answer = engines.wait(("alone",), [0], args.ready_timeout_s + 300)[0][1]
-            results["alone"] = {"error": answer["error"], "tokens": answer["tokens"]}
+            results["alone"] = {
+                "error": answer["error"],
+                "tokens": answer["tokens"],
+                "scores": answer.get("scores"),
+            }
             alone = answer["tokens"] if answer["error"] is None else None
         results["identical"] = compare_tokens(results["setups"], alone)
     finally:

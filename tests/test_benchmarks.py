@@ -370,6 +370,14 @@ def test_bench_pool_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "released" in answers["driver"] and "borrowed" not in answers["driver"]
     for pair, row in res["identical"]["cross"].items():
         assert row["identical"] == row["compared"] == len(res["trace"]["requests"]), pair
+    # The model's own score of the sampled tokens: on the host (float32, batch-invariant here)
+    # every setup's tokens are the argmax for their prefixes; another prompt's are not.
+    scores = res["alone"]["scores"]
+    sampled = sum(map(len, res["alone"]["tokens"].values()))
+    for name in ("pool", "static", "driver", "alone"):
+        assert scores[name]["tokens"] == sampled and scores[name]["argmax"] == 1.0, name
+    assert scores["control"]["tokens"] == sampled and scores["control"]["argmax"] < 0.9
+    assert scores["control"]["max_gap"] > 0
 
 
 def test_plot_pool_draws_a_panel_per_setup(tmp_path: Path) -> None:
