@@ -480,6 +480,56 @@ def test_a_lender_recalls_its_loans_newest_first_before_anything_else() -> None:
     assert [(d.action, d.loan_id) for d in decisions] == [("recall", 2), ("recall", 1)]
 
 
+def test_loans_idle_engines_hold_go_back_to_their_lender_before_it_is_asked() -> None:
+    """The H100 trace: engine 1's burst borrowed from engine 0 and ended; engine 2, bursting,
+    borrowed engine 0's blocks below those loans, so engine 0 could not take them back (newest
+    first) and engine 2 waited with the memory idle at engine 1. Now the needy engine recalls
+    them for their lender first, and asks the lender once they are back."""
+    ledger = Ledger()
+    ledger.engines = {
+        "lender": engine("lender", 1, 20, lendable=12),
+        "idle": engine("idle", 2, 30),
+        "needy": engine("needy", 3, 8),
+    }
+    ledger.engines["idle"].borrowed_bytes = 12 * BB
+    ledger.loans = {
+        1: LoanEntry(1, "lender", "idle", 8, "borrowed", 0, BB, 18, kept_blocks=28, loans=MEMORY),
+        2: LoanEntry(2, "lender", "idle", 4, "borrowed", 0, BB, 26, kept_blocks=20, loans=MEMORY),
+    }
+    ledger.next_loan_id = 3
+    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
+    # Newest first (the order the lender takes them back in), and not the lender's own blocks.
+    assert [(d.action, d.peer, d.loan_id, d.blocks) for d in decisions] == [
+        ("recall", "idle", 2, 4),
+        ("recall", "idle", 1, 8),
+    ]
+    assert (
+        decisions[0].reason
+        == "idle is idle and holds 4 of lender's blocks: back to lender, to lend again"
+    )
+    # Recalled already: it waits for them, and still does not ask the lender.
+    for loan in ledger.loans.values():
+        loan.recall = True
+    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
+    assert [(d.action, d.blocks, d.reason) for d in decisions] == [
+        ("wait", 10, "12 blocks are on their way back to lender, to lend again")
+    ]
+    # A busy borrower keeps them: the lender lends what it has.
+    for loan in ledger.loans.values():
+        loan.recall = False
+    ledger.engines["idle"].busy = True
+    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
+    assert [(d.action, d.peer, d.blocks) for d in decisions] == [("ask", "lender", 10)]
+    # So does a lender whose newest loan the needy engine holds: it cannot take back the rest
+    # before that one.
+    ledger.engines["idle"].busy = False
+    ledger.loans[3] = LoanEntry(
+        3, "lender", "needy", 2, "borrowed", 0, BB, 8, kept_blocks=18, loans=MEMORY
+    )
+    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
+    assert [(d.action, d.peer, d.blocks) for d in decisions] == [("ask", "lender", 10)]
+
+
 def test_a_donor_lends_free_top_blocks_above_its_minimum_and_says_why_not() -> None:
     ledger = Ledger()
     ledger.engines = {"d": engine("d", 1, 20, lo=8), "n": engine("n", 2, 0)}
@@ -712,6 +762,57 @@ def test_two_members_in_one_process_lend_recall_and_leave(tmp_path: Path) -> Non
         assert pool.snapshot().loans == {}
         b.leave()
         a.leave()
+        assert pool.snapshot().engines == {}
+
+
+def test_memory_an_idle_borrower_holds_moves_on_to_the_next_needy_engine(tmp_path: Path) -> None:
+    """a lends to b; b's load ends; c needs memory and the device has none: c recalls b's
+    loans for a, b gives them back, a takes them back, then lends to c. Each step at the
+    member's next serve, the ledger consistent throughout."""
+    pool = Pool("test", directory=tmp_path)
+    pool.set_share("cpu", 40 * 2 * 4096)
+    used = {"a": 0, "b": 0, "c": 0}
+    with cache() as ca, cache() as cb, cache() as cc:
+        caches = {"a": ca, "b": cb, "c": cc}
+        members = {
+            name: PoolMember(
+                pool,
+                name,
+                c,
+                min_blocks=4,
+                max_blocks=40,
+                commit_step_blocks=4,
+                free_tail_blocks=lambda name=name, c=c: c.committed_blocks - used[name],
+            )
+            for name, c in caches.items()
+        }
+        a, b, c = members.values()
+        for member in members.values():
+            member.join()
+        top = a.grow(40)  # the whole share
+        assert [d.action for d in b.request(20)] == ["ask"]
+        a.serve()  # lends
+        b.serve(busy=True)  # borrows
+        assert cb.committed_blocks == 20 and ca.committed_blocks == top - 20
+        b.serve(busy=False)  # its load ended: every block free
+        decisions = c.request(16)
+        assert [(d.action, d.peer) for d in decisions] == [("recall", "b")] * len(decisions)
+        assert decisions
+        b.serve(busy=False)  # gives the loans back
+        assert cb.committed_blocks == 0
+        a.serve()  # takes them back
+        assert ca.committed_blocks == top
+        assert [d.action for d in c.request(16)] == ["ask"]
+        a.serve()  # lends
+        c.serve()  # borrows
+        assert cc.committed_blocks >= 16
+        assert rules.check(pool.snapshot()) == []
+        assert {d.action for d in a.request(20)} == {"recall"}  # a wants its memory back
+        c.serve()
+        a.serve()
+        assert ca.committed_blocks == top and pool.snapshot().loans == {}
+        for member in members.values():
+            member.leave()
         assert pool.snapshot().engines == {}
 
 

@@ -275,7 +275,9 @@ class PoolMember:
                         d.reason,
                     )
                 elif d.action == "recall":
-                    rules.recall(ledger, d.loan_id, d.reason, now)
+                    loan = ledger.loans.get(d.loan_id)
+                    by = "" if loan is None or loan.lender == self.name else self.name
+                    rules.recall(ledger, d.loan_id, d.reason, now, by=by)
         self._log_plan(decisions)
         if commit:
             target = self.cache.committed_blocks + commit

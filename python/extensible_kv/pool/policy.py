@@ -3,7 +3,10 @@
 - `plan_grow`: an engine that needs blocks takes the device's free memory first (within the
   pool's share), then borrows from engines above their minimum, idle ones first. An engine
   that has lent blocks recalls them instead: its cache cannot grow over lent blocks until it
-  reclaims them.
+  reclaims them. When that is not enough, it recalls loans that idle engines hold (top
+  first), for their lenders: a borrower lends nothing, and its lender has nothing left to
+  lend while they are out, so memory lent to an engine whose burst ended would stay there;
+  once back with its lender, the next request borrows it from there.
 - `plan_answer`: a donor lends the free blocks at the top of its cache at once, never below
   its minimum. Moving live blocks down to lend more (the run-time resize's `move=True`) is not
   built: `allow_move=True` raises `NotImplementedError`, and a donor whose top blocks are live
@@ -91,8 +94,11 @@ def plan_grow(
         why = f"the device has {free} blocks free for the pool{capped}"
         decisions.append(Decision("commit", name, take, why))
         want -= take
+    # A lender whose loans idle engines hold gets them back first and lends them again: once
+    # this engine borrowed its lower blocks, it could not take back the loans above them.
+    back = _coming_back(ledger, name, now) if want > 0 else {}
     for donor, surplus in _donors(ledger, engine, now):
-        if donor.name in exclude:
+        if donor.name in exclude or donor.name in back:
             continue
         if want <= 0:
             break
@@ -101,9 +107,59 @@ def plan_grow(
         why = f"{donor.name} is {state} and can lend {surplus} blocks"
         decisions.append(Decision("ask", name, take, why, peer=donor.name))
         want -= take
+    for lender, loans in sorted(back.items()):
+        if want <= 0:
+            break
+        coming = recalled = 0
+        for loan in sorted(loans, key=lambda loan: loan.kept_blocks):  # newest first
+            coming += loan.blocks
+            if loan.state == "borrowed" and not loan.recall:
+                recalled += 1
+                why = (
+                    f"{loan.borrower} is idle and holds {loan.blocks} of {lender}'s blocks: "
+                    f"back to {lender}, to lend again"
+                )
+                decisions.append(
+                    Decision(
+                        "recall", name, loan.blocks, why, peer=loan.borrower, loan_id=loan.loan_id
+                    )
+                )
+        if not recalled:
+            why = f"{coming} blocks are on their way back to {lender}, to lend again"
+            decisions.append(Decision("wait", name, min(want, coming), why))
+        want -= coming
     if want > 0:
         decisions.append(Decision("wait", name, want, "no free memory and no donor for the rest"))
     return decisions
+
+
+def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[LoanEntry]]:
+    """Per lender other than `needy`, its loans out, when all of them can come back without
+    `needy`: each given back or recalled already, or held by an idle, responsive engine other
+    than `needy`. (A lender takes its loans back newest first, so one loan it cannot get back
+    keeps the older ones from it too.)"""
+    out: dict[str, list[LoanEntry]] = {}
+    for loan in ledger.loans.values():
+        if loan.lender and loan.state in ("offered", "borrowed", "returned"):
+            out.setdefault(loan.lender, []).append(loan)
+
+    def comes_back(loan: LoanEntry) -> bool:
+        if loan.state == "returned" or loan.recall:
+            return True
+        borrower = ledger.engines.get(loan.borrower)
+        return (
+            loan.state == "borrowed"
+            and loan.borrower != needy
+            and borrower is not None
+            and not borrower.busy
+            and not unresponsive(borrower, ledger, now)
+        )
+
+    return {
+        lender: loans
+        for lender, loans in out.items()
+        if lender != needy and all(comes_back(loan) for loan in loans)
+    }
 
 
 def _recall(name: str, want: int, lent: list[LoanEntry]) -> list[Decision]:

@@ -278,13 +278,14 @@ def forget(ledger: Ledger, loan_id: int) -> None:
         del ledger.loans[loan_id]
 
 
-def recall(ledger: Ledger, loan_id: int, reason: str, now: float) -> None:
-    """The lender wants its memory back: the borrower gives the loan back once the blocks are
-    free."""
+def recall(ledger: Ledger, loan_id: int, reason: str, now: float, by: str = "") -> None:
+    """The lender wants its memory back (or engine `by` wants it back with the lender, to
+    borrow it from there): the borrower gives the loan back once the blocks are free."""
     loan = ledger.loans.get(loan_id)
     if loan is not None and loan.state in ("offered", "borrowed") and not loan.recall:
         loan.recall = True
-        _log(ledger, now, f"loan {loan_id}: {loan.lender} recalls it: {reason}")
+        who = f"{by} recalls it for {loan.lender}" if by else f"{loan.lender} recalls it"
+        _log(ledger, now, f"loan {loan_id}: {who}: {reason}")
 
 
 def _engine(ledger: Ledger, name: str) -> Engine:
