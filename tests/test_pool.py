@@ -480,54 +480,57 @@ def test_a_lender_recalls_its_loans_newest_first_before_anything_else() -> None:
     assert [(d.action, d.loan_id) for d in decisions] == [("recall", 2), ("recall", 1)]
 
 
-def test_loans_idle_engines_hold_go_back_to_their_lender_before_it_is_asked() -> None:
+def test_loans_others_hold_free_go_back_to_their_lender_before_it_is_asked() -> None:
     """The H100 trace: engine 1's burst borrowed from engine 0 and ended; engine 2, bursting,
     borrowed engine 0's blocks below those loans, so engine 0 could not take them back (newest
-    first) and engine 2 waited with the memory idle at engine 1. Now the needy engine recalls
+    first) and engine 2 waited with the memory free at engine 1. Now the needy engine recalls
     them for their lender first, and asks the lender once they are back."""
     ledger = Ledger()
     ledger.engines = {
         "lender": engine("lender", 1, 20, lendable=12),
-        "idle": engine("idle", 2, 30),
+        "other": engine("other", 2, 30),
         "needy": engine("needy", 3, 8),
     }
-    ledger.engines["idle"].borrowed_bytes = 12 * BB
+    ledger.engines["other"].borrowed_bytes = 12 * BB
     ledger.loans = {
-        1: LoanEntry(1, "lender", "idle", 8, "borrowed", 0, BB, 18, kept_blocks=28, loans=MEMORY),
-        2: LoanEntry(2, "lender", "idle", 4, "borrowed", 0, BB, 26, kept_blocks=20, loans=MEMORY),
+        1: LoanEntry(1, "lender", "other", 8, "borrowed", 0, BB, 18, kept_blocks=28, loans=MEMORY),
+        2: LoanEntry(2, "lender", "other", 4, "borrowed", 0, BB, 26, kept_blocks=20, loans=MEMORY),
     }
     ledger.next_loan_id = 3
+
+    def plan() -> list[tuple[str, str, int]]:
+        decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
+        return [(d.action, d.peer, d.blocks) for d in decisions]
+
+    # Idle: newest first (the order the lender takes them back in), not the lender's blocks.
     decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
-    # Newest first (the order the lender takes them back in), and not the lender's own blocks.
     assert [(d.action, d.peer, d.loan_id, d.blocks) for d in decisions] == [
-        ("recall", "idle", 2, 4),
-        ("recall", "idle", 1, 8),
+        ("recall", "other", 2, 4),
+        ("recall", "other", 1, 8),
     ]
-    assert (
-        decisions[0].reason
-        == "idle is idle and holds 4 of lender's blocks: back to lender, to lend again"
+    assert decisions[0].reason == (
+        "other holds 4 of lender's blocks free: back to lender, to lend again"
     )
+    # Busy, with its top 4 blocks free: the newest loan only (the older one is in use).
+    ledger.engines["other"].busy = True
+    ledger.engines["other"].free_top_blocks = 4
+    assert plan() == [("recall", "other", 4), ("wait", "", 6)]
     # Recalled already: it waits for them, and still does not ask the lender.
-    for loan in ledger.loans.values():
-        loan.recall = True
-    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
-    assert [(d.action, d.blocks, d.reason) for d in decisions] == [
-        ("wait", 10, "12 blocks are on their way back to lender, to lend again")
-    ]
-    # A busy borrower keeps them: the lender lends what it has.
-    for loan in ledger.loans.values():
-        loan.recall = False
-    ledger.engines["idle"].busy = True
-    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
-    assert [(d.action, d.peer, d.blocks) for d in decisions] == [("ask", "lender", 10)]
-    # So does a lender whose newest loan the needy engine holds: it cannot take back the rest
-    # before that one.
-    ledger.engines["idle"].busy = False
+    ledger.loans[2].recall = True
+    assert plan() == [("wait", "", 4), ("wait", "", 6)]
+    # Its top block in use: the lender lends what it has.
+    ledger.loans[2].recall = False
+    ledger.engines["other"].free_top_blocks = 3
+    assert plan() == [("ask", "lender", 10)]
+    # So does a lender whose newest loan the needy engine holds (recalled or not): it cannot
+    # take back the rest before that one.
+    ledger.engines["other"].busy = False
     ledger.loans[3] = LoanEntry(
         3, "lender", "needy", 2, "borrowed", 0, BB, 8, kept_blocks=18, loans=MEMORY
     )
-    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)
-    assert [(d.action, d.peer, d.blocks) for d in decisions] == [("ask", "lender", 10)]
+    assert plan() == [("ask", "lender", 10)]
+    ledger.loans[3].recall = True
+    assert plan() == [("ask", "lender", 10)]
 
 
 def test_a_donor_lends_free_top_blocks_above_its_minimum_and_says_why_not() -> None:

@@ -79,6 +79,7 @@ class Engine:
     lent_bytes: int = 0
     borrowed_bytes: int = 0
     lendable_blocks: int = 0  # what it could lend at once, as of its last heartbeat
+    free_top_blocks: int = 0  # its top blocks no request uses: what could go (back) at once
     heartbeat: float = 0.0
     busy: bool = False
     stuck: bool = False  # a request to it expired since its last heartbeat
@@ -237,6 +238,7 @@ _ENGINE = {
     "lent_bytes": int,
     "borrowed_bytes": int,
     "lendable_blocks": int,
+    "free_top_blocks": int,
     "heartbeat": float,
     "busy": bool,
     "stuck": bool,
@@ -322,6 +324,7 @@ def _engine(raw: object, where: str) -> Engine:
         _int(getattr(engine, key), f"{where}.{key}")
     _int(engine.borrowed_bytes, f"{where}.borrowed_bytes")
     _int(engine.lendable_blocks, f"{where}.lendable_blocks")
+    _int(engine.free_top_blocks, f"{where}.free_top_blocks")
     _int(engine.block_bytes, f"{where}.block_bytes", minimum=1)
     _int(engine.min_blocks, f"{where}.min_blocks")
     _int(engine.max_blocks, f"{where}.max_blocks")

@@ -547,8 +547,8 @@ class PoolMember:
     def _record(self, ledger: Ledger) -> None:
         cache = self.cache
         lendable = 0
+        committed, free_tail = cache.committed_blocks, self._free_tail()
         if not any(t.borrowed_bytes for t in cache.buffers):  # a borrower lends nothing
-            committed, free_tail = cache.committed_blocks, self._free_tail()
             fits = [committed - k for k in _lend_points(cache) if committed - k <= free_tail]
             lendable = max(fits, default=0)
         rules.record(
@@ -561,6 +561,7 @@ class PoolMember:
                 "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
                 "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
                 "lendable_blocks": lendable,
+                "free_top_blocks": free_tail,
                 "busy": self.busy,
             },
         )

@@ -3,10 +3,11 @@
 - `plan_grow`: an engine that needs blocks takes the device's free memory first (within the
   pool's share), then borrows from engines above their minimum, idle ones first. An engine
   that has lent blocks recalls them instead: its cache cannot grow over lent blocks until it
-  reclaims them. When that is not enough, it recalls loans that idle engines hold (top
-  first), for their lenders: a borrower lends nothing, and its lender has nothing left to
-  lend while they are out, so memory lent to an engine whose burst ended would stay there;
-  once back with its lender, the next request borrows it from there.
+  reclaims them. A lender whose newest loans others hold free (an idle engine, or free top
+  blocks of a busy one) is not asked: the needy engine recalls them for it, and borrows from
+  it once they are back. A borrower lends nothing, and once a needy engine borrowed the
+  lender's blocks below its loans out, the lender could not take those back (newest first):
+  memory lent to an engine whose burst ended would stay there.
 - `plan_answer`: a donor lends the free blocks at the top of its cache at once, never below
   its minimum. Moving live blocks down to lend more (the run-time resize's `move=True`) is not
   built: `allow_move=True` raises `NotImplementedError`, and a donor whose top blocks are live
@@ -94,8 +95,9 @@ def plan_grow(
         why = f"the device has {free} blocks free for the pool{capped}"
         decisions.append(Decision("commit", name, take, why))
         want -= take
-    # A lender whose loans idle engines hold gets them back first and lends them again: once
-    # this engine borrowed its lower blocks, it could not take back the loans above them.
+    # A lender whose newest loans others hold free (an idle engine, or one whose load shrank)
+    # gets them back first and lends them again: once this engine borrowed its lower blocks,
+    # it could not take back the loans above them.
     back = _coming_back(ledger, name, now) if want > 0 else {}
     for donor, surplus in _donors(ledger, engine, now):
         if donor.name in exclude or donor.name in back:
@@ -111,12 +113,12 @@ def plan_grow(
         if want <= 0:
             break
         coming = recalled = 0
-        for loan in sorted(loans, key=lambda loan: loan.kept_blocks):  # newest first
+        for loan in loans:  # newest first
             coming += loan.blocks
             if loan.state == "borrowed" and not loan.recall:
                 recalled += 1
                 why = (
-                    f"{loan.borrower} is idle and holds {loan.blocks} of {lender}'s blocks: "
+                    f"{loan.borrower} holds {loan.blocks} of {lender}'s blocks free: "
                     f"back to {lender}, to lend again"
                 )
                 decisions.append(
@@ -134,32 +136,45 @@ def plan_grow(
 
 
 def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[LoanEntry]]:
-    """Per lender other than `needy`, its loans out, when all of them can come back without
-    `needy`: each given back or recalled already, or held by an idle, responsive engine other
-    than `needy`. (A lender takes its loans back newest first, so one loan it cannot get back
-    keeps the older ones from it too.)"""
+    """Per lender other than `needy`: its loans out that can come back to it now without
+    `needy`, newest first (the order it takes them back in, so only up to the first that
+    cannot): each given back or recalled already, or held by a responsive engine other than
+    `needy` whose blocks from the loan's start up are free (all of an idle engine's are)."""
     out: dict[str, list[LoanEntry]] = {}
     for loan in ledger.loans.values():
         if loan.lender and loan.state in ("offered", "borrowed", "returned"):
             out.setdefault(loan.lender, []).append(loan)
 
     def comes_back(loan: LoanEntry) -> bool:
-        if loan.state == "returned" or loan.recall:
+        if loan.state == "returned":
+            return True
+        if loan.borrower == needy:  # what it must give back itself first
+            return False
+        if loan.recall:
             return True
         borrower = ledger.engines.get(loan.borrower)
         return (
             loan.state == "borrowed"
-            and loan.borrower != needy
             and borrower is not None
-            and not borrower.busy
             and not unresponsive(borrower, ledger, now)
+            and (
+                not borrower.busy
+                or loan.start_block >= borrower.committed_blocks - borrower.free_top_blocks
+            )
         )
 
-    return {
-        lender: loans
-        for lender, loans in out.items()
-        if lender != needy and all(comes_back(loan) for loan in loans)
-    }
+    back: dict[str, list[LoanEntry]] = {}
+    for lender, loans in out.items():
+        if lender == needy:
+            continue
+        ready = []
+        for loan in sorted(loans, key=lambda loan: loan.kept_blocks):
+            if not comes_back(loan):
+                break
+            ready.append(loan)
+        if ready:
+            back[lender] = ready
+    return back
 
 
 def _recall(name: str, want: int, lent: list[LoanEntry]) -> list[Decision]:
