@@ -90,6 +90,7 @@ the memory time series and the trace's bursts, which `benchmarks/plot_pool.py` d
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import math
@@ -97,6 +98,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -634,7 +636,10 @@ def _stop(manager: Any, hard: bool) -> None:
 
 
 def engine_main(index: int, config: dict[str, Any], inbox: Any, outbox: Any) -> None:
-    """An engine process: loads its model, then runs the driver's commands until `quit`."""
+    """An engine process: loads its model, then runs the driver's commands until `quit`.
+    SIGUSR1 prints every thread's stack to stderr (the driver sends it to an engine that
+    does not answer in time)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         engine = _Engine(index, config, outbox)
         outbox.put(("loaded", index, engine.info()))
@@ -729,6 +734,12 @@ class Engines:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [i for i in indices if i not in got]
+                    for i in missing:  # where they are stuck, on stderr
+                        pid = self.processes[i].pid
+                        if pid is not None and self.processes[i].is_alive():
+                            log(f"engine {i} (pid {pid}) did not answer: its threads' stacks")
+                            os.kill(pid, signal.SIGUSR1)
+                    time.sleep(1.0)
                     raise TimeoutError(f"engines {missing} did not answer {kinds} in {timeout_s} s")
                 self.lock.wait(min(left, 1.0))
 
