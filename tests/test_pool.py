@@ -681,6 +681,25 @@ def cache(**kw: Any) -> ExtensibleKVCache:
     return ExtensibleKVCache(SPEC, 64, "cpu", granularity=4096, **kw)
 
 
+def members_of(
+    pool: Pool, caches: dict[str, ExtensibleKVCache], used: dict[str, int], **kw: Any
+) -> dict[str, PoolMember]:
+    """A member over each cache, named as in `caches`, minimum 4 blocks, committing 4 at a
+    time, its top blocks past `used[name]` free."""
+    return {
+        name: PoolMember(
+            pool,
+            name,
+            c,
+            min_blocks=4,
+            commit_step_blocks=4,
+            free_tail_blocks=lambda name=name, c=c: c.committed_blocks - used[name],
+            **kw,
+        )
+        for name, c in caches.items()
+    }
+
+
 def test_member_arguments_are_checked(tmp_path: Path) -> None:
     pool = Pool("test", directory=tmp_path)
     with cache() as c:
@@ -776,19 +795,7 @@ def test_memory_an_idle_borrower_holds_moves_on_to_the_next_needy_engine(tmp_pat
     pool.set_share("cpu", 40 * 2 * 4096)
     used = {"a": 0, "b": 0, "c": 0}
     with cache() as ca, cache() as cb, cache() as cc:
-        caches = {"a": ca, "b": cb, "c": cc}
-        members = {
-            name: PoolMember(
-                pool,
-                name,
-                c,
-                min_blocks=4,
-                max_blocks=40,
-                commit_step_blocks=4,
-                free_tail_blocks=lambda name=name, c=c: c.committed_blocks - used[name],
-            )
-            for name, c in caches.items()
-        }
+        members = members_of(pool, {"a": ca, "b": cb, "c": cc}, used, max_blocks=40)
         a, b, c = members.values()
         for member in members.values():
             member.join()
@@ -862,19 +869,7 @@ def test_via_the_driver_a_donor_releases_and_the_needy_engine_commits(tmp_path: 
     pool.set_share("cpu", share)
     used = {"a": 0, "b": 0}
     with cache(export_handle_types=0) as ca, cache(export_handle_types=0) as cb:
-        members = {
-            name: PoolMember(
-                pool,
-                name,
-                c,
-                min_blocks=4,
-                max_blocks=64,
-                commit_step_blocks=4,
-                free_tail_blocks=lambda c=c, name=name: c.committed_blocks - used[name],
-                via="driver",
-            )
-            for name, c in (("a", ca), ("b", cb))
-        }
+        members = members_of(pool, {"a": ca, "b": cb}, used, max_blocks=64, via="driver")
         a, b = members["a"], members["b"]
         a.join()
         b.join()

@@ -338,15 +338,14 @@ impl ExtensibleTensor {
     /// unmaps: the export is ~0.5 ms a handle on CUDA, half of a first 60 GiB loan. A donor
     /// calls it a few handles at a time between its steps (the tensor's lock is held while it
     /// exports). Returns how many handles (of its own: not borrowed ones) are still not
-    /// exported. Does nothing, and returns
-    /// 0, for a tensor whose handles do not export as POSIX fds (no loan could take them).
+    /// exported. Does nothing, and returns 0, for a tensor whose handles do not export as
+    /// POSIX fds (no loan could take them).
     /// Each export holds one fd until its handle is released.
     pub fn export_ahead(&self, max_handles: usize) -> Result<usize> {
         if !self.export_types().contains(ExportTypes::POSIX_FD) {
             return Ok(0);
         }
         let state = self.lock_owned("export ahead of a loan")?;
-        let driver = &self.inner.ctx.driver;
         let mut exported = 0;
         let mut left = 0;
         for mapping in state.mappings.values().rev() {
@@ -359,8 +358,7 @@ impl ExtensibleTensor {
                 left += 1;
                 continue;
             }
-            let export = driver.export(handle.id, ExportTypes::POSIX_FD)?;
-            handle.exported.get_or_init(|| export);
+            handle.export_once(ExportTypes::POSIX_FD)?;
             exported += 1;
         }
         Ok(left)
@@ -368,18 +366,10 @@ impl ExtensibleTensor {
 
     /// Exports (once) the handles over `runs` and names them for the board.
     fn export_for_loan(&self, state: &State, runs: &[Run]) -> Result<Vec<LoanEntry>> {
-        let ctx = &self.inner.ctx;
         let mut entries = Vec::with_capacity(runs.len());
         for run in runs {
             let handle = state.mappings[&run.first_granule].handle();
-            let exported = match handle.exported.get() {
-                Some(exported) => exported,
-                None => {
-                    let exported = ctx.driver.export(handle.id, ExportTypes::POSIX_FD)?;
-                    handle.exported.get_or_init(|| exported)
-                }
-            };
-            let Exported::Fd(fd) = exported else {
+            let Exported::Fd(fd) = handle.export_once(ExportTypes::POSIX_FD)? else {
                 return Err(Error::Unsupported(
                     "this handle was exported as a fabric handle; loans travel as POSIX fds".into(),
                 ));

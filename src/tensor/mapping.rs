@@ -165,6 +165,16 @@ impl PhysicalHandle {
         Ok(PhysicalHandle::adopt(ctx, id, ctx.next_serial()))
     }
 
+    /// The handle's export, made as `kind` by the first caller that needs one and kept for
+    /// the handle's life (a later caller gets that one, whatever its kind).
+    pub(super) fn export_once(&self, kind: ExportTypes) -> Result<&Exported> {
+        if let Some(exported) = self.exported.get() {
+            return Ok(exported);
+        }
+        let exported = self.ctx.driver.export(self.id, kind)?;
+        Ok(self.exported.get_or_init(|| exported))
+    }
+
     /// Owns handle `id` of `ctx`'s driver from now on.
     pub(super) fn adopt(ctx: &Arc<Ctx>, id: HandleId, serial: u64) -> PhysicalHandle {
         PhysicalHandle {

@@ -217,14 +217,7 @@ impl ExtensibleTensor {
         let mut handles = Vec::with_capacity(state.mappings.len());
         for mapping in state.mappings.values() {
             let handle = mapping.handle();
-            let exported = match handle.exported.get() {
-                Some(exported) => exported,
-                None => {
-                    let exported = ctx.driver.export(handle.id, kind)?;
-                    handle.exported.get_or_init(|| exported)
-                }
-            };
-            let export = match exported {
+            let export = match handle.export_once(kind)? {
                 Exported::Fd(fd) => {
                     let fd = fd.as_raw_fd();
                     if let Some(registry) = registry {
