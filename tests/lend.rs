@@ -508,3 +508,44 @@ fn every_failed_call_of_a_loan_leaves_both_sides_as_they_were() {
     }
     assert!(injected >= 20, "only {injected} faults injected");
 }
+
+#[test]
+fn a_failed_export_ahead_changes_nothing_but_the_exports_made_and_a_lend_reuses_them() {
+    let side = Side::new(
+        Fault {
+            op: Op::Export,
+            nth: 2,
+            kind: FaultKind::Driver,
+        },
+        BEFORE,
+    );
+    fill(&side.tensor, 3);
+    let handles = side.tensor.handle_runs().len();
+    let before = (
+        side.tensor.segment_bytes(),
+        side.tensor.handle_runs(),
+        common::read(&side.tensor, 0, BEFORE),
+    );
+    let err = side.tensor.export_ahead(handles).unwrap_err();
+    assert!(
+        matches!(&err, Error::Driver { op: Op::Export, code, .. } if code == "INJECTED_FAULT"),
+        "{err:?}"
+    );
+    let after = (
+        side.tensor.segment_bytes(),
+        side.tensor.handle_runs(),
+        common::read(&side.tensor, 0, BEFORE),
+    );
+    assert_eq!(before, after);
+    // The first export stays made: the rest follow, then none is left.
+    assert_eq!(side.tensor.export_ahead(handles).unwrap(), 0);
+    assert_eq!(side.faulty.calls(Op::Export), handles as u64 + 1);
+    let loan = lend(&side);
+    assert_eq!(
+        side.faulty.calls(Op::Export),
+        handles as u64 + 1,
+        "the lend exported again"
+    );
+    assert!(!loan.handles.is_empty());
+    side.tensor.check_invariants().unwrap();
+}
