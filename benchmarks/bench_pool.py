@@ -1517,6 +1517,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "setups": {},
         }
+        stuck = False
         for name in args.setups:
             log(f"setup {name}")
             try:
@@ -1526,13 +1527,15 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, TimeoutError) as error:
                 results["setups"][name] = {"ok": False, "error": str(error)}
                 log(f"{name} failed: {error}")
-                if any(not p.is_alive() for p in engines.processes):
+                # An engine that did not answer in time answers nothing later either.
+                stuck = isinstance(error, TimeoutError)
+                if stuck or any(not p.is_alive() for p in engines.processes):
                     break
             if results["setups"][name].get("error"):
                 log(f"{name}: {results['setups'][name]['error'][-3000:]}")
             path.write_text(json.dumps(results, indent=1, default=str))
         alone = None
-        if all(p.is_alive() for p in engines.processes):
+        if not stuck and all(p.is_alive() for p in engines.processes):
             log(f"alone: {len(sample)} requests one at a time on engine 0, transformers' own cache")
             hints = (
                 max(len(r.prompt) for r in requests),

@@ -159,20 +159,27 @@ def test_no_getter_or_view_waits_for_a_grow_holding_the_gil(
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         num_bytes = min(100 << 30, (free - (4 << 30)) // (2 << 20) * (2 << 20))
-    t = make_tensor(num_bytes)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.001)  # the GIL's own hand-offs, not the test's subject: keep short
+    tries = []
     try:
-        times = _grow_while_reading(t, num_bytes)
+        # On the CPU, up to three grows: a loaded CI machine once descheduled the counter for
+        # 230 ms of a 672 ms grow. A grow that holds the GIL stalls every one of them.
+        for _ in range(1 if device != "cpu" else 3):
+            with make_tensor(num_bytes) as t:
+                times = _grow_while_reading(t, num_bytes)
+                assert t.physical_bytes == num_bytes
+            print(
+                f"\n{device}: grow {times['grow'] * 1e3:.1f} ms, longest getter "
+                f"{times['getter'] * 1e3:.2f} ms, longest stall {times['stall'] * 1e3:.2f} ms"
+            )
+            tries.append(times)
+            if times["getter"] < times["grow"] / 4 and times["stall"] < times["grow"] / 4:
+                break
     finally:
         sys.setswitchinterval(interval)
-    print(
-        f"\n{device}: grow {times['grow'] * 1e3:.1f} ms, longest getter "
-        f"{times['getter'] * 1e3:.2f} ms, longest stall {times['stall'] * 1e3:.2f} ms"
-    )
-    assert t.physical_bytes == num_bytes
     if device != "cpu":  # 15 ms for 100 GiB on the H200: the targets themselves, on 16 cores
         assert times["getter"] < 0.01 and times["stall"] < 0.05, times
         return
-    assert times["grow"] > 0.02, "too short a grow to tell waiting from not"
-    assert times["getter"] < times["grow"] / 4 and times["stall"] < times["grow"] / 4, times
+    assert all(t["grow"] > 0.02 for t in tries), "too short a grow to tell waiting from not"
+    assert times["getter"] < times["grow"] / 4 and times["stall"] < times["grow"] / 4, tries

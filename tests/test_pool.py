@@ -859,6 +859,36 @@ def test_an_idle_member_exports_its_handles_ahead_of_a_loan(tmp_path: Path) -> N
         d.leave()
 
 
+@pytest.mark.timeout(60)
+def test_a_cache_that_commits_whole_granules_only_ends_a_request_short_of_a_granule(
+    tmp_path: Path,
+) -> None:
+    """transformers' pooled cache commits whole granules only (a borrow maps at a boundary):
+    when the pool's share leaves less than a granule past them, `request` commits the whole
+    granules that fit and returns. It called the cache's commit again and again without
+    progress, for ever: the host pool bench hung in CI with its engines in that loop."""
+    pool = Pool("test", directory=tmp_path)
+    pool.set_share("cpu", 10 * 2 * 4096)  # 10 blocks: 2 and a half granules of 4
+    with cache() as c:
+        commit = c.commit
+        rounded: list[int] = []
+
+        def commit_whole_granules(num_blocks: int) -> None:
+            rounded.append(num_blocks)
+            commit(num_blocks // 4 * 4)
+
+        c.commit = commit_whole_granules  # type: ignore[method-assign]
+        (m,) = members_of(pool, {"a": c}, {"a": 0}, max_blocks=64).values()
+        m.join()
+        decisions = m.request(16)
+        assert (decisions[0].action, decisions[0].blocks) == ("commit", 10)
+        assert c.committed_blocks == 8
+        assert rounded[-1] == 10, rounded  # it tried the last 2 blocks once, and stopped
+        with pool.transaction() as ledger:
+            assert ledger.engines["a"].committed_blocks == 8  # what it has, not what it planned
+        m.leave()
+
+
 def test_via_the_driver_a_donor_releases_and_the_needy_engine_commits(tmp_path: Path) -> None:
     """`via="driver"`, kvcached's way: asked for blocks, the donor gives its free top blocks
     back to the driver (at a handle boundary, its used blocks kept) instead of lending them,

@@ -284,7 +284,13 @@ class PoolMember:
             step = self.commit_step_blocks or commit
             try:
                 while self.cache.committed_blocks < target:
-                    self.cache.commit(min(self.cache.committed_blocks + step, target))
+                    before = self.cache.committed_blocks
+                    self.cache.commit(min(before + step, target))
+                    if self.cache.committed_blocks <= before:
+                        # A cache may commit whole granules only (transformers' pooled one
+                        # does, so that a borrow maps at a boundary): the device's free
+                        # memory left less than one. Calling again would never end.
+                        break
             except OutOfMemoryError as error:
                 logger.info("pool: %s could not commit %d blocks: %s", self.name, commit, error)
             finally:
