@@ -542,13 +542,24 @@ def test_a_donor_lends_free_top_blocks_above_its_minimum_and_says_why_not() -> N
     assert (lend.action, lend.blocks) == ("lend", 10)
     assert (plan_answer(ledger, "d", 1, free_tail_blocks=6).blocks) == 6
     assert plan_answer(ledger, "d", 1, free_tail_blocks=0).reason == (
-        "its top 12 blocks above its minimum are live, and moving live blocks down "
-        "(move=True) is not built"
+        "its top 12 blocks above its minimum are live, and it does not move live blocks down "
+        "(move=False)"
     )
+    # Moving live blocks down, it lends its free blocks wherever they lie, above its minimum.
+    moved = plan_answer(ledger, "d", 1, free_tail_blocks=0, free_blocks=7)
+    assert (moved.action, moved.blocks) == ("lend", 7)
+    assert moved.reason == (
+        "7 free blocks above its minimum; its live blocks past the 7 lent move down first"
+    )
+    assert plan_answer(ledger, "d", 1, free_tail_blocks=10, free_blocks=11).reason == (
+        "11 free blocks above its minimum"  # the 10 asked are free at its top
+    )
+    assert plan_answer(ledger, "d", 1, free_tail_blocks=0, free_blocks=30).blocks == 10
+    refused = plan_answer(ledger, "d", 1, free_tail_blocks=0, free_blocks=0)
+    assert (refused.action, refused.reason) == ("refuse", "all 20 of its blocks are live")
     ledger.engines["d"].committed_blocks = 8
     assert plan_answer(ledger, "d", 1, free_tail_blocks=8).reason == "at its minimum (8 blocks)"
-    with pytest.raises(NotImplementedError, match="move=True"):
-        plan_answer(ledger, "d", 1, free_tail_blocks=8, allow_move=True)
+    assert plan_answer(ledger, "d", 1, free_tail_blocks=8, free_blocks=8).action == "refuse"
 
 
 def test_a_donor_lends_whole_handles_covering_a_small_ask_if_the_borrower_has_room() -> None:
@@ -704,7 +715,7 @@ def test_member_arguments_are_checked(tmp_path: Path) -> None:
     pool = Pool("test", directory=tmp_path)
     with cache() as c:
         free = lambda: 0  # noqa: E731
-        with pytest.raises(NotImplementedError, match="move=True"):
+        with pytest.raises(ValueError, match="move=True needs a cache that moves live blocks"):
             PoolMember(pool, "a", c, min_blocks=0, max_blocks=8, free_tail_blocks=free, move=True)
         with pytest.raises(ValueError, match="more than the cache's capacity"):
             PoolMember(pool, "a", c, min_blocks=0, max_blocks=65, free_tail_blocks=free)
@@ -824,6 +835,91 @@ def test_memory_an_idle_borrower_holds_moves_on_to_the_next_needy_engine(tmp_pat
         for member in members.values():
             member.leave()
         assert pool.snapshot().engines == {}
+
+
+class Moving:
+    """An `ExtensibleKVCache` with the engine's part of a `MovingCache`: the blocks in `live`
+    are the ones requests hold; `move_below` copies each at or past the cut into the lowest
+    free block below it, as transformers' pooled cache does, and renames it in `live`."""
+
+    def __init__(self, inner: ExtensibleKVCache) -> None:
+        self.inner = inner
+        self.live: set[int] = set()
+        self.moves: list[tuple[int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def free_tail(self) -> int:
+        return self.inner.committed_blocks - (max(self.live, default=-1) + 1)
+
+    def free_blocks(self) -> int:
+        return self.inner.committed_blocks - len(self.live)
+
+    def move_below(self, num_blocks: int) -> None:
+        above = sorted(b for b in self.live if b >= num_blocks)
+        free = [b for b in range(num_blocks) if b not in self.live]
+        if len(free) < len(above):
+            raise RuntimeError(f"only {len(free)} free blocks below {num_blocks}")
+        view = self.inner.views["attn"]
+        for old, new in zip(above, free, strict=False):
+            view[:, new] = view[:, old]
+            self.live = (self.live - {old}) | {new}
+            self.moves.append((old, new))
+
+
+def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
+    tmp_path: Path,
+) -> None:
+    """A donor whose top blocks are live refuses without `move=True`; with it, its live
+    blocks above the cut are copied into free ones below (their bytes kept) and it lends
+    every free block above its minimum, at a handle boundary."""
+    for move in (False, True):
+        pool = Pool(f"test-{move}", directory=tmp_path)
+        pool.set_share("cpu", 32 * 2 * 4096)  # the donor's 32 blocks take all of it
+        with cache() as inner, cache() as cn:
+            cd = Moving(inner)
+            d = PoolMember(
+                pool,
+                "d",
+                cd,  # type: ignore[arg-type]
+                min_blocks=4,
+                max_blocks=64,
+                commit_step_blocks=4,
+                free_tail_blocks=cd.free_tail,
+                move=move,
+            )
+            (n,) = members_of(pool, {"n": cn}, {"n": 0}, max_blocks=64).values()
+            d.join()
+            n.join()
+            assert d.grow(32) == 32
+            cd.live = {0, 1, 2, 3, 29, 30}
+            for block in cd.live:
+                inner.views["attn"][:, block].fill_(block + 1)  # type: ignore[call-overload]
+            d.serve()
+            asked = n.request(16)
+            if not move:  # its top blocks are live: no surplus to ask for
+                assert [x.action for x in asked] == ["wait"]
+                d.leave()
+                n.leave()
+                continue
+            assert [(x.action, x.peer, x.blocks) for x in asked] == [("ask", "d", 16)]
+            d.serve()  # moves 29 and 30 down to 4 and 5, lends blocks 16..31
+            assert cd.moves == [(29, 4), (30, 5)]
+            assert inner.committed_blocks == 16
+            n.serve()
+            assert cn.committed_blocks == 16
+            for old, new in ((0, 0), (3, 3), (29, 4), (30, 5)):
+                kept = inner.views["attn"][:, new].eq(old + 1)  # type: ignore[call-overload]
+                assert bool(kept.all()), (old, new)
+            assert rules.check(pool.snapshot()) == []
+            assert [x.action for x in d.request(16)] == ["recall"]  # wants it back
+            n.serve()
+            d.serve()
+            assert inner.committed_blocks == 32 and pool.snapshot().loans == {}
+            n.leave()
+            d.leave()
+            assert pool.snapshot().engines == {}
 
 
 def test_an_idle_member_exports_its_handles_ahead_of_a_loan(tmp_path: Path) -> None:

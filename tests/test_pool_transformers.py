@@ -451,6 +451,62 @@ def test_two_managers_in_one_process_lend_and_take_back(
     assert pool.snapshot().engines == {} and pool.snapshot().loans == {}
 
 
+@pytest.mark.timeout(300)
+def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
+    tf: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`pool_move=True`: the donor's requests hold its top sectors, so it has no free top to
+    lend; asked by a burst on the other manager, it moves them down between its steps and
+    lends the free sectors above. Its requests' tokens are those of the same requests on an
+    unmoved cache, and the burst's those of transformers' own cache."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool, rules
+    from extensible_kv.transformers import cache as ekc
+
+    donor_model, needy_model = (granule_model(tf, "cpu") for _ in range(2))
+    own = tt.generate(tf, needy_model, "cpu")
+    pool = Pool(POOL, directory=tmp_path)
+    pool.set_share("cpu", 64 * 8192)
+    caplog.set_level(logging.INFO, logger="extensible_kv")
+    long = tt.prompts()[:3]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ekt.enabled(**pooled_options(tmp_path, pool_move=True)))
+        donor, needy = (
+            stack.enter_context(
+                model.continuous_batching_context_manager(
+                    generation_config=tt.gen_config(tf),
+                    continuous_batching_config=tt.cb_config(tf, "cpu"),
+                )
+            )
+            for model in (donor_model, needy_model)
+        )
+        reference = tt.collect(donor, donor.add_requests(long, max_new_tokens=120))
+        cache = donor.batch_processor.cache
+        sectors = cache.pool
+        # The donor's low free sectors out of reach while its requests start: they take its
+        # top ones (the reference's blocks, kept for prefix sharing, forgotten first).
+        with donor.pause():
+            ekc._evict_cached_blocks(cache, 0)
+            sectors.try_to_free_sectors()
+            low = sorted(sectors.free_sectors)[: len(sectors.free_sectors) // 2]
+            sectors.free_sectors[:] = [s for s in sectors.free_sectors if s not in low]
+        ids = donor.add_requests(long, max_new_tokens=120)
+        wait_for("the donor's requests to hold blocks", lambda: ekc._busy_requests(cache))
+        with donor.pause():
+            sectors.free_sectors.extend(low)
+        hold_nothing_free(pool)
+        assert tt.run(needy) == own
+        assert tt.collect(donor, ids) == reference
+        ledger = pool.snapshot()
+        assert rules.check(ledger) == []
+        said = [r.getMessage() for r in caplog.records]
+        assert any("move down first" in m and ": lend " in m for m in said), said
+        assert any(m.startswith("Moved ") for m in said)
+        assert any(" borrowed " in e.text for e in ledger.events), [e.text for e in ledger.events]
+    assert pool.snapshot().engines == {} and pool.snapshot().loans == {}
+
+
 def test_counts_keep_the_committed_end_on_a_granule_boundary(
     tf: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -529,6 +585,10 @@ def test_pool_options_are_checked(tf: Any, tmp_path: Path) -> None:
         ekt.enable(pool_via="driver")
     with pytest.raises(ValueError, match="pool_via must be one of 'loan', 'driver'"):
         ekt.enable(pool="p", pool_via="dma")
+    with pytest.raises(ValueError, match="pool_move without pool"):
+        ekt.enable(pool_move=True)
+    with pytest.raises(TypeError, match="pool_move"):
+        ekt.enable(pool="p", pool_move="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_blocks 2 is below min_blocks 4"):
         ekt.enable(pool="p", min_blocks=4, max_blocks=2)
     with pytest.raises(ValueError, match="min_blocks must be at least 1"):

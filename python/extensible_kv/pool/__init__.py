@@ -10,13 +10,15 @@ functions of the ledger. An engine takes part through a `PoolMember` over its ca
 `PoolCache`: an `ExtensibleKVCache`, or transformers' through
 `extensible_kv.transformers.enable(pool=...)`): it joins, calls `serve()` between its steps,
 and asks with `grow(n)` or `request(n)`; memory moves as loans of whole blocks
-(`ExtensibleKVCache.lend` / `borrow`), or through the driver (`via="driver"`).
+(`ExtensibleKVCache.lend` / `borrow`), or through the driver (`via="driver"`); a member whose
+cache moves live blocks down (a `MovingCache`, `move=True`) lends its free blocks wherever
+they lie.
 
 `python -m extensible_kv pool status|limit|share|watch|reset` reads and changes it.
 """
 
 from extensible_kv.pool.ledger import Engine, Ledger, LedgerCorruptError, LoanEntry
-from extensible_kv.pool.member import PoolCache, PoolMember
+from extensible_kv.pool.member import MovingCache, PoolCache, PoolMember
 from extensible_kv.pool.policy import Decision
 from extensible_kv.pool.store import Pool, PoolLockTimeout
 
@@ -26,6 +28,7 @@ __all__ = [
     "Ledger",
     "LedgerCorruptError",
     "LoanEntry",
+    "MovingCache",
     "Pool",
     "PoolCache",
     "PoolLockTimeout",

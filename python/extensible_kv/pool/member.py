@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from extensible_kv import _args
 from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("extensible_kv.pool")
 
-__all__ = ["VIAS", "PoolCache", "PoolMember"]
+__all__ = ["VIAS", "MovingCache", "PoolCache", "PoolMember"]
 
 # How a donor's memory reaches a needy engine: as a loan of its handles, or through the driver
 # (released, then created again by the needy engine).
@@ -86,6 +86,18 @@ class PoolCache(ExtendableCache, Protocol):
     ) -> None: ...
 
 
+class MovingCache(PoolCache, Protocol):
+    """A `PoolCache` that moves live blocks down, for a member with `move=True`:
+    `free_blocks()` counts its committed blocks no request holds, wherever they lie, and
+    `move_below(num_blocks)` copies every live block at or past `num_blocks` into a free one
+    below it and renames it in the engine's books (a `RuntimeError` when too few are free
+    there, and nothing moved), between the engine's steps. transformers' pooled cache is one:
+    its block tables are ours to rename. An `ExtensibleKVCache`'s are its engine's."""
+
+    def free_blocks(self) -> int: ...
+    def move_below(self, num_blocks: int) -> None: ...
+
+
 class PoolMember:
     """Engine `name` of `pool` (a `Pool`, or a pool name), over `cache` (a `PoolCache`),
     created with `export_handle_types="posix_fd"` (loans travel as POSIX fds) unless `via` is
@@ -100,8 +112,9 @@ class PoolMember:
     not asked again until it heartbeats); a loan offered and not taken within
     `take_timeout_s` is taken back. A loan is whole physical handles: `commit_step_blocks`
     commits free memory in steps of that many blocks, so that each step's handles can be lent
-    on their own later (a CUDA cache's handles are at most 1 GiB anyway). `move=True` (moving
-    live blocks down before lending) is not built: `NotImplementedError`. `via` is how it
+    on their own later (a CUDA cache's handles are at most 1 GiB anyway). `move=True` lends
+    free blocks wherever they lie: the live blocks above the cut are moved down first (the
+    cache must be a `MovingCache`, a `ValueError` otherwise). `via` is how it
     answers a request as a donor: `"loan"` lends its free top blocks' handles, `"driver"`
     gives them back to the driver for the needy engine to commit (see the module's
     docstring)."""
@@ -138,10 +151,13 @@ class PoolMember:
                 f"max_blocks {self.max_blocks} is more than the cache's capacity "
                 f"({cache.capacity_blocks} blocks)"
             )
-        if _args.flag(move, "move"):
-            raise NotImplementedError(
-                "move=True (moving live blocks down before lending them, the run-time "
-                "resize's move) is not built: a donor lends its free top blocks only"
+        self.move = _args.flag(move, "move")
+        if self.move and not _moves(cache):
+            raise ValueError(
+                "move=True needs a cache that moves live blocks down (free_blocks() and "
+                "move_below(num_blocks), as transformers' pooled cache has): an "
+                "ExtensibleKVCache's block tables are its engine's, so it lends free top "
+                "blocks only"
             )
         if cache.legacy:
             raise ValueError("a pool member's cache cannot be legacy (plain torch memory)")
@@ -401,13 +417,19 @@ class PoolMember:
         lends = []
         engine = ledger.engines[self.name]
         free_tail = self._free_tail()
+        free = self._free_anywhere() if asked else None
         points = _lend_points(self.cache) if asked else set()
         for loan in sorted(asked, key=lambda loan: loan.loan_id):
             if self._settling:
                 rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
                 continue
             decision = plan_answer(
-                ledger, self.name, loan.loan_id, free_tail_blocks=free_tail, lend_points=points
+                ledger,
+                self.name,
+                loan.loan_id,
+                free_tail_blocks=free_tail,
+                lend_points=points,
+                free_blocks=free,
             )
             if decision.action == "lend" and self.via == "driver":
                 why = f"{decision.reason}; released to the driver, not lent"
@@ -417,7 +439,9 @@ class PoolMember:
                 rules.refuse(ledger, loan.loan_id, decision.reason, self.pool.clock())
                 continue
             lends.append(decision)
-            free_tail -= decision.blocks
+            free_tail = max(0, free_tail - decision.blocks)
+            if free is not None:
+                free -= decision.blocks
             engine.committed_blocks -= decision.blocks  # what the next answer sees
         return lends
 
@@ -427,8 +451,9 @@ class PoolMember:
             return
         keep = self.cache.committed_blocks - decision.blocks
         try:
+            self._clear_past(keep)
             loans = self.cache.lend(keep, stream=self.stream)
-        except ValueError as error:  # nothing but a straddling handle past `keep`, say
+        except (ValueError, RuntimeError) as error:  # a straddling handle past `keep`, say
             with self.pool.transaction() as ledger:
                 rules.refuse(ledger, decision.loan_id, f"cannot lend: {error}", self.pool.clock())
                 self._record(ledger)
@@ -461,8 +486,9 @@ class PoolMember:
         the needy engine's next request finds them free on the device."""
         keep = self.cache.committed_blocks - decision.blocks
         try:
+            self._clear_past(keep)
             self._shrink(keep)
-        except ValueError as error:  # its top blocks are no longer free, say
+        except (ValueError, RuntimeError) as error:  # its top blocks are no longer free, say
             with self.pool.transaction() as ledger:
                 why = f"cannot release: {error}"
                 rules.refuse(ledger, decision.loan_id, why, self.pool.clock())
@@ -471,6 +497,11 @@ class PoolMember:
         with self.pool.transaction() as ledger:
             rules.released(ledger, decision.loan_id, decision.blocks, self.pool.clock())
             self._record(ledger)
+
+    def _clear_past(self, keep: int) -> None:
+        """With `move=True`, moves the live blocks at or past `keep` down, if any."""
+        if self.move and self._free_tail() < self.cache.committed_blocks - keep:
+            cast(MovingCache, self.cache).move_below(keep)
 
     def _shrink(self, keep: int) -> None:
         """Shrinks the cache to `keep` blocks (a handle boundary) and waits until the memory
@@ -555,7 +586,8 @@ class PoolMember:
         lendable = 0
         committed, free_tail = cache.committed_blocks, self._free_tail()
         if not any(t.borrowed_bytes for t in cache.buffers):  # a borrower lends nothing
-            fits = [committed - k for k in _lend_points(cache) if committed - k <= free_tail]
+            free = max(free_tail, self._free_anywhere() or 0)
+            fits = [committed - k for k in _lend_points(cache) if committed - k <= free]
             lendable = max(fits, default=0)
         rules.record(
             ledger,
@@ -574,6 +606,13 @@ class PoolMember:
 
     def _free_tail(self) -> int:
         free = _args.size(self.free_tail_blocks(), "free_tail_blocks()")
+        return min(free, self.cache.committed_blocks)
+
+    def _free_anywhere(self) -> int | None:
+        """With `move=True`, the free blocks wherever they lie (None without)."""
+        if not self.move:
+            return None
+        free = _args.size(cast(MovingCache, self.cache).free_blocks(), "free_blocks()")
         return min(free, self.cache.committed_blocks)
 
     def _resized(self) -> None:
@@ -598,6 +637,10 @@ class PoolMember:
             for decision in decisions:
                 self._log(decision)
         self._last_plan = plan
+
+
+def _moves(cache: PoolCache) -> bool:
+    return all(callable(getattr(cache, name, None)) for name in ("free_blocks", "move_below"))
 
 
 def _lend_points(cache: PoolCache) -> set[int]:

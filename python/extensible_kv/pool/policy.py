@@ -9,9 +9,10 @@
   lender's blocks below its loans out, the lender could not take those back (newest first):
   memory lent to an engine whose burst ended would stay there.
 - `plan_answer`: a donor lends the free blocks at the top of its cache at once, never below
-  its minimum. Moving live blocks down to lend more (the run-time resize's `move=True`) is not
-  built: `allow_move=True` raises `NotImplementedError`, and a donor whose top blocks are live
-  refuses, saying so.
+  its minimum. One that moves live blocks down (`free_blocks` given: the member's
+  `move=True`, the run-time resize's move) lends up to all its free blocks, wherever they lie,
+  and moves the live ones above the cut into free ones below it first; one that does not and
+  whose top blocks are live refuses, saying so.
 - `plan_release`: what an engine gives back on its own: loans recalled by their lender, and
   what it holds past its maximum (limits change at run time), each once its blocks are free.
 
@@ -259,38 +260,40 @@ def plan_answer(
     *,
     free_tail_blocks: int,
     lend_points: Collection[int] | None = None,
-    allow_move: bool = False,
+    free_blocks: int | None = None,
 ) -> Decision:
     """Donor `name`'s answer to request `loan_id`: lend at most its free top blocks
-    (`free_tail_blocks`, which only the engine knows), never below its minimum.
+    (`free_tail_blocks`, which only the engine knows), never below its minimum. A donor that
+    moves live blocks down before it lends gives `free_blocks` too (all its free blocks, the
+    top ones among them): it may lend that many, its live blocks then fitting below the cut.
 
     `lend_points` (what only the engine knows too: the block counts it may keep, where a
     handle starts in every segment) makes the loan whole handles: the most it asked for that
     ends at one; or, when no handle starts within that many top blocks, the fewest whole
     handles that cover the ask, if they are free and the borrower has room under its maximum
     (a donor of handles larger than the ask would otherwise refuse every small request)."""
-    if allow_move:
-        raise NotImplementedError(
-            "moving live blocks down before lending (the run-time resize's move=True) is not "
-            "built: lend free top blocks only"
-        )
     engine, loan = ledger.engines[name], ledger.loans[loan_id]
     if engine.borrowed_bytes or name in borrowers(ledger):
         why = "it holds borrowed blocks or waits for memory itself"
         return Decision("refuse", name, 0, why, loan.borrower, loan_id)
     above_min = engine.committed_blocks - engine.min_blocks
-    lendable = min(free_tail_blocks, above_min)
+    moves = free_blocks is not None
+    free = max(free_tail_blocks, free_blocks or 0)
+    lendable = min(free, above_min)
     if lendable <= 0:
         if above_min <= 0:
             why = f"at its minimum ({engine.min_blocks} blocks)"
+        elif moves:
+            why = f"all {engine.committed_blocks} of its blocks are live"
         else:
             why = (
-                f"its top {above_min} blocks above its minimum are live, and moving live "
-                "blocks down (move=True) is not built"
+                f"its top {above_min} blocks above its minimum are live, and it does not move "
+                "live blocks down (move=False)"
             )
         return Decision("refuse", name, 0, why, loan.borrower, loan_id)
     blocks = min(loan.blocks, lendable)
-    why = f"{lendable} free blocks at its top above its minimum"
+    where = "" if moves else " at its top"
+    why = f"{lendable} free blocks{where} above its minimum"
     if lend_points is not None:
         sizes = [engine.committed_blocks - k for k in lend_points]
         sizes = [n for n in sizes if 0 < n <= lendable]
@@ -310,6 +313,8 @@ def plan_answer(
                 "for (a loan is whole handles)"
             )
             return Decision("refuse", name, 0, why, loan.borrower, loan_id)
+    if blocks > free_tail_blocks:
+        why += f"; its live blocks past the {blocks} lent move down first"
     return Decision("lend", name, blocks, why, loan.borrower, loan_id)
 
 

@@ -151,6 +151,9 @@ class Options:
       `"driver"` (released, then created again by the needy engine, as kvcached does).
     - `pool_step_blocks`: the blocks the cache commits at a time, which are also the
       smallest unit it can lend (default: a sixteenth of `max_blocks`).
+    - `pool_move`: asked to lend, the cache moves its live blocks down into free ones first
+      (as `resize(..., move=True)` does, between the loop's steps), so that it lends every
+      free block above its minimum, not only the free ones at its top.
     """
 
     budget_bytes: int | None = None
@@ -164,6 +167,7 @@ class Options:
     engine: str | None = None
     pool_via: str = "loan"
     pool_step_blocks: int | None = None
+    pool_move: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
@@ -186,6 +190,7 @@ class Options:
         self._check_pool_options()
 
     def _check_pool_options(self) -> None:
+        object.__setattr__(self, "pool_move", _args.flag(self.pool_move, "pool_move"))
         for name in ("min_blocks", "max_blocks", "pool_step_blocks"):
             value = _args.optional_size(getattr(self, name), name, minimum=1)
             object.__setattr__(self, name, value)
@@ -196,8 +201,9 @@ class Options:
                 for name in ("min_blocks", "max_blocks", "engine", "pool_step_blocks")
                 if getattr(self, name) is not None
             ]
-            if given or self.pool_via != "loan":
-                named = ", ".join(given or ["pool_via"])
+            given += ["pool_via"] * (self.pool_via != "loan") + ["pool_move"] * self.pool_move
+            if given:
+                named = ", ".join(given)
                 raise ValueError(
                     f"{named} without pool: they size a cache in a node pool; give "
                     "pool='name' too (or auto_resize=AutoResize(...) for a cache of its own)"
@@ -825,6 +831,7 @@ class PoolPlan:
     pool: Pool | str
     engine: str
     via: str
+    move: bool
     min_sectors: int
     max_sectors: int
     step_sectors: int
@@ -841,7 +848,9 @@ class PoolPlan:
         align = granularity // math.gcd(state.bytes_per_sector, granularity)
         capacity = state.capacity_sectors
         engine = options.engine or f"transformers-{os.getpid()}-{next(_ENGINE_SERIAL)}"
-        plan = cls(options.pool, engine, options.pool_via, 0, 0, 0, align, capacity)
+        plan = cls(
+            options.pool, engine, options.pool_via, options.pool_move, 0, 0, 0, align, capacity
+        )
         least = plan.aligned_up(min(state.sectors(options.min_blocks or 1), capacity))
         most = fit_sectors if options.max_blocks is None else state.sectors(options.max_blocks)
         most = max(plan.aligned_down(min(most, capacity)), least)
@@ -1143,7 +1152,7 @@ def _shrink_live(
         with _paused(manager):
             busy = _requests_holding(cache, cut)
             if busy and move:
-                _move_below(cache, state, cut)
+                move_below(cache, state, cut)
                 busy = _requests_holding(cache, cut)
             if not busy and take_out_of_pool(cache, state, target):
                 try:
@@ -1181,7 +1190,7 @@ def _still_held(state: _State, target: int, busy: list[str], timeout: float | No
     )
 
 
-def _sector_owners(cache: Any, cut: int) -> dict[int, Any]:
+def sector_owners(cache: Any, cut: int) -> dict[int, Any]:
     """The sectors at or past `cut` that an allocator holds (a block of them is in a request's
     block table, the prefix cache's ledger, or free in that allocator's own pool), by owner."""
     owners: dict[int, Any] = {}
@@ -1198,13 +1207,13 @@ def _sector_owners(cache: Any, cut: int) -> dict[int, Any]:
     return owners
 
 
-def _move_below(cache: Any, state: _State, cut: int) -> None:
+def move_below(cache: Any, state: _State, cut: int) -> None:
     """Copies every held sector at or past `cut` into a free sector below it, and renames its
     blocks everywhere transformers keeps a block id (the block tables, the ledger, the free
     blocks of the allocator's pool): all or nothing, the loop paused by the caller. The copy
     is transformers' own (`copy_blocks`), after the device has finished the last step."""
     pool = cache.pool
-    owners = _sector_owners(cache, cut)
+    owners = sector_owners(cache, cut)
     below = sorted(sector for sector in pool.free_sectors if sector < cut)
     if len(below) < len(owners):
         raise RuntimeError(

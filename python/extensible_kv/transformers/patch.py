@@ -161,6 +161,7 @@ def enable(
     engine: str | None = None,
     pool_via: str = "loan",
     pool_step_blocks: int | None = None,
+    pool_move: bool = False,
 ) -> None:
     """Every continuous-batching manager transformers creates from now on gets an extensible
     KV cache, sized after its warm-up (see `extensible_kv.transformers`). Calling it again
@@ -185,6 +186,7 @@ def enable(
         engine,
         pool_via,
         pool_step_blocks,
+        pool_move,
     )
     _apply(options)
 

@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from extensible_kv import flow
 from extensible_kv.ipc import Loan
 from extensible_kv.pool.member import PoolMember
 from extensible_kv.tensor import ExtensibleTensor
@@ -92,6 +93,19 @@ class SectorCache(_cache._Sectors):
                 if blocks:
                     top = max(top, max(blocks) // per_sector)
         return max(0, TRASH_SECTORS + state.committed_sectors - 1 - top)
+
+    def free_blocks(self) -> int:
+        """The data sectors no allocator holds (none of their blocks is in a request's block
+        table, the prefix cache, or an allocator's own free blocks): what `move_below` can
+        move live sectors into."""
+        state = self._state
+        return state.committed_sectors - len(_cache.sector_owners(self._cache, TRASH_SECTORS))
+
+    def move_below(self, num_blocks: int) -> None:
+        """Moves the held sectors at and past `num_blocks` into free ones below it (the
+        resize's move): on the loop's thread, between steps."""
+        flow.refuse_while_capturing(self._state.device, "moving KV blocks")
+        _cache.move_below(self._cache, self._state, TRASH_SECTORS + num_blocks)
 
     def on_resize(self, committed_blocks: int) -> None:
         """transformers' pool holds every committed sector (each change below keeps it so;
@@ -354,6 +368,7 @@ def join(manager: Any, cache: Any) -> None:
         on_resize=sectors.on_resize,
         commit_step_blocks=plan.step_sectors,
         via=plan.via,
+        move=plan.move,
     )
     member.join()
     joined = Joined(cache, sectors, member)
