@@ -30,6 +30,9 @@ same total KV memory `--kv-gib` (MiB on the host) in all:
 - `static`: each engine a third of the total (`enable(budget_bytes=...)`), no pool.
 - `driver`: as `pool`, with `pool_via="driver"`: a donor releases its free top blocks to the
   driver and the needy engine creates memory again (as kvcached moves memory).
+- `move` (only when named in `--setups`): as `pool`, with `pool_move=True`: a busy donor
+  moves its live blocks down between its steps and lends every free block, not only its free
+  top ones.
 Only `enable_setup` calls the pool's options of `enable` (the transformers join, issue 37
 item 4); a setup that fails to start is reported with its error, and the run exits 1.
 
@@ -113,7 +116,9 @@ from common import GIB, MIB, log
 
 ENGINES = 3
 SETUPS = ("pool", "static", "driver")
-VIAS = {"pool": "loan", "driver": "driver"}
+# Opt-in setups (`--setups ... move`): `pool` with `pool_move=True`.
+MORE_SETUPS = ("move",)
+VIAS = {"pool": "loan", "driver": "driver", "move": "loan"}
 SAMPLE_S = 0.01  # the memory sampler's period
 LEDGER_POLL_S = 0.005
 MAX_LOG_RECORDS = 4000  # per engine and setup
@@ -223,6 +228,7 @@ def enable_setup(setup: str, sizes: dict[str, Any], engine: str) -> None:
         min_blocks=sizes["min_blocks"],
         max_blocks=sizes["max_blocks"],
         pool_via=VIAS[setup],
+        pool_move=setup == "move",
         **budget,
         **granularity,
         **step,
@@ -1311,7 +1317,7 @@ def report(results: dict[str, Any]) -> str:
                 f"{row['max_gap']:.3f} | {row['max_rank']} |"
             )
     static = setups.get("static", {}).get("total")
-    for name in ("pool", "driver"):
+    for name in VIAS:
         other = setups.get(name, {}).get("total")
         if static and other and other["ttft_ms"]["n"] and static["ttft_ms"]["n"]:
             ratio = static["ttft_ms"]["p99"] / other["ttft_ms"]["p99"]
@@ -1433,7 +1439,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_pool"))
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (a tiny model, MiB)")
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS + MORE_SETUPS)
     parser.add_argument("--layers", type=int, help="the model's layers (the shape's by default)")
     for key, (kind, what) in PER_DEVICE.items():
         parser.add_argument(

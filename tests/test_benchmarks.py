@@ -341,21 +341,22 @@ def test_bench_pool_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     first.)"""
     stack_env.require_transformers()
     bench = bench_scripts.load("bench_pool")
-    status = bench.main(["--out", str(tmp_path), "--device", "cpu"])
+    setups = ["pool", "static", "driver", "move"]
+    status = bench.main(["--out", str(tmp_path), "--device", "cpu", "--setups", *setups])
     res = json.loads((tmp_path / "bench_pool.json").read_text())
     settings = res["settings"]
     assert settings["share_bytes"] == 3 * settings["static_bytes"]
     assert len(res["trace"]["bursts"]) == 3 * settings["rounds"]
-    assert list(res["setups"]) == ["pool", "static", "driver"]
+    assert list(res["setups"]) == setups
     check_served(res, "static")
     static = res["setups"]["static"]
     assert static["grown_bytes"] == 0 and static["loans"] == []
     assert static["total"]["kv_total_peak_bytes"] <= settings["share_bytes"]
     assert "### Three engines, bursty trace" in capsys.readouterr().out
     # The pool setups.
-    assert status == 0, [res["setups"][n].get("error") for n in ("pool", "driver")]
+    assert status == 0, [res["setups"][n].get("error") for n in ("pool", "driver", "move")]
     answers = {}
-    for name in ("pool", "driver"):
+    for name in ("pool", "driver", "move"):
         check_served(res, name)
         setup = res["setups"][name]
         assert setup["grown_bytes"] > 0, name  # memory followed the bursts
@@ -367,6 +368,7 @@ def test_bench_pool_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert all(loan["latency_ms"] is None or loan["latency_ms"] > 0 for loan in setup["loans"])
         assert setup["pool_moved_bytes"] > 0 and setup["loan_latency_ms"]["n"] > 0, name
     assert "borrowed" in answers["pool"] and "released" not in answers["pool"]
+    assert "borrowed" in answers["move"] and "released" not in answers["move"]
     assert "released" in answers["driver"] and "borrowed" not in answers["driver"]
     for pair, row in res["identical"]["cross"].items():
         assert row["identical"] == row["compared"] == len(res["trace"]["requests"]), pair
@@ -374,7 +376,7 @@ def test_bench_pool_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # every setup's tokens are the argmax for their prefixes; another prompt's are not.
     scores = res["alone"]["scores"]
     sampled = sum(map(len, res["alone"]["tokens"].values()))
-    for name in ("pool", "static", "driver", "alone"):
+    for name in (*setups, "alone"):
         assert scores[name]["tokens"] == sampled and scores[name]["argmax"] == 1.0, name
     assert scores["control"]["tokens"] == sampled and scores["control"]["argmax"] < 0.9
     assert scores["control"]["max_gap"] > 0

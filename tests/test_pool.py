@@ -873,9 +873,10 @@ def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
 ) -> None:
     """A donor whose top blocks are live refuses without `move=True`; with it, its live
     blocks above the cut are copied into free ones below (their bytes kept) and it lends
-    every free block above its minimum, at a handle boundary."""
-    for move in (False, True):
-        pool = Pool(f"test-{move}", directory=tmp_path)
+    every free block above its minimum, at a handle boundary. Through the driver, it moves
+    them the same way before it releases the blocks above the cut."""
+    for move, via in ((False, "loan"), (True, "loan"), (True, "driver")):
+        pool = Pool(f"test-{move}-{via}", directory=tmp_path)
         pool.set_share("cpu", 32 * 2 * 4096)  # the donor's 32 blocks take all of it
         with cache() as inner, cache() as cn:
             cd = Moving(inner)
@@ -888,8 +889,9 @@ def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
                 commit_step_blocks=4,
                 free_tail_blocks=cd.free_tail,
                 move=move,
+                via=via,
             )
-            (n,) = members_of(pool, {"n": cn}, {"n": 0}, max_blocks=64).values()
+            (n,) = members_of(pool, {"n": cn}, {"n": 0}, max_blocks=64, via=via).values()
             d.join()
             n.join()
             assert d.grow(32) == 32
@@ -904,14 +906,20 @@ def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
                 n.leave()
                 continue
             assert [(x.action, x.peer, x.blocks) for x in asked] == [("ask", "d", 16)]
-            d.serve()  # moves 29 and 30 down to 4 and 5, lends blocks 16..31
+            d.serve()  # moves 29 and 30 down to 4 and 5, lends (or releases) blocks 16..31
             assert cd.moves == [(29, 4), (30, 5)]
             assert inner.committed_blocks == 16
-            n.serve()
-            assert cn.committed_blocks == 16
             for old, new in ((0, 0), (3, 3), (29, 4), (30, 5)):
                 kept = inner.views["attn"][:, new].eq(old + 1)  # type: ignore[call-overload]
                 assert bool(kept.all()), (old, new)
+            if via == "driver":  # the device has them free now: the next request commits them
+                assert n.request(16)[0].action == "commit"
+                assert cn.committed_blocks == 16
+                n.leave()
+                d.leave()
+                continue
+            n.serve()
+            assert cn.committed_blocks == 16
             assert rules.check(pool.snapshot()) == []
             assert [x.action for x in d.request(16)] == ["recall"]  # wants it back
             n.serve()
