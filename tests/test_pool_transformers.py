@@ -482,19 +482,8 @@ def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
             for model in (donor_model, needy_model)
         )
         reference = tt.collect(donor, donor.add_requests(long, max_new_tokens=120))
-        cache = donor.batch_processor.cache
-        sectors = cache.pool
-        # The donor's low free sectors out of reach while its requests start: they take its
-        # top ones (the reference's blocks, kept for prefix sharing, forgotten first).
-        with donor.pause():
-            ekc._evict_cached_blocks(cache, 0)
-            sectors.try_to_free_sectors()
-            low = sorted(sectors.free_sectors)[: len(sectors.free_sectors) // 2]
-            sectors.free_sectors[:] = [s for s in sectors.free_sectors if s not in low]
-        ids = donor.add_requests(long, max_new_tokens=120)
-        wait_for("the donor's requests to hold blocks", lambda: ekc._busy_requests(cache))
-        with donor.pause():
-            sectors.free_sectors.extend(low)
+        ids, _ = tt.add_on_top_sectors(donor, long, 120)
+        assert ekc._busy_requests(donor.batch_processor.cache)
         hold_nothing_free(pool)
         assert tt.run(needy) == own
         assert tt.collect(donor, ids) == reference

@@ -876,7 +876,6 @@ def test_a_shrink_with_move_copies_live_blocks_down(
     sectors are copied below and their block tables renamed mid-generation, and their tokens
     equal the same requests' run on an unmoved cache."""
     from extensible_kv import transformers as ekt
-    from extensible_kv.transformers import cache as ekc
 
     model, _, options = resizable(tf, kind)
     caplog.set_level(logging.INFO, logger="extensible_kv")
@@ -888,27 +887,38 @@ def test_a_shrink_with_move_copies_live_blocks_down(
         ) as manager,
     ):
         cache = manager.batch_processor.cache
-        pool = cache.pool
         ekt.resize(manager, NUM_BLOCKS)
         reference = collect(manager, manager.add_requests(long, max_new_tokens=200))
-        # The lowest half of the sectors out of reach: the requests get sectors at the top
-        # (the reference's blocks, kept for prefix sharing, forgotten first).
-        with manager.pause():
-            ekc._evict_cached_blocks(cache, 0)
-            pool.try_to_free_sectors()
-            low = sorted(pool.free_sectors)[: len(pool.free_sectors) // 2]
-            pool.free_sectors[:] = [s for s in pool.free_sectors if s not in low]
-        ids = manager.add_requests(long, max_new_tokens=200)
-        deadline = time.monotonic() + 30
-        while not _requests_holding_blocks(cache) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        with manager.pause():
-            pool.free_sectors.extend(low)
+        ids, low = add_on_top_sectors(manager, long, 200)
         cut = min(low) + len(low) - 2  # every sector the requests hold is at or past it
         report = ekt.resize(manager, state_blocks(cache, cut), move=True, timeout=0)
         assert report.blocks_after == cache.num_blocks < report.blocks_before
         assert collect(manager, ids) == reference
     assert any(r.getMessage().startswith("Moved ") for r in caplog.records)
+
+
+def add_on_top_sectors(
+    manager: Any, requests: list[list[int]], new_tokens: int
+) -> tuple[list[str], list[int]]:
+    """Adds `requests` to a running manager with the lower half of its free sectors out of
+    reach until they hold blocks, so that they take the top ones (blocks kept only for prefix
+    sharing are forgotten first): their ids, and the sectors kept out meanwhile."""
+    from extensible_kv.transformers import cache as ekc
+
+    cache = manager.batch_processor.cache
+    pool = cache.pool
+    with manager.pause():
+        ekc._evict_cached_blocks(cache, 0)
+        pool.try_to_free_sectors()
+        low = sorted(pool.free_sectors)[: len(pool.free_sectors) // 2]
+        pool.free_sectors[:] = [s for s in pool.free_sectors if s not in low]
+    ids = manager.add_requests(requests, max_new_tokens=new_tokens)
+    deadline = time.monotonic() + 30
+    while not _requests_holding_blocks(cache) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with manager.pause():
+        pool.free_sectors.extend(low)
+    return ids, low
 
 
 def state_blocks(cache: Any, data_sectors: int) -> int:
