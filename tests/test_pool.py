@@ -930,6 +930,63 @@ def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
             assert pool.snapshot().engines == {}
 
 
+def test_a_borrower_with_move_gives_a_recalled_loan_back_at_once_keeping_its_live_blocks(
+    tmp_path: Path,
+) -> None:
+    """A busy borrower whose live blocks lie in a recalled loan keeps it until they are free;
+    with `move=True` it moves them below the loan (their bytes kept) and gives it back at its
+    next serve, and the lender posts it in the ledger as coming back."""
+    for move in (False, True):
+        pool = Pool(f"test-{move}", directory=tmp_path)
+        pool.set_share("cpu", 32 * 2 * 4096)
+        with cache() as ca, cache() as inner:
+            cb = Moving(inner)
+            (a,) = members_of(pool, {"a": ca}, {"a": 0}, max_blocks=64).values()
+            b = PoolMember(
+                pool,
+                "b",
+                cb,  # type: ignore[arg-type]
+                min_blocks=4,
+                max_blocks=64,
+                commit_step_blocks=4,
+                free_tail_blocks=cb.free_tail,
+                move=move,
+            )
+            a.join()
+            b.join()
+            assert a.grow(24) == 24 and b.grow(8) == 8  # the whole share
+            assert [d.action for d in b.request(16)] == ["ask"]
+            a.serve()
+            b.serve(busy=True)
+            assert inner.committed_blocks == 24  # blocks 8..23 are a's
+            cb.live = {0, 1, 20, 21}  # a request grew into the loan
+            for block in cb.live:
+                inner.views["attn"][:, block].fill_(block + 1)  # type: ignore[call-overload]
+            b.serve(busy=True)  # posts its free top blocks
+            (loan,) = pool.snapshot().loans.values()
+            free_top = pool.snapshot().engines["b"].free_top_blocks
+            assert free_top == (20 if move else 2)  # 24 - 4 live, or the two above block 21
+            assert [d.action for d in a.request(16)] == ["recall"]
+            b.serve(busy=True)
+            state = pool.snapshot().loans[loan.loan_id].state
+            if not move:
+                assert state == "borrowed" and inner.committed_blocks == 24  # live blocks in it
+                cb.live = {0, 1}  # the request ended
+                b.serve(busy=True)
+            else:
+                assert cb.moves == [(20, 2), (21, 3)]
+                for old, new in ((0, 0), (1, 1), (20, 2), (21, 3)):
+                    kept = inner.views["attn"][:, new].eq(old + 1)  # type: ignore[call-overload]
+                    assert bool(kept.all()), (old, new)
+            assert pool.snapshot().loans[loan.loan_id].state == "returned"
+            assert inner.committed_blocks == 8
+            a.serve()
+            assert ca.committed_blocks == 24 and pool.snapshot().loans == {}
+            assert rules.check(pool.snapshot()) == []
+            b.leave()
+            a.leave()
+
+
 def test_an_idle_member_exports_its_handles_ahead_of_a_loan(tmp_path: Path) -> None:
     """A first loan of 60 GiB spent half its time exporting handles: a member with nothing to
     answer exports a few a round, again after it grew; through the driver it exports none."""

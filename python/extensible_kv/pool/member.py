@@ -114,7 +114,9 @@ class PoolMember:
     commits free memory in steps of that many blocks, so that each step's handles can be lent
     on their own later (a CUDA cache's handles are at most 1 GiB anyway). `move=True` lends
     free blocks wherever they lie: the live blocks above the cut are moved down first (the
-    cache must be a `MovingCache`, a `ValueError` otherwise). `via` is how it
+    cache must be a `MovingCache`, a `ValueError` otherwise), and so does a borrower before a
+    loan goes back: a recalled loan goes back at once if the blocks below it can hold what
+    is live in it. `via` is how it
     answers a request as a donor: `"loan"` lends its free top blocks' handles, `"driver"`
     gives them back to the driver for the needy engine to commit (see the module's
     docstring)."""
@@ -366,7 +368,7 @@ class PoolMember:
         for loan in sorted(to_take, key=lambda loan: loan.loan_id):
             self._take(loan)
         with self.pool.transaction() as ledger:  # after the takes: a give-back sees them
-            released = plan_release(ledger, self.name, free_tail_blocks=self._free_tail())
+            released = plan_release(ledger, self.name, free_tail_blocks=self._free_top())
         for decision in released:
             self._release(decision)
         if not (to_reclaim or lends or to_take or released):
@@ -499,7 +501,9 @@ class PoolMember:
             self._record(ledger)
 
     def _clear_past(self, keep: int) -> None:
-        """With `move=True`, moves the live blocks at or past `keep` down, if any."""
+        """With `move=True`, moves the live blocks at or past `keep` down, if any: before a
+        lend or a release, and before a borrowed loan goes back (so that a recalled loan goes
+        back at once, however busy the borrower is, if it has free blocks enough below)."""
         if self.move and self._free_tail() < self.cache.committed_blocks - keep:
             cast(MovingCache, self.cache).move_below(keep)
 
@@ -549,6 +553,11 @@ class PoolMember:
             cut = min((k for k in _lend_points(self.cache) if k >= target), default=committed)
             if cut == committed:
                 return
+            try:
+                self._clear_past(cut)
+            except RuntimeError as error:  # its blocks were taken meanwhile
+                logger.info("pool: %s does not shrink to %d blocks: %s", self.name, cut, error)
+                return
             self._shrink(cut)
             with self.pool.transaction() as ledger:
                 self._record(ledger)
@@ -573,6 +582,11 @@ class PoolMember:
                 "pool: %s keeps loan %d: loans %s lie above it", self.name, entry.loan_id, above
             )
             return
+        try:
+            self._clear_past(entry.start_block)
+        except RuntimeError as error:  # too few free blocks below it now
+            logger.info("pool: %s keeps loan %d: %s", self.name, entry.loan_id, error)
+            return
         self.cache.give_back(_loans(entry), stream=self.stream)
         with self.pool.transaction() as ledger:
             rules.returned(ledger, entry.loan_id, reason, self.pool.clock())
@@ -584,9 +598,8 @@ class PoolMember:
     def _record(self, ledger: Ledger) -> None:
         cache = self.cache
         lendable = 0
-        committed, free_tail = cache.committed_blocks, self._free_tail()
+        committed, free = cache.committed_blocks, self._free_top()
         if not any(t.borrowed_bytes for t in cache.buffers):  # a borrower lends nothing
-            free = max(free_tail, self._free_anywhere() or 0)
             fits = [committed - k for k in _lend_points(cache) if committed - k <= free]
             lendable = max(fits, default=0)
         rules.record(
@@ -599,7 +612,7 @@ class PoolMember:
                 "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
                 "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
                 "lendable_blocks": lendable,
-                "free_top_blocks": free_tail,
+                "free_top_blocks": self._free_top(),
                 "busy": self.busy,
             },
         )
@@ -607,6 +620,11 @@ class PoolMember:
     def _free_tail(self) -> int:
         free = _args.size(self.free_tail_blocks(), "free_tail_blocks()")
         return min(free, self.cache.committed_blocks)
+
+    def _free_top(self) -> int:
+        """The top blocks that could go at once: the free ones at the top, or with
+        `move=True` as many as are free anywhere (the live ones above them move down)."""
+        return max(self._free_tail(), self._free_anywhere() or 0)
 
     def _free_anywhere(self) -> int | None:
         """With `move=True`, the free blocks wherever they lie (None without)."""

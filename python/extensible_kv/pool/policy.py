@@ -14,7 +14,8 @@
   and moves the live ones above the cut into free ones below it first; one that does not and
   whose top blocks are live refuses, saying so.
 - `plan_release`: what an engine gives back on its own: loans recalled by their lender, and
-  what it holds past its maximum (limits change at run time), each once its blocks are free.
+  what it holds past its maximum (limits change at run time), each once its blocks are free
+  (for a member that moves live blocks down, once as many blocks are free anywhere).
 
 An unresponsive donor (stale heartbeat, or a request to it expired) is never asked; the rules
 (`extensible_kv.pool.rules.reap`) expire what it did not answer.
