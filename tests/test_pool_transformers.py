@@ -395,6 +395,39 @@ def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_
     assert state.tensor.bytes_per_segment == 4 * sector and pool.num_sectors == 2
 
 
+def test_the_adapter_moves_held_sectors_down_between_steps_only(tf: Any, tmp_path: Path) -> None:
+    """`SectorCache` as a `MovingCache`: outside the loop's steps (inside transformers'
+    scheduler, where the member serves too) it offers only its free top sectors and refuses
+    to move; between steps it counts every free sector and moves a held one below the cut,
+    bytes and block table with it."""
+    import test_transformers as tt
+    from extensible_kv import transformers as ekt
+    from extensible_kv.transformers.pooled import SectorCache
+
+    with ekt.enabled(**pooled_options(tmp_path)):
+        manager = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
+    cache = manager.batch_processor.cache
+    a = SectorCache(cache)
+    a.commit(10)  # tensor sectors 2 to 11
+    allocator = next(iter(cache.cache_allocators.values()))
+    per = allocator.blocks_per_sector
+    held = list(range(8 * per, 9 * per))  # tensor sector 8, block 6
+    allocator.block_table["held"] = held
+    cache.pool.free_sectors.remove(8)
+    for block in held:
+        allocator._copy_view[block].fill_(3)
+    assert a.free_blocks() == a.free_tail_blocks() == 3
+    with pytest.raises(RuntimeError, match="between the generation loop's steps"):
+        a.move_below(2)
+    a.between_steps = True
+    assert a.free_blocks() == 9
+    a.move_below(2)  # below tensor sector 4: into sector 2, the lowest free
+    assert allocator.block_table["held"] == list(range(2 * per, 3 * per))
+    assert all(bool(allocator._copy_view[b].eq(3).all()) for b in range(2 * per, 3 * per))
+    assert a.free_tail_blocks() == 9 and 8 in cache.pool.free_sectors
+    assert 2 not in cache.pool.free_sectors
+
+
 @pytest.mark.timeout(300)
 def test_two_managers_in_one_process_lend_and_take_back(
     tf: Any, device: str, tmp_path: Path

@@ -65,6 +65,8 @@ class SectorCache(_cache._Sectors):
     def __init__(self, cache: Any) -> None:
         super().__init__(cache._ekv)
         self._cache = cache
+        # Set by `Joined.tick` while it serves: live blocks may move then, and only then.
+        self.between_steps = False
         # Where each loan this cache borrowed begins, in its blocks: a give-back cuts there.
         self._borrowed_at: dict[tuple[int, int, int], int] = {}
 
@@ -97,13 +99,18 @@ class SectorCache(_cache._Sectors):
     def free_blocks(self) -> int:
         """The data sectors no allocator holds (none of their blocks is in a request's block
         table, the prefix cache, or an allocator's own free blocks): what `move_below` can
-        move live sectors into."""
+        move live sectors into. Only the free top ones while not `between_steps`."""
         state = self._state
+        if not self.between_steps:
+            return self.free_tail_blocks()
         return state.committed_sectors - len(_cache.sector_owners(self._cache, TRASH_SECTORS))
 
     def move_below(self, num_blocks: int) -> None:
         """Moves the held sectors at and past `num_blocks` into free ones below it (the
-        resize's move): on the loop's thread, between steps."""
+        resize's move), between the loop's steps only: the member also serves from inside
+        transformers' scheduler (`grow_on_demand`), where a batch is half planned."""
+        if not self.between_steps:
+            raise RuntimeError("live KV blocks move only between the generation loop's steps")
         flow.refuse_while_capturing(self._state.device, "moving KV blocks")
         _cache.move_below(self._cache, self._state, TRASH_SECTORS + num_blocks)
 
@@ -273,7 +280,11 @@ class Joined:
         if now - self.last_serve < SERVE_EVERY_S:
             return
         self.last_serve = now
-        self._safely(lambda: self.member.serve(busy=self.busy()))
+        self.sectors.between_steps = True
+        try:
+            self._safely(lambda: self.member.serve(busy=self.busy()))
+        finally:
+            self.sectors.between_steps = False
 
     def busy(self) -> bool:
         return bool(_cache._busy_requests(self.cache))
