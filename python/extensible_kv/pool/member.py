@@ -116,10 +116,9 @@ class PoolMember:
     free blocks wherever they lie: the live blocks above the cut are moved down first (the
     cache must be a `MovingCache`, a `ValueError` otherwise), and so does a borrower before a
     loan goes back: a recalled loan goes back at once if the blocks below it can hold what
-    is live in it. `via` is how it
-    answers a request as a donor: `"loan"` lends its free top blocks' handles, `"driver"`
-    gives them back to the driver for the needy engine to commit (see the module's
-    docstring)."""
+    is live in it. `via` is how it answers a request as a donor: `"loan"` lends its free top
+    blocks' handles, `"driver"` gives them back to the driver for the needy engine to commit
+    (see the module's docstring)."""
 
     def __init__(
         self,
@@ -612,7 +611,7 @@ class PoolMember:
                 "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
                 "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
                 "lendable_blocks": lendable,
-                "free_top_blocks": self._free_top(),
+                "free_top_blocks": free,
                 "busy": self.busy,
             },
         )

@@ -201,7 +201,10 @@ class Options:
                 for name in ("min_blocks", "max_blocks", "engine", "pool_step_blocks")
                 if getattr(self, name) is not None
             ]
-            given += ["pool_via"] * (self.pool_via != "loan") + ["pool_move"] * self.pool_move
+            if self.pool_via != "loan":
+                given.append("pool_via")
+            if self.pool_move:
+                given.append("pool_move")
             if given:
                 named = ", ".join(given)
                 raise ValueError(
