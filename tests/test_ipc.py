@@ -229,6 +229,9 @@ def test_two_processes_share_grow_and_outlive_the_owner(
     device: str, g: int, child: Child, make_owner: MakeOwner
 ) -> None:
     _device_free(device)  # this process's CUDA context (its device files) exists first
+    # Earlier tests' garbage goes first: a failed test's tensor, alive in its traceback, was
+    # collected by this test's gc.collect(), and its memfd counted as one this test closed.
+    gc.collect()
     fds_before = open_fds()
     owner = make_owner(8 * g, 3)
     owner.resize_per_segment_(2 * g + 100)
