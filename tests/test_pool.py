@@ -850,6 +850,26 @@ class Moving:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def member(self, pool: Pool, name: str, **kw: Any) -> PoolMember:
+        """A member over it, as `members_of`'s (minimum 4 blocks, committing 4 at a time),
+        its free top what `live` leaves."""
+        return PoolMember(
+            pool,
+            name,
+            self,  # type: ignore[arg-type]
+            min_blocks=4,
+            max_blocks=64,
+            commit_step_blocks=4,
+            free_tail_blocks=self.free_tail,
+            **kw,
+        )
+
+    def hold(self, live: set[int]) -> None:
+        """Requests hold blocks `live` now, each block marked with its number plus one."""
+        self.live = set(live)
+        for block in live:
+            self.inner.views["attn"][:, block].fill_(block + 1)  # type: ignore[call-overload]
+
     def free_tail(self) -> int:
         return self.inner.committed_blocks - (max(self.live, default=-1) + 1)
 
@@ -880,24 +900,12 @@ def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
         pool.set_share("cpu", 32 * 2 * 4096)  # the donor's 32 blocks take all of it
         with cache() as inner, cache() as cn:
             cd = Moving(inner)
-            d = PoolMember(
-                pool,
-                "d",
-                cd,  # type: ignore[arg-type]
-                min_blocks=4,
-                max_blocks=64,
-                commit_step_blocks=4,
-                free_tail_blocks=cd.free_tail,
-                move=move,
-                via=via,
-            )
+            d = cd.member(pool, "d", move=move, via=via)
             (n,) = members_of(pool, {"n": cn}, {"n": 0}, max_blocks=64, via=via).values()
             d.join()
             n.join()
             assert d.grow(32) == 32
-            cd.live = {0, 1, 2, 3, 29, 30}
-            for block in cd.live:
-                inner.views["attn"][:, block].fill_(block + 1)  # type: ignore[call-overload]
+            cd.hold({0, 1, 2, 3, 29, 30})
             d.serve()
             asked = n.request(16)
             if not move:  # its top blocks are live: no surplus to ask for
@@ -942,16 +950,7 @@ def test_a_borrower_with_move_gives_a_recalled_loan_back_at_once_keeping_its_liv
         with cache() as ca, cache() as inner:
             cb = Moving(inner)
             (a,) = members_of(pool, {"a": ca}, {"a": 0}, max_blocks=64).values()
-            b = PoolMember(
-                pool,
-                "b",
-                cb,  # type: ignore[arg-type]
-                min_blocks=4,
-                max_blocks=64,
-                commit_step_blocks=4,
-                free_tail_blocks=cb.free_tail,
-                move=move,
-            )
+            b = cb.member(pool, "b", move=move)
             a.join()
             b.join()
             assert a.grow(24) == 24 and b.grow(8) == 8  # the whole share
@@ -959,9 +958,7 @@ def test_a_borrower_with_move_gives_a_recalled_loan_back_at_once_keeping_its_liv
             a.serve()
             b.serve(busy=True)
             assert inner.committed_blocks == 24  # blocks 8..23 are a's
-            cb.live = {0, 1, 20, 21}  # a request grew into the loan
-            for block in cb.live:
-                inner.views["attn"][:, block].fill_(block + 1)  # type: ignore[call-overload]
+            cb.hold({0, 1, 20, 21})  # a request grew into the loan
             b.serve(busy=True)  # posts its free top blocks
             (loan,) = pool.snapshot().loans.values()
             free_top = pool.snapshot().engines["b"].free_top_blocks
