@@ -13,12 +13,14 @@ decode stream to every shrink:
 - `ours`: the shrinks return at once, the memory going back from the tensor's release thread
   once the decode stream has passed the shrink (`src/tensor/release.rs`);
 - `synchronize`: what the peers do: a device synchronize before each shrink.
-With `--diagnose`, three phases more, to say what slows the steps while resizing (both `ours`
+With `--diagnose`, five phases more, to say what slows the steps while resizing (both `ours`
 and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the loop never
 reads), `python` (the resizing thread's Python and GIL traffic, a native getter in a loop, no
 driver call: a worst case for the GIL), `paced` (ours, 50 ms between calls) and `remap` (a
 second reservation of `--resize-gib`, committed, lending all of it to itself and reclaiming
-it: unmaps and maps of the same handles, none created or released).
+it: unmaps and maps of the same handles, none created or released) and `trickle` (ours in
+steps of `--trickle-mib`, `--trickle-gap-ms` after each call: the same create and release
+at a bounded rate).
 Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
 stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
@@ -161,11 +163,13 @@ class DecodeLoop:
         self.thread.join()
 
 
-def _steps_bytes(total: int, unit: int, rng: random.Random) -> list[int]:
-    """Steps of 1, 2, 4 or 8 units (seeded) that sum to `total`."""
+def _steps_bytes(
+    total: int, unit: int, rng: random.Random, multiples: tuple[int, ...] = (1, 2, 4, 8)
+) -> list[int]:
+    """Steps of 1, 2, 4 or 8 units (seeded; or of `multiples`) that sum to `total`."""
     steps, left = [], total
     while left > 0:
-        step = min(left, rng.choice([1, 2, 4, 8]) * unit)
+        step = min(left, rng.choice(multiples) * unit)
         steps.append(step)
         left -= step
     return steps
@@ -182,9 +186,10 @@ def _resize_cycles(
     zero: bool,
     rng: random.Random,
     pause_s: float = 0.0,
+    multiples: tuple[int, ...] = (1, 2, 4, 8),
 ) -> dict[str, list[float]]:
     """Grows `tensor` from `base_bytes` by `resize_bytes` and shrinks it back, in 1-8 `unit`
-    steps, until `until`, sleeping `pause_s` after each call."""
+    steps (or `multiples` of it), until `until`, sleeping `pause_s` after each call."""
     import torch
 
     calls: dict[str, list[float]] = {
@@ -198,13 +203,13 @@ def _resize_cycles(
     with context:
         while time.monotonic() < until:
             size = base_bytes
-            for step in _steps_bytes(resize_bytes, unit, rng):
+            for step in _steps_bytes(resize_bytes, unit, rng, multiples):
                 size += step
                 start = time.perf_counter()
                 tensor.resize_(size, zero_new=zero)
                 calls["grow_ms"].append((time.perf_counter() - start) * 1e3)
                 time.sleep(pause_s)
-            for step in _steps_bytes(resize_bytes, unit, rng):
+            for step in _steps_bytes(resize_bytes, unit, rng, multiples):
                 size -= step
                 start = time.perf_counter()
                 if synchronize and loop.gpu:
@@ -263,8 +268,11 @@ def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
 # reservation the decode loop does not read (its page tables untouched); `python`: the
 # resizing thread's Python and GIL traffic without driver calls; `paced`: ours with 50 ms
 # between calls, nearer an engine's rate than back to back; `remap`: page-table updates
-# alone (the same handles unmapped and mapped back), without the driver's create and release.
-DIAGNOSE = ("elsewhere", "python", "paced", "remap")
+# alone (the same handles unmapped and mapped back), without the driver's create and release;
+# `trickle`: ours in steps of `--trickle-mib` with `--trickle-gap-ms` after each call, the
+# same bytes created and released at a bounded rate (whether a scrub spread thin still
+# shows in the steps).
+DIAGNOSE = ("elsewhere", "python", "paced", "remap", "trickle")
 
 
 def decode_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -311,17 +319,20 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             # `elsewhere` cycles the second reservation from empty; the others the decode
             # loop's, above the bytes it reads.
             target, base = (elsewhere, 0) if phase == "elsewhere" else (tensor, loop.live_bytes)
+            trickle = phase == "trickle"
+            pause_s = {"paced": 0.05, "trickle": args.trickle_gap_ms / 1e3}.get(phase, 0.0)
             result[phase] = _resize_cycles(
                 target,
                 loop,
                 base,
                 resize_bytes,
-                unit,
+                int(args.trickle_mib * unit / 1024) if trickle else unit,
                 until,
                 phase == "synchronize",
                 args.zero,
                 rng,
-                0.05 if phase == "paced" else 0.0,
+                pause_s,
+                (1,) if trickle else (1, 2, 4, 8),
             )
         loop.phase = "release"
         other = ExtensibleTensor(resize_bytes, device=args.device, **kw)
@@ -591,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-blocks", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trickle-mib", type=float, default=64.0, help="`trickle`'s step (KiB on the host)"
+    )
+    parser.add_argument("--trickle-gap-ms", type=float, default=2.0)
     parser.add_argument(
         "--repeats", type=int, default=1, help="serve: pairs of runs (auto, then fixed) in turn"
     )

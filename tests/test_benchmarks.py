@@ -166,8 +166,9 @@ def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_bench_elastic_diagnose_runs_its_phases(tmp_path: Path) -> None:
     """`--diagnose`: the resizer cycles a second reservation (`elsewhere`), paces its calls
-    (`paced`, 50 ms between), or only calls a getter (`python`), each phase with its steps and
-    calls; the decode reservation ends as it began (its live bytes only)."""
+    (`paced`, 50 ms between; `trickle`, small steps 2 ms apart), or only calls a getter
+    (`python`), each phase with its steps and calls; the decode reservation ends as it began
+    (its live bytes only)."""
     bench = bench_scripts.load("bench_elastic")
     argv = [
         "--out", str(tmp_path), "--device", "cpu", "--parts", "decode", "--phase-s", "0.3",
@@ -177,7 +178,7 @@ def test_bench_elastic_diagnose_runs_its_phases(tmp_path: Path) -> None:
     decode = json.loads((tmp_path / "bench_elastic.json").read_text())["decode"]
     assert set(bench.DIAGNOSE) <= set(decode["steps"])
     assert all(decode["steps"][p]["n"] > 0 for p in bench.DIAGNOSE)
-    for phase in ("elsewhere", "paced"):
+    for phase in ("elsewhere", "paced", "trickle"):
         calls = decode[f"{phase}_calls"]
         assert calls["grow_ms"]["n"] > 0
         assert calls["released_after_ms"]["n"] == calls["shrink_ms"]["n"] > 0
