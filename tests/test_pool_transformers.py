@@ -486,30 +486,38 @@ def test_two_managers_in_one_process_lend_and_take_back(
 
 @pytest.mark.timeout(300)
 def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
-    tf: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tf: Any, device: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`pool_move=True`: the donor's requests hold its top sectors, so it has no free top to
     lend; asked by a burst on the other manager, it moves them down between its steps and
     lends the free sectors above. Its requests' tokens are those of the same requests on an
-    unmoved cache, and the burst's those of transformers' own cache."""
+    unmoved cache, and the burst's those of transformers' own cache. On CUDA the blocks move
+    with transformers' `copy_blocks` on the device, between steps that replay CUDA graphs."""
     import test_transformers as tt
     from extensible_kv import transformers as ekt
     from extensible_kv.pool import Pool, rules
     from extensible_kv.transformers import cache as ekc
 
-    donor_model, needy_model = (granule_model(tf, "cpu") for _ in range(2))
-    own = tt.generate(tf, needy_model, "cpu")
+    donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
+    # As in the test above: on CUDA the warm-up commits about ten sectors an engine.
+    new_tokens = tt.MAX_NEW_TOKENS if device == "cpu" else 48
+    own = tt.generate(tf, needy_model, device, new_tokens)
     pool = Pool(POOL, directory=tmp_path)
-    pool.set_share("cpu", 64 * 8192)
+    if device == "cpu":
+        options = pooled_options(tmp_path, pool_move=True)
+        pool.set_share("cpu", 64 * 8192)
+    else:  # measured, not a budget; granules of the device's
+        options = {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP}
+        options["pool_move"] = True
     caplog.set_level(logging.INFO, logger="extensible_kv")
     long = tt.prompts()[:3]
     with contextlib.ExitStack() as stack:
-        stack.enter_context(ekt.enabled(**pooled_options(tmp_path, pool_move=True)))
+        stack.enter_context(ekt.enabled(**options))
         donor, needy = (
             stack.enter_context(
                 model.continuous_batching_context_manager(
                     generation_config=tt.gen_config(tf),
-                    continuous_batching_config=tt.cb_config(tf, "cpu"),
+                    continuous_batching_config=tt.cb_config(tf, device),
                 )
             )
             for model in (donor_model, needy_model)
@@ -517,8 +525,8 @@ def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
         reference = tt.collect(donor, donor.add_requests(long, max_new_tokens=120))
         ids, _ = tt.add_on_top_sectors(donor, long, 120)
         assert ekc._busy_requests(donor.batch_processor.cache)
-        hold_nothing_free(pool)
-        assert tt.run(needy) == own
+        hold_nothing_free(pool, device)
+        assert tt.run(needy, new_tokens) == own
         assert tt.collect(donor, ids) == reference
         ledger = pool.snapshot()
         assert rules.check(ledger) == []
