@@ -32,8 +32,10 @@ written before it is read; vLLM does not zero its cache either): `--zero` zeroes
 `serve`: transformers' continuous batching (random-weight model from a config, 8B-shaped on a
 GPU) on a bursty trace: `--bursts` bursts of requests of mixed length, idle gaps between them.
 Twice: with `AutoResize` (grow on demand, shrink to its floor after `--idle-s`), then with a
-fixed cache of the peak the first run reached. Reported: mean and peak KV memory over the
-trace (sampled every 10 ms), tokens/s over the bursts, and whether the tokens are identical.
+fixed cache of the peak the first run reached (`--repeats N`: N such pairs in turn, the
+tokens/s ratio over all of them, so that a drift of the machine falls on both). Reported:
+mean and peak KV memory over the trace (sampled every 10 ms), tokens/s over the bursts, and
+whether the tokens are identical.
 
 Markdown on stdout, DIR/bench_elastic.json. On the host backend (`--device cpu`) sizes are
 MiB and the model is tiny: a quick end-to-end run.
