@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import random
 import re
@@ -796,6 +797,70 @@ def test_two_members_in_one_process_lend_recall_and_leave(tmp_path: Path) -> Non
         b.leave()
         a.leave()
         assert pool.snapshot().engines == {}
+
+
+def test_a_loan_the_borrower_cannot_take_goes_back_and_its_lender_waits_to_be_asked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A borrow that fails (here as where this process may not take the lender's fds:
+    pidfd_getfd's EPERM under Yama's ptrace_scope) gives the loan back, the lender reclaims it
+    whole, and the borrower warns once and does not ask that lender again before
+    `answer_timeout_s` has passed: else the lender would unmap, lend and reclaim at every
+    step, and nothing would move. Then it asks again, and borrows."""
+    clock = Clock()
+    pool = Pool("test", directory=tmp_path, clock=clock)
+    pool.set_share("cpu", 48 * 2 * 4096)
+    used = {"a": 0, "b": 0}
+    caplog.set_level(logging.INFO, logger="extensible_kv")
+    with cache() as ca, cache() as cb:
+        a, b = members_of(pool, {"a": ca, "b": cb}, used, max_blocks=64).values()
+        a.join()
+        b.join()
+        assert a.grow(32) == 32
+        used["a"] = 10
+        ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
+        refusal = ValueError(
+            "stale or foreign loan: cannot take fd 7 of process 1: Import failed: EPERM "
+            "(pidfd_getfd: fd 7 of process 1; this process may not trace the owner)"
+        )
+
+        def refused(*args: Any, **kw: Any) -> int:
+            raise refusal
+
+        cb.borrow = refused  # type: ignore[method-assign]
+        assert ("ask", "a") in [(d.action, d.peer) for d in b.request(40)]
+        a.serve()  # lends what lies above its 10 used blocks, in whole handles
+        assert ca.committed_blocks == 12
+        b.serve()  # cannot take them: given back
+        (loan,) = pool.snapshot().loans.values()
+        assert (loan.state, loan.reason) == ("returned", f"could not borrow: {refusal}")
+        a.serve()  # reclaims them, its bytes kept
+        assert ca.committed_blocks == 32 and pool.snapshot().loans == {}
+        assert bool(ca.views["attn"][:, :10].eq(3).all())  # type: ignore[call-overload]
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert [r.getMessage() for r in warned] == [
+            f"pool: b could not borrow from a, and asks it again in 1.0 s at the earliest: "
+            f"{refusal}"
+        ]
+        # Within the bound a is not asked, however often b asks.
+        for _ in range(3):
+            assert "ask" not in [d.action for d in b.request(20)]
+            a.serve()
+            b.serve()
+        assert pool.snapshot().loans == {} and ca.committed_blocks == 32
+        del cb.borrow  # the class's own again
+        clock.now += 1.0
+        assert [(d.action, d.peer) for d in b.request(20)][:1] == [("ask", "a")]
+        a.serve()
+        b.serve()
+        assert cb.committed_blocks == 36  # 16 committed + 20 borrowed
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        assert [d.action for d in a.request(8)] == ["recall"]
+        b.serve()
+        a.serve()
+        b.leave()
+        a.leave()
+    assert pool.snapshot().engines == {}
 
 
 def test_memory_an_idle_borrower_holds_moves_on_to_the_next_needy_engine(tmp_path: Path) -> None:

@@ -180,6 +180,7 @@ class PoolMember:
         self.busy = False
         self._last_plan: list[tuple[str, str, int]] = []
         self._refused: dict[str, float] = {}  # donor -> when it may be asked again
+        self._warned: set[str] = set()  # lenders whose loan this engine could not borrow
         self._exported_at = -1  # the committed blocks when every handle was last exported
         self._settling = False
 
@@ -531,10 +532,23 @@ class PoolMember:
         try:
             self.cache.borrow(_loans(entry), zero=self.zero, stream=self.stream)
         except (ValueError, OSError) as error:  # stale, foreign, or no room: the lender's again
-            with self.pool.transaction() as ledger:
-                rules.returned(
-                    ledger, entry.loan_id, f"could not borrow: {error}", self.pool.clock()
+            now = self.pool.clock()
+            # Not asked again at once: a lender whose fds this process may not take (ptrace
+            # refused: Yama's ptrace_scope, another user, a container without CAP_SYS_PTRACE)
+            # would otherwise unmap, lend and reclaim at every step, and nothing would move.
+            self._refused[entry.lender] = now + self.answer_timeout_s
+            if entry.lender not in self._warned:
+                self._warned.add(entry.lender)
+                logger.warning(
+                    "pool: %s could not borrow from %s, and asks it again in %.1f s at the "
+                    "earliest: %s",
+                    self.name,
+                    entry.lender,
+                    self.answer_timeout_s,
+                    error,
                 )
+            with self.pool.transaction() as ledger:
+                rules.returned(ledger, entry.loan_id, f"could not borrow: {error}", now)
                 self._record(ledger)
             return
         with self.pool.transaction() as ledger:
