@@ -288,7 +288,7 @@ def test_every_failed_call_leaves_the_tensor_unchanged(
         for k in range(1, num_calls + 1):
             for kind in ("driver", "oom"):
                 nth = setup_calls.get(op, 0) + k
-                t = _setup(make_tensor, g, _fault=(op, nth, kind))
+                t = _setup(make_tensor, g, _fault=(op, nth, kind), _profile=True)
                 before = _snapshot(t)
                 error: type[Exception] = OutOfMemoryError if kind == "oom" else DriverError
                 try:
@@ -300,6 +300,14 @@ def test_every_failed_call_leaves_the_tensor_unchanged(
                     run(t, g)  # only the nth call fails: the same operation now succeeds
                     injected += 1
                 else:
+                    made = {o: n for o, (n, _) in t._profile_report().items()}
+                    if made.get(op, 0) < nth:
+                        # The release thread's waits depend on timing (with host events
+                        # that complete late, whether the event had completed when it
+                        # looked): this run made fewer such calls than the counted one.
+                        assert op == "wait_event", f"{op}: {made.get(op, 0)} calls, not {nth}"
+                        t.close()
+                        continue
                     # The call was a clean-up after the swap (unmapping the scratch copy), or
                     # the release thread's (its wait, its event's destroy, its unmap): the
                     # operation took effect and the failure is reported, not lost.
