@@ -468,14 +468,20 @@ def serve_part(args: argparse.Namespace) -> dict[str, Any]:
     # over the run falls on both contenders; the ratio is of all pairs' tokens over their
     # busy time.
     pairs: list[dict[str, Any]] = []
-    identical = True
+    identical, fixed_options = True, None
     for pair in range(args.repeats):
         auto = _serve_once(model, options, bursts, args, auto=True)
-        peak = auto["peak_blocks"] if not pairs else pairs[0]["fixed"]["peak_blocks"]
-        fixed_options = serve.DemoOptions(
-            device=args.device, new_tokens=args.new_tokens, progress=False, num_blocks=peak
-        ).resolved()
-        log(f"serve: fixed cache of {peak} blocks (pair {pair + 1} of {args.repeats})")
+        if fixed_options is None:  # every pair's fixed cache is of the first run's peak
+            fixed_options = serve.DemoOptions(
+                device=args.device,
+                new_tokens=args.new_tokens,
+                progress=False,
+                num_blocks=auto["peak_blocks"],
+            ).resolved()
+        log(
+            f"serve: fixed cache of {fixed_options.num_blocks} blocks "
+            f"(pair {pair + 1} of {args.repeats})"
+        )
         fixed = _serve_once(model, fixed_options, bursts, args, auto=False)
         identical = identical and auto.pop("tokens") == fixed.pop("tokens")
         pairs.append({"auto": auto, "fixed": fixed})

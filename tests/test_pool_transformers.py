@@ -428,6 +428,23 @@ def test_the_adapter_moves_held_sectors_down_between_steps_only(tf: Any, tmp_pat
     assert 2 not in cache.pool.free_sectors
 
 
+def in_process_options(pool: Any, device: str, tmp_path: Path, **options: Any) -> dict[str, Any]:
+    """`enable`'s options for managers of one process in `pool`: on the host a budget's
+    (`pooled_options`); on CUDA measured, not a budget, in granules of the device's."""
+    if device == "cpu":
+        return pooled_options(tmp_path, **options)
+    return {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP, **options}
+
+
+def burst_tokens(device: str) -> int:
+    """The tokens a burst generates. On CUDA the warm-up's graph capture commits about ten
+    sectors an engine: there the burst generates longer (about 25 blocks live at once), or it
+    would fit in them."""
+    import test_transformers as tt
+
+    return tt.MAX_NEW_TOKENS if device == "cpu" else 48
+
+
 @pytest.mark.timeout(300)
 def test_two_managers_in_one_process_lend_and_take_back(
     tf: Any, device: str, tmp_path: Path
@@ -442,14 +459,10 @@ def test_two_managers_in_one_process_lend_and_take_back(
     from extensible_kv.pool import Pool, rules
 
     donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
-    # On CUDA the warm-up's graph capture commits about ten sectors an engine: there the
-    # burst generates longer (about 25 blocks live at once), or it would fit in them.
-    new_tokens = tt.MAX_NEW_TOKENS if device == "cpu" else 48
+    new_tokens = burst_tokens(device)
     own = tt.generate(tf, needy_model, device, new_tokens)
     pool = Pool(POOL, directory=tmp_path)
-    options = pooled_options(tmp_path)
-    if device != "cpu":  # measured, not a budget; granules of the device's
-        options = {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP}
+    options = in_process_options(pool, device, tmp_path)
     with contextlib.ExitStack() as stack:
         stack.enter_context(ekt.enabled(**options))
         donor, needy = (
@@ -499,16 +512,12 @@ def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
     from extensible_kv.transformers import cache as ekc
 
     donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
-    # As in the test above: on CUDA the warm-up commits about ten sectors an engine.
-    new_tokens = tt.MAX_NEW_TOKENS if device == "cpu" else 48
+    new_tokens = burst_tokens(device)
     own = tt.generate(tf, needy_model, device, new_tokens)
     pool = Pool(POOL, directory=tmp_path)
+    options = in_process_options(pool, device, tmp_path, pool_move=True)
     if device == "cpu":
-        options = pooled_options(tmp_path, pool_move=True)
         pool.set_share("cpu", 64 * 8192)
-    else:  # measured, not a budget; granules of the device's
-        options = {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP}
-        options["pool_move"] = True
     caplog.set_level(logging.INFO, logger="extensible_kv")
     long = tt.prompts()[:3]
     with contextlib.ExitStack() as stack:
