@@ -12,7 +12,11 @@ decode stream to every shrink:
 - `quiet`: no resizing;
 - `ours`: the shrinks return at once, the memory going back from the tensor's release thread
   once the decode stream has passed the shrink (`src/tensor/release.rs`);
-- `synchronize`: what the peers do: a device synchronize before each shrink.
+- `synchronize`: what the peers do: a device synchronize before each shrink;
+- `rated`: ours with the tensor's `release_rate` at `--release-rate-gib` GiB/s: the memory goes
+  back one handle at a time at that rate, so that the driver's scrub of it, spread thin, does
+  not slow the steps (`--handle-mib` sets the handles' size for every phase; default 1 GiB).
+`--phases` picks phases by name (default: these four, and with `--diagnose` the ones below).
 With `--diagnose`, five phases more, to say what slows the steps while resizing (both `ours`
 and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the loop never
 reads), `python` (the resizing thread's Python and GIL traffic, a native getter in a loop, no
@@ -275,11 +279,12 @@ def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
 # same bytes created and released at a bounded rate (whether a scrub spread thin still
 # shows in the steps).
 DIAGNOSE = ("elsewhere", "python", "paced", "remap", "trickle")
+PHASES = ("quiet", "ours", "synchronize", "rated")
 
 
 def decode_part(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from extensible_kv import ExtensibleTensor
+    from extensible_kv import ExtensibleTensor, HandleSizing
 
     gpu = args.device.startswith("cuda")
     unit = GIB if gpu else MIB
@@ -287,11 +292,16 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
     batch, context = (args.batch, args.context) if gpu else (2, 64)
     capacity = _live_bytes(gpu, batch, context) + resize_bytes + 2 * unit
     kw: dict[str, Any] = {} if gpu else {"granularity": 4096}
-    tensor = ExtensibleTensor(capacity, device=args.device, **kw)
+    sizing: dict[str, Any] = {}
+    if args.handle_mib is not None:
+        sizing["handle_sizing"] = HandleSizing("cap_aligned", int(args.handle_mib * unit / 1024))
+    tensor = ExtensibleTensor(capacity, device=args.device, **kw, **sizing)
     loop = DecodeLoop(tensor, batch, context)
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"live_bytes": loop.live_bytes, "resize_bytes": resize_bytes}
-    phases = ("quiet", "ours", "synchronize") + (DIAGNOSE if args.diagnose else ())
+    phases = tuple(args.phases or PHASES + (DIAGNOSE if args.diagnose else ()))
+    if "quiet" not in phases:
+        phases = ("quiet", *phases)  # every ratio is to it
     elsewhere = (
         ExtensibleTensor(resize_bytes + 2 * unit, device=args.device, **kw)
         if args.diagnose
@@ -322,6 +332,8 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             # loop's, above the bytes it reads.
             target, base = (elsewhere, 0) if phase == "elsewhere" else (tensor, loop.live_bytes)
             trickle = phase == "trickle"
+            if phase == "rated":
+                tensor.release_rate = int(args.release_rate_gib * unit)
             pause_s = {"paced": 0.05, "trickle": args.trickle_gap_ms / 1e3}.get(phase, 0.0)
             result[phase] = _resize_cycles(
                 target,
@@ -336,6 +348,7 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
                 pause_s,
                 (1,) if trickle else (1, 2, 4, 8),
             )
+            tensor.release_rate = None
         loop.phase = "release"
         other = ExtensibleTensor(resize_bytes, device=args.device, **kw)
         other.resize_(resize_bytes, zero_new=False)
@@ -512,7 +525,7 @@ def _step_rows(steps: dict[str, dict[str, float]], count: bool) -> list[str]:
     """A table row per phase that ran: its step times and their ratios to the quiet phase's
     (with the number of steps if `count`)."""
     quiet, rows = steps["quiet"], []
-    for phase in ("quiet", "ours", "synchronize", *DIAGNOSE):
+    for phase in (*PHASES, *DIAGNOSE):
         s = steps.get(phase)
         if not s or not s["n"]:
             continue
@@ -549,7 +562,7 @@ def report(results: dict[str, Any]) -> str:
             "| phase | call | n | p50 | p99 | max |",
             "|---|---|---|---|---|---|",
         ]
-        for phase in ("ours", "synchronize", *DIAGNOSE):
+        for phase in (*PHASES[1:], *DIAGNOSE):
             for name, s in decode.get(f"{phase}_calls", {}).items():
                 lines.append(
                     f"| {phase} | {name} | {s['n']} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | "
@@ -614,6 +627,25 @@ def main(argv: list[str] | None = None) -> int:
         "--trickle-mib", type=float, default=64.0, help="`trickle`'s step (KiB on the host)"
     )
     parser.add_argument("--trickle-gap-ms", type=float, default=2.0)
+    parser.add_argument(
+        "--release-rate-gib",
+        type=float,
+        default=32.0,
+        help="`rated`'s release rate, GiB/s (MiB/s on the host)",
+    )
+    parser.add_argument(
+        "--handle-mib",
+        type=float,
+        default=None,
+        help="the decode cache's largest handle (KiB on the host); default: the library's 1 GiB",
+    )
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        choices=(*PHASES, *DIAGNOSE),
+        default=None,
+        help="decode: these phases only, in this order",
+    )
     parser.add_argument(
         "--repeats", type=int, default=1, help="serve: pairs of runs (auto, then fixed) in turn"
     )

@@ -260,3 +260,103 @@ fn a_mapping_the_driver_would_not_unmap_is_kept_not_leaked() {
     tensor.close().unwrap();
     assert_eq!(host.live_counts(), (0, 0, 0));
 }
+
+/// Polls `condition` every millisecond for up to 5 s: whether it came true.
+fn eventually(condition: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !condition() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+#[test]
+fn a_paced_release_goes_one_handle_at_a_time_at_its_rate() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = tensor_on(host.clone());
+    assert_eq!(tensor.release_rate(), None, "unpaced unless asked");
+    let gap = Duration::from_millis(60);
+    let rate = (G as f64 / gap.as_secs_f64()) as u64; // a handle per `gap`
+    tensor.set_release_rate(Some(rate)).unwrap();
+    assert_eq!(tensor.release_rate(), Some(rate));
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+    let start = std::time::Instant::now();
+    tensor.hold_events(false).unwrap();
+    let mut seen = vec![tensor.pending_release_bytes()];
+    while !tensor.wait_released(Some(Duration::from_millis(1))) {
+        let pending = tensor.pending_release_bytes();
+        if seen.last() != Some(&pending) {
+            seen.push(pending);
+        }
+    }
+    let took = start.elapsed();
+    seen.push(tensor.pending_release_bytes());
+    seen.dedup();
+    assert_eq!(seen, [4 * G, 3 * G, 2 * G, G, 0], "one handle at a time");
+    assert!(
+        took >= 3 * gap,
+        "4 handles at one per {gap:?} went in {took:?}"
+    );
+    assert_eq!(host.live_counts(), (2, 2, 1));
+    assert_eq!(common::read(&tensor, G, G), vec![2; G as usize], "kept");
+    assert!(tensor.take_deferred_errors().is_empty());
+    tensor.check_invariants().unwrap();
+}
+
+#[test]
+fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = tensor_on(host.clone());
+    tensor.set_release_rate(Some(G / 10)).unwrap(); // a handle per 10 s
+    tensor.hold_events(true).unwrap();
+    tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+    tensor.hold_events(false).unwrap();
+    assert!(
+        eventually(|| tensor.pending_release_bytes() == 3 * G),
+        "the first goes at once"
+    );
+    tensor.resize(6 * G, GrowOptions::zeroed()).unwrap();
+    assert_eq!(tensor.pending_release_bytes(), 0, "the three not reached");
+    assert_eq!(common::read(&tensor, 2 * G, 4 * G), vec![0; 4 * G as usize]);
+    tensor.check_invariants().unwrap();
+}
+
+#[test]
+fn lifting_the_pace_or_closing_does_not_wait_out_the_rate() {
+    for lift in [true, false] {
+        let host = Arc::new(HostDriver::new(G).unwrap());
+        let tensor = tensor_on(host.clone());
+        tensor.set_release_rate(Some(G / 10)).unwrap(); // a handle per 10 s
+        tensor.hold_events(true).unwrap();
+        tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
+        tensor.hold_events(false).unwrap();
+        assert!(eventually(|| tensor.pending_release_bytes() == 3 * G));
+        let start = std::time::Instant::now();
+        match lift {
+            true => {
+                assert!(matches!(
+                    tensor.set_release_rate(Some(0)),
+                    Err(Error::InvalidArgument(_))
+                ));
+                assert_eq!(
+                    tensor.release_rate(),
+                    Some(G / 10),
+                    "a refused rate changes nothing"
+                );
+                tensor.set_release_rate(None).unwrap();
+                assert!(tensor.wait_released(Some(Duration::from_secs(5))));
+                assert_eq!(host.live_counts(), (2, 2, 1));
+            }
+            false => {
+                tensor.close().unwrap();
+                assert_eq!(host.live_counts(), (0, 0, 0), "teardown is never paced");
+            }
+        }
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(5), "lift {lift}: {took:?}");
+    }
+}

@@ -140,7 +140,7 @@ def test_bench_pool_loan_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The decode loop runs through all three phases with the resizer cycling, every shrink's
+    """The decode loop runs through its four phases with the resizer cycling, every shrink's
     memory is released, and the bursty trace serves identical tokens on both caches."""
     pytest.importorskip("transformers")
     bench = bench_scripts.load("bench_elastic")
@@ -151,9 +151,9 @@ def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert bench.main(argv) == 0
     res = json.loads((tmp_path / "bench_elastic.json").read_text())
     decode = res["decode"]
-    assert {"quiet", "ours", "synchronize"} <= set(decode["steps"])
-    assert all(decode["steps"][p]["n"] > 0 for p in ("quiet", "ours", "synchronize"))
-    for phase in ("ours", "synchronize"):
+    assert set(bench.PHASES) <= set(decode["steps"])
+    assert all(decode["steps"][p]["n"] > 0 for p in bench.PHASES)
+    for phase in bench.PHASES[1:]:
         calls = decode[f"{phase}_calls"]
         assert calls["grow_ms"]["n"] > 0 and calls["shrink_ms"]["n"] > 0
         assert calls["released_after_ms"]["n"] == calls["shrink_ms"]["n"]
@@ -185,6 +185,20 @@ def test_bench_elastic_diagnose_runs_its_phases(tmp_path: Path) -> None:
     # 50 ms after each call: a few calls in 0.3 s, where back to back makes hundreds.
     assert decode["paced_calls"]["grow_ms"]["n"] < decode["elsewhere_calls"]["grow_ms"]["n"]
     assert decode["python_calls"]["getter_ms"]["n"] > 0
+
+
+def test_bench_elastic_runs_the_phases_asked_with_the_handles_asked(tmp_path: Path) -> None:
+    """`--phases` picks phases (quiet always first: every ratio is to it); `--handle-mib`
+    sizes the decode cache's handles (KiB on the host: 8 MiB resized in 64 KiB handles)."""
+    bench = bench_scripts.load("bench_elastic")
+    argv = [
+        "--out", str(tmp_path), "--device", "cpu", "--parts", "decode", "--phase-s", "0.2",
+        "--resize-gib", "8", "--phases", "rated", "--handle-mib", "64",
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    decode = json.loads((tmp_path / "bench_elastic.json").read_text())["decode"]
+    assert set(decode["steps"]) == {"warm-up", "quiet", "rated", "release"}
+    assert "ours_calls" not in decode and decode["rated_calls"]["shrink_ms"]["n"] > 0
 
 
 def pool_args(bench: Any, *argv: str) -> Any:

@@ -154,3 +154,61 @@ def test_a_process_that_ends_with_releases_pending_leaks_nothing(
     assert "panicked" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     if ending == "close":
         assert "left 0 0 0" in done.stdout, done.stdout
+
+
+def test_a_release_rate_paces_the_memory_back_one_handle_at_a_time(
+    make_tensor: MakeTensor, g: int
+) -> None:
+    """Under a live decode loop the driver's scrub of released memory slows the steps; a
+    `release_rate` spreads it: the shrink still returns at once, and the handles go back one
+    at a time, the ones not reached yet pending (a grow takes them back)."""
+    t = _filled(make_tensor, g, 6)
+    assert t.release_rate is None
+    gap_s = 0.06
+    t.release_rate = int(g / gap_s)  # a handle per `gap_s`
+    with busy_stream(t) as stream:
+        t.shrink_(2 * g, stream=stream)
+        assert t.pending_release_bytes == 4 * g
+    start = time.perf_counter()
+    seen = [t.pending_release_bytes]
+    while not t.wait_released(0.001):
+        if t.pending_release_bytes != seen[-1]:
+            seen.append(t.pending_release_bytes)
+    took = time.perf_counter() - start
+    seen.append(t.pending_release_bytes)
+    assert [b for i, b in enumerate(seen) if i == 0 or b != seen[i - 1]] == [
+        4 * g,
+        3 * g,
+        2 * g,
+        g,
+        0,
+    ], "one handle at a time"
+    assert took >= 3 * gap_s * 0.9, f"4 handles at one per {gap_s} s went in {took:.3f} s"
+    assert (t.physical_bytes, t.num_handles) == (2 * g, 2)
+    assert torch.equal(t.full_view()[g : 2 * g].cpu(), torch.full((g,), 2, dtype=torch.uint8))
+    # Slower than any test: the grow takes back the three the thread has not reached.
+    t.release_rate = max(1, g // 10)
+    with busy_stream(t) as stream:
+        t.resize_(6 * g, stream=stream)
+        t.shrink_(2 * g, stream=stream)
+    assert _wait(lambda: t.pending_release_bytes == 3 * g), "the first goes at once"
+    t.resize_(6 * g)
+    assert t.pending_release_bytes == 0
+    assert torch.equal(t.full_view()[2 * g : 6 * g].cpu(), torch.zeros(4 * g, dtype=torch.uint8))
+    t.release_rate = None
+    assert t.take_deferred_errors() == []
+    t._check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("rate", "error", "match"),
+    [(0, ValueError, "positive"), (-1, ValueError, "non-negative"), (1.5, TypeError, "an int")],
+)
+def test_a_wrong_release_rate_is_refused_and_changes_nothing(
+    make_tensor: MakeTensor, rate: object, error: type[Exception], match: str
+) -> None:
+    t = make_tensor(4096)
+    t.release_rate = 1 << 30
+    with pytest.raises(error, match=match):
+        t.release_rate = rate
+    assert t.release_rate == 1 << 30

@@ -671,6 +671,23 @@ impl PyExtensibleTensor {
         self.core.pending_release_bytes()
     }
 
+    /// Bytes per second at which memory given back goes back to the driver; None (the
+    /// default): as soon as its stream has passed. Set it for a cache resized under a live
+    /// decode loop: the driver scrubs released memory on the device, and gigabytes of scrub
+    /// at once slow the loop's steps. Shrinks still return at once; the memory stays pending
+    /// (counted in `pending_release_bytes`, taken back by a grow) until its turn, one handle
+    /// at a time. `ValueError` for 0 or a negative rate, `TypeError` for a non-int.
+    #[getter]
+    fn release_rate(&self) -> Option<u64> {
+        self.core.release_rate()
+    }
+
+    #[setter]
+    fn set_release_rate(&self, rate: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let rate = to_u64_opt(rate, "release_rate")?;
+        Ok(self.core.set_release_rate(rate)?)
+    }
+
     /// Waits (without the GIL) until every pending release has happened, or for `timeout`
     /// seconds: whether none is pending.
     #[pyo3(signature = (timeout=None))]

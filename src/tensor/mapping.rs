@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 
 use crate::driver::{Driver, ExportTypes, Exported, HandleId};
 use crate::error::{Error, Result};
@@ -23,10 +24,12 @@ pub(super) struct Ctx {
     /// What every new handle is created exportable as.
     pub(super) export_types: ExportTypes,
     pub(super) serials: AtomicU64,
-    pub(super) deferred: Mutex<Vec<Error>>,
+    /// Each with the thread that met it: an operation reports as its own only what its
+    /// thread met, not what the release thread met meanwhile (`take_deferred_since`).
+    pub(super) deferred: Mutex<Vec<(ThreadId, Error)>>,
     /// The messages of deferred errors not yet handed to `take_unwarned` (the bindings log
     /// each once, as a warning).
-    pub(super) unwarned: Mutex<Vec<String>>,
+    pub(super) unwarned: Mutex<Vec<(ThreadId, String)>>,
     /// Which exported fd backs which handle, for importers to check (made by the first
     /// `share` of fds; closed by `close`, after every handle, or with the `Ctx`).
     pub(super) registry: Mutex<Option<ExportRegistry>>,
@@ -45,8 +48,9 @@ impl Ctx {
 
     pub(super) fn defer(&self, result: Result<()>) {
         if let Err(err) = result {
-            relock(&self.unwarned).push(err.to_string());
-            relock(&self.deferred).push(err);
+            let me = std::thread::current().id();
+            relock(&self.unwarned).push((me, err.to_string()));
+            relock(&self.deferred).push((me, err));
         }
     }
 
@@ -54,17 +58,50 @@ impl Ctx {
         relock(&self.deferred).len()
     }
 
-    /// The errors deferred since there were `mark`, taken out of the deferred list: what the
-    /// operation that set the mark met itself.
+    /// The errors this thread deferred since there were `mark`, taken out of the deferred
+    /// list: what the operation that set the mark met itself. Other threads' (the release
+    /// thread's, deferred while the operation ran) stay for `take_deferred_errors`.
     pub(super) fn take_deferred_since(&self, mark: usize) -> Vec<Error> {
+        let me = std::thread::current().id();
         let mut deferred = relock(&self.deferred);
         let mark = mark.min(deferred.len());
-        let own = deferred.split_off(mark);
+        let (own, others): (Vec<_>, Vec<_>) = deferred
+            .split_off(mark)
+            .into_iter()
+            .partition(|(by, _)| *by == me);
+        deferred.extend(others);
         drop(deferred);
+        // Their messages are the last this thread left, unless logged already.
         let mut unwarned = relock(&self.unwarned);
-        let keep = unwarned.len().saturating_sub(own.len());
-        unwarned.truncate(keep);
-        own
+        let mut to_drop = own.len();
+        let mut i = unwarned.len();
+        while to_drop > 0 && i > 0 {
+            i -= 1;
+            if unwarned[i].0 == me {
+                unwarned.remove(i);
+                to_drop -= 1;
+            }
+        }
+        own.into_iter().map(|(_, err)| err).collect()
+    }
+
+    /// Puts back errors `take_deferred_since` took that the operation does not return.
+    pub(super) fn keep_deferred(&self, errors: Vec<Error>) {
+        let me = std::thread::current().id();
+        relock(&self.deferred).extend(errors.into_iter().map(|err| (me, err)));
+    }
+
+    /// Every deferred error, taken out (their messages too: the caller reports them).
+    pub(super) fn take_all_deferred(&self) -> Vec<Error> {
+        relock(&self.unwarned).clear();
+        let all = std::mem::take(&mut *relock(&self.deferred));
+        all.into_iter().map(|(_, err)| err).collect()
+    }
+
+    /// The messages of deferred errors not logged yet, each once.
+    pub(super) fn take_unwarned(&self) -> Vec<String> {
+        let all = std::mem::take(&mut *relock(&self.unwarned));
+        all.into_iter().map(|(_, message)| message).collect()
     }
 }
 

@@ -386,6 +386,27 @@ impl ExtensibleTensor {
         self.inner.releaser.wait_released(timeout)
     }
 
+    /// The rate, in bytes per second, at which memory given back goes back to the driver;
+    /// `None` (the default): as soon as its stream has passed.
+    pub fn release_rate(&self) -> Option<u64> {
+        self.inner.releaser.rate()
+    }
+
+    /// Paces releases at `bytes_per_second` (`None`: unpaced), for a tensor resized under a
+    /// live decode loop: the driver scrubs released memory on the device, and gigabytes of
+    /// scrub at once slow the loop's steps (`release.rs`). Shrinks still return at once; the
+    /// memory stays pending (and a grow takes it back) until its turn. Applies from the next
+    /// handle on; teardown is never paced. `InvalidArgument` for 0.
+    pub fn set_release_rate(&self, bytes_per_second: Option<u64>) -> Result<()> {
+        if bytes_per_second == Some(0) {
+            return Err(Error::invalid(
+                "release_rate must be a positive number of bytes per second, or None",
+            ));
+        }
+        self.inner.releaser.set_rate(bytes_per_second);
+        Ok(())
+    }
+
     /// Makes the host backend's events stay pending (`held`) or lets them complete: a test's
     /// stand-in for a busy stream (`Driver::hold_events`).
     pub fn hold_events(&self, held: bool) -> Result<()> {
@@ -402,7 +423,7 @@ impl ExtensibleTensor {
         };
         let rest: Vec<Error> = own.collect();
         let more = rest.len();
-        relock(&ctx.deferred).extend(rest);
+        ctx.keep_deferred(rest);
         Err(completed_despite(first, more, done))
     }
 
@@ -438,7 +459,7 @@ impl ExtensibleTensor {
     /// Messages of errors deferred since the last call (each once), for the bindings to log
     /// as warnings; `take_deferred_errors` still returns the errors themselves.
     pub fn take_unwarned(&self) -> Vec<String> {
-        std::mem::take(&mut *relock(&self.inner.ctx.unwarned))
+        self.inner.ctx.take_unwarned()
     }
 
     /// Whether `close` has run: the addresses are gone and every call but `close` fails.
@@ -523,8 +544,7 @@ impl ExtensibleTensor {
 
     /// Errors that destructors met (a failed unmap or release) since the last call.
     pub fn take_deferred_errors(&self) -> Vec<Error> {
-        relock(&self.inner.ctx.unwarned).clear();
-        std::mem::take(&mut *relock(&self.inner.ctx.deferred))
+        self.inner.ctx.take_all_deferred()
     }
 
     /// Checks the invariants listed at the top of this module.
@@ -711,6 +731,30 @@ mod tests {
             assert!(held.join().is_err());
         });
         assert!(mutex.is_poisoned());
+    }
+
+    #[test]
+    fn an_operation_reports_only_the_errors_its_own_thread_met() {
+        // The release thread defers what it meets while a caller's operation runs; that
+        // operation must not raise them as its own (nor drop their warnings).
+        let driver = Arc::new(HostDriver::new(4096).unwrap());
+        let tensor = ExtensibleTensor::with_equal_segments(driver, 4 << 12, 1, Options::default());
+        let tensor = tensor.unwrap();
+        let ctx = &tensor.inner.ctx;
+        let mark = ctx.num_deferred();
+        std::thread::scope(|s| {
+            s.spawn(|| ctx.defer(Err(Error::invalid("met by the release thread"))));
+        });
+        ctx.defer(Err(Error::invalid("met by the operation")));
+        let own = ctx.take_deferred_since(mark);
+        assert_eq!(own.len(), 1, "{own:?}");
+        assert!(own[0].to_string().contains("by the operation"), "{own:?}");
+        let unwarned = tensor.take_unwarned();
+        assert_eq!(unwarned.len(), 1, "{unwarned:?}");
+        assert!(unwarned[0].contains("release thread"), "{unwarned:?}");
+        let left = tensor.take_deferred_errors();
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert!(left[0].to_string().contains("release thread"), "{left:?}");
     }
 
     #[test]

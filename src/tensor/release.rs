@@ -17,13 +17,23 @@
 //! 3. a mapping the driver would not unmap stays owned here (`stuck`, counted as pending),
 //!    for a grow to take back or teardown to unmap again: never leaked, never mapped over;
 //! 4. the thread holds no lock while it waits on an event or calls the driver, and it never
-//!    takes the tensor's state lock: a caller holding that lock may wait on the thread.
+//!    takes the tensor's state lock: a caller holding that lock may wait on the thread;
+//! 5. with a release rate set, the thread releases one handle at a time and starts the next
+//!    only once the bytes released so far, at that rate, are behind it; the handles it has
+//!    not reached stay pending, for a grow to take back.
+//!
+//! Why a rate: the driver scrubs (zeroes) released memory on the device, in the background,
+//! and the scrub of gigabytes at once slows the steps of a decode loop sharing the GPU (H100:
+//! p99 1.12x quiet with 1-8 GiB shrinks back to back, one step 10x with 8 GiB at once; the
+//! same bytes in 64 MiB handles at ~32 GiB/s: 1.02x; docs/benchmarks.md). The shrink still
+//! returns at once; only the memory comes back to the driver later.
 //!
 //! A backend whose events are complete when recorded (the host backend, unless a test holds
 //! them) gets its memory released on the caller's thread, all or nothing, as before: a failed
 //! unmap maps back what was unmapped and the caller keeps every mapping.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -69,6 +79,8 @@ struct Queue {
     next_seq: u64,
     /// Set at teardown: the thread exits once `pending` is empty.
     closing: bool,
+    /// With a release rate: when the thread may release its next handle (invariant 5).
+    next_release_at: Option<Instant>,
 }
 
 impl Queue {
@@ -100,6 +112,8 @@ pub(super) struct Releaser {
     /// Signalled when an entry is queued, released or taken back, and at teardown.
     changed: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Bytes per second the thread releases at most; 0: as fast as it can (invariant 5).
+    rate: AtomicU64,
 }
 
 impl Releaser {
@@ -109,7 +123,25 @@ impl Releaser {
             queue: Mutex::default(),
             changed: Condvar::new(),
             thread: Mutex::new(None),
+            rate: AtomicU64::new(0),
         })
+    }
+
+    /// The release rate in bytes per second; `None`: unpaced.
+    pub(super) fn rate(&self) -> Option<u64> {
+        Some(self.rate.load(Ordering::Relaxed)).filter(|&r| r > 0)
+    }
+
+    /// Paces the thread's releases at `rate` bytes per second from its next handle on;
+    /// `None` lifts the pace (a thread waiting out the old one wakes at once).
+    pub(super) fn set_rate(&self, rate: Option<u64>) {
+        self.rate.store(rate.unwrap_or(0), Ordering::Relaxed);
+        let mut queue = self.queue();
+        if rate.is_none() {
+            queue.next_release_at = None;
+        }
+        drop(queue);
+        self.changed.notify_all();
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
@@ -231,7 +263,8 @@ impl Releaser {
     }
 
     /// Waits for the first pending entry's event, then unmaps and releases what is left of
-    /// it (a grow may have taken mappings back meanwhile). False when nothing was pending.
+    /// it (a grow may take mappings back meanwhile): all at once, or one handle at a time at
+    /// the release rate. False when nothing was pending.
     fn release_front(&self) -> bool {
         let front = self
             .queue()
@@ -241,23 +274,54 @@ impl Releaser {
         let Some((seq, event)) = front else {
             return false;
         };
-        let waited = self.ctx.driver.wait_event(event.id);
+        let mut waited = Some(self.ctx.driver.wait_event(event.id));
+        loop {
+            self.pace();
+            let mut queue = self.queue();
+            let Some(entry) = queue.pending.front_mut().filter(|p| p.seq == seq) else {
+                break; // taken back whole, or released at teardown
+            };
+            let mappings = match self.rate() {
+                None => std::mem::take(&mut entry.mappings),
+                Some(_) => entry.mappings.pop().into_iter().collect(),
+            };
+            if entry.mappings.is_empty() {
+                queue.pending.pop_front();
+            }
+            queue.in_flight = mappings.iter().map(|m| m.run).collect();
+            drop(queue);
+            if let Some(Err(err)) = waited.take() {
+                // The event cannot tell any more (the context failed): wait for everything
+                // rather than unmap under work that may still run.
+                self.ctx.defer(Err(err));
+                self.ctx.defer(self.ctx.driver.synchronize());
+            }
+            self.unmap_and_release(mappings);
+        }
+        drop(event);
+        true
+    }
+
+    /// Waits (the queue's lock let go while it does) until the release rate allows the next
+    /// handle, or until teardown or a lifted pace cuts the wait short.
+    fn pace(&self) {
         let mut queue = self.queue();
-        if queue.pending.front().map(|p| p.seq) != Some(seq) {
-            return true; // taken back whole, or released at teardown
+        while let Some(at) = queue.next_release_at.filter(|_| !queue.closing) {
+            let left = at.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let waited = self.changed.wait_timeout(queue, left);
+            queue = waited.unwrap_or_else(PoisonError::into_inner).0;
         }
-        let entry = queue.pending.pop_front().expect("the front, just checked");
-        queue.in_flight = entry.mappings.iter().map(|m| m.run).collect();
-        drop(queue);
-        if let Err(err) = waited {
-            // The event cannot tell any more (the context failed): wait for everything
-            // rather than unmap under work that may still run.
-            self.ctx.defer(Err(err));
-            self.ctx.defer(self.ctx.driver.synchronize());
-        }
-        let mut released = Vec::with_capacity(entry.mappings.len());
+    }
+
+    /// Unmaps and releases `mappings` (the thread's `in_flight`), keeping the ones the driver
+    /// would not unmap (invariant 3), and sets when the next handle may go at the rate.
+    fn unmap_and_release(&self, mappings: Vec<Mapping>) {
+        let mut released = Vec::with_capacity(mappings.len());
         let mut stuck = Vec::new();
-        for mapping in entry.mappings {
+        for mapping in mappings {
             let num_bytes = mapping.num_bytes();
             match mapping.unmap() {
                 Ok(handle) => released.push((num_bytes, handle)),
@@ -270,15 +334,16 @@ impl Releaser {
         let bytes: u64 = released.iter().map(|(num_bytes, _)| num_bytes).sum();
         let handles = released.len();
         drop(released); // each handle's release; its errors are deferred
-        drop(event);
         let mut queue = self.queue();
         queue.in_flight.clear();
         queue.bytes -= bytes;
         queue.handles -= handles;
         queue.stuck.extend(stuck);
+        queue.next_release_at = self
+            .rate()
+            .map(|rate| Instant::now() + Duration::from_secs_f64(bytes as f64 / rate as f64));
         drop(queue);
         self.changed.notify_all();
-        true
     }
 
     /// Takes back the pending (or stuck) mappings that overlap any of `granules` (sorted,
