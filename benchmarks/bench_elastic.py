@@ -22,9 +22,10 @@ and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the lo
 reads), `python` (the resizing thread's Python and GIL traffic, a native getter in a loop, no
 driver call: a worst case for the GIL), `paced` (ours, 50 ms between calls) and `remap` (a
 second reservation of `--resize-gib`, committed, lending all of it to itself and reclaiming
-it: unmaps and maps of the same handles, none created or released) and `trickle` (ours in
+it: unmaps and maps of the same handles, none created or released), `trickle` (ours in
 steps of `--trickle-mib`, `--trickle-gap-ms` after each call: the same create and release
-at a bounded rate).
+at a bounded rate) and `trickle-grows` / `trickle-shrinks` (the pause after grows / shrinks
+only).
 Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
 stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
@@ -191,11 +192,12 @@ def _resize_cycles(
     synchronize: bool,
     zero: bool,
     rng: random.Random,
-    pause_s: float = 0.0,
+    pause_s: float | tuple[float, float] = 0.0,
     multiples: tuple[int, ...] = (1, 2, 4, 8),
 ) -> dict[str, list[float]]:
     """Grows `tensor` from `base_bytes` by `resize_bytes` and shrinks it back, in 1-8 `unit`
-    steps (or `multiples` of it), until `until`, sleeping `pause_s` after each call."""
+    steps (or `multiples` of it), until `until`, sleeping `pause_s` after each call (or a
+    pair: after each grow, after each shrink)."""
     import torch
 
     calls: dict[str, list[float]] = {
@@ -204,6 +206,7 @@ def _resize_cycles(
         "released_after_ms": [],
         "released_after_last_use_ms": [],
     }
+    pause_grow_s, pause_shrink_s = pause_s if isinstance(pause_s, tuple) else (pause_s, pause_s)
     own = torch.cuda.Stream(loop.device) if loop.gpu else None
     context = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
     with context:
@@ -214,7 +217,7 @@ def _resize_cycles(
                 start = time.perf_counter()
                 tensor.resize_(size, zero_new=zero)
                 calls["grow_ms"].append((time.perf_counter() - start) * 1e3)
-                time.sleep(pause_s)
+                time.sleep(pause_grow_s)
             for step in _steps_bytes(resize_bytes, unit, rng, multiples):
                 size -= step
                 start = time.perf_counter()
@@ -238,7 +241,7 @@ def _resize_cycles(
                 released = time.perf_counter()
                 calls["released_after_ms"].append((released - returned) * 1e3)
                 calls["released_after_last_use_ms"].append((released - last_use) * 1e3)
-                time.sleep(pause_s)
+                time.sleep(pause_shrink_s)
     return calls
 
 
@@ -277,8 +280,10 @@ def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
 # alone (the same handles unmapped and mapped back), without the driver's create and release;
 # `trickle`: ours in steps of `--trickle-mib` with `--trickle-gap-ms` after each call, the
 # same bytes created and released at a bounded rate (whether a scrub spread thin still
-# shows in the steps).
-DIAGNOSE = ("elsewhere", "python", "paced", "remap", "trickle")
+# shows in the steps); `trickle-grows` / `trickle-shrinks`: the same steps, the pause only
+# after each grow / each shrink (whether the scrub that slows the steps follows the creates or
+# the releases).
+DIAGNOSE = ("elsewhere", "python", "paced", "remap", "trickle", "trickle-grows", "trickle-shrinks")
 PHASES = ("quiet", "ours", "synchronize", "rated")
 
 
@@ -331,10 +336,16 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             # `elsewhere` cycles the second reservation from empty; the others the decode
             # loop's, above the bytes it reads.
             target, base = (elsewhere, 0) if phase == "elsewhere" else (tensor, loop.live_bytes)
-            trickle = phase == "trickle"
+            trickle = phase.startswith("trickle")
             if phase == "rated":
                 tensor.release_rate = int(args.release_rate_gib * unit)
-            pause_s = {"paced": 0.05, "trickle": args.trickle_gap_ms / 1e3}.get(phase, 0.0)
+            gap_s = args.trickle_gap_ms / 1e3
+            pause_s = {
+                "paced": 0.05,
+                "trickle": gap_s,
+                "trickle-grows": (gap_s, 0.0),
+                "trickle-shrinks": (0.0, gap_s),
+            }.get(phase, 0.0)
             result[phase] = _resize_cycles(
                 target,
                 loop,
