@@ -286,8 +286,9 @@ fn syscall_error(call: &str, pid: i32, fd: Option<i32>, errno: Errno) -> Error {
     }
     let hint = match errno {
         Errno::PERM | Errno::ACCESS => {
-            "; this process may not trace the owner (Yama ptrace_scope, another user): pass \
-             the fds over a Unix socket with send_shared/recv_shared"
+            "; this process may not trace the owner (Yama ptrace_scope, another user, a \
+             container without CAP_SYS_PTRACE): have the owner pass the fds over a Unix socket \
+             (extensible_kv.ipc.send_shared, then recv_shared or recv_loan here)"
         }
         Errno::SRCH => "; the owner process is gone",
         _ => "",

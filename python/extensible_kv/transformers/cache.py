@@ -154,6 +154,12 @@ class Options:
     - `pool_move`: asked to lend, the cache moves its live blocks down into free ones first
       (as `resize(..., move=True)` does, between the loop's steps), so that it lends every
       free block above its minimum, not only the free ones at its top.
+    - `release_rate`: bytes per second at which memory the cache gives back (an `AutoResize`
+      or `resize` shrink, a `release`) goes back to the driver, one handle at a time
+      (`ExtensibleTensor.release_rate`); None (the default): at once. The driver scrubs
+      released memory on the device, and gigabytes of it at once slow the steps of a decode
+      loop that shares the GPU; paced, the scrub is spread thin. The shrink itself still
+      returns at once.
     """
 
     budget_bytes: int | None = None
@@ -168,9 +174,15 @@ class Options:
     pool_via: str = "loan"
     pool_step_blocks: int | None = None
     pool_move: bool = False
+    release_rate: int | None = None
 
     def __post_init__(self) -> None:
-        for name, least in (("budget_bytes", 0), ("margin_bytes", 0), ("granularity", 1)):
+        for name, least in (
+            ("budget_bytes", 0),
+            ("margin_bytes", 0),
+            ("granularity", 1),
+            ("release_rate", 1),
+        ):
             value = _args.optional_size(getattr(self, name), name, minimum=least)
             object.__setattr__(self, name, value)
         object.__setattr__(self, "host_free", _args.flag(self.host_free, "host_free"))
@@ -469,6 +481,7 @@ def _cache_class(base: Any, pool_class: type) -> type:
             granularity=build.options.granularity,
             export_handle_types="posix_fd" if lends else 0,
         )
+        tensor.release_rate = build.options.release_rate
         try:
             state = _State(
                 tensor=tensor,
