@@ -276,6 +276,12 @@ impl Process {
     }
 }
 
+/// What a refused `pidfd_getfd` says. The pool's members look for its first words to ask the
+/// lender over its socket instead (`python/extensible_kv/pool/member.py`, `PTRACE_REFUSED`).
+const PTRACE_REFUSED_HINT: &str = "; this process may not trace the owner (Yama ptrace_scope, \
+     another user, a container without CAP_SYS_PTRACE): have the owner pass the fds over a Unix \
+     socket (extensible_kv.ipc.send_shared, then recv_shared or recv_loan here)";
+
 fn syscall_error(call: &str, pid: i32, fd: Option<i32>, errno: Errno) -> Error {
     let what = match fd {
         Some(fd) => format!("{call}: fd {fd} of process {pid}"),
@@ -285,11 +291,7 @@ fn syscall_error(call: &str, pid: i32, fd: Option<i32>, errno: Errno) -> Error {
         return stale(format!("process {pid} no longer holds fd {fd}"));
     }
     let hint = match errno {
-        Errno::PERM | Errno::ACCESS => {
-            "; this process may not trace the owner (Yama ptrace_scope, another user, a \
-             container without CAP_SYS_PTRACE): have the owner pass the fds over a Unix socket \
-             (extensible_kv.ipc.send_shared, then recv_shared or recv_loan here)"
-        }
+        Errno::PERM | Errno::ACCESS => PTRACE_REFUSED_HINT,
         Errno::SRCH => "; the owner process is gone",
         _ => "",
     };
@@ -613,6 +615,16 @@ mod tests {
         assert_ne!(copy.as_raw_fd(), file.as_raw_fd());
         let same = std::fs::File::from(copy).metadata().unwrap();
         assert_eq!(same.len(), file.metadata().unwrap().len());
+    }
+
+    #[test]
+    fn a_refused_take_says_that_this_process_may_not_trace_the_owner() {
+        for errno in [Errno::PERM, Errno::ACCESS] {
+            let refused = syscall_error("pidfd_getfd", 1, Some(7), errno).to_string();
+            assert!(refused.contains("may not trace the owner"), "{refused}");
+        }
+        let gone = syscall_error("pidfd_getfd", 1, Some(7), Errno::SRCH).to_string();
+        assert!(!gone.contains("may not trace the owner"), "{gone}");
     }
 
     #[test]

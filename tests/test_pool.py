@@ -802,11 +802,11 @@ def test_two_members_in_one_process_lend_recall_and_leave(tmp_path: Path) -> Non
 def test_a_loan_the_borrower_cannot_take_goes_back_and_its_lender_waits_to_be_asked(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A borrow that fails (here as where this process may not take the lender's fds:
-    pidfd_getfd's EPERM under Yama's ptrace_scope) gives the loan back, the lender reclaims it
-    whole, and the borrower warns once and does not ask that lender again before
-    `answer_timeout_s` has passed: else the lender would unmap, lend and reclaim at every
-    step, and nothing would move. Then it asks again, and borrows."""
+    """A borrow that fails (here as a stale loan; a refusal by pid that the lender's socket
+    cannot mend goes alike) gives the loan back, the lender reclaims it whole, and the
+    borrower warns once and does not ask that lender again before `answer_timeout_s` has
+    passed: else the lender would unmap, lend and reclaim at every step, and nothing would
+    move. Then it asks again, and borrows."""
     clock = Clock()
     pool = Pool("test", directory=tmp_path, clock=clock)
     pool.set_share("cpu", 48 * 2 * 4096)
@@ -820,8 +820,8 @@ def test_a_loan_the_borrower_cannot_take_goes_back_and_its_lender_waits_to_be_as
         used["a"] = 10
         ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
         refusal = ValueError(
-            "stale or foreign loan: cannot take fd 7 of process 1: Import failed: EPERM "
-            "(pidfd_getfd: fd 7 of process 1; this process may not trace the owner)"
+            "stale or foreign loan: the lender, process 1, is gone; ask the lender for a "
+            "current loan (lend again)"
         )
 
         def refused(*args: Any, **kw: Any) -> int:
@@ -858,6 +858,107 @@ def test_a_loan_the_borrower_cannot_take_goes_back_and_its_lender_waits_to_be_as
         assert [d.action for d in a.request(8)] == ["recall"]
         b.serve()
         a.serve()
+        b.leave()
+        a.leave()
+    assert pool.snapshot().engines == {}
+
+
+def test_a_borrower_refused_by_pid_takes_the_loan_over_the_lenders_socket(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where this process may not take the lender's fds by pid (pidfd_getfd's EPERM under
+    Yama's ptrace_scope, stood in for here), the borrower asks the lender on its socket and
+    the lender sends them at its next serve; the loan is borrowed, the lender's bytes below
+    it kept. The lender sends a loan's fds to no one else: asked for a loan it does not
+    offer, it closes the connection and warns."""
+    import threading
+
+    from extensible_kv.pool import fds
+    from extensible_kv.pool.member import PTRACE_REFUSED
+
+    pool = Pool("test", directory=tmp_path, clock=Clock())
+    pool.set_share("cpu", 48 * 2 * 4096)
+    used = {"a": 0, "b": 0}
+    caplog.set_level(logging.INFO, logger="extensible_kv")
+    with cache() as ca, cache() as cb:
+        a, b = members_of(pool, {"a": ca, "b": cb}, used, max_blocks=64).values()
+        a.join()
+        b.join()
+        assert a.grow(32) == 32
+        used["a"] = 10
+        ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
+        by_pid, over_socket = [], []
+        own_borrow = cb.borrow
+
+        def borrow(loans: Any, **kw: Any) -> int:
+            if any(loan.received_fds is None for loan in loans):
+                by_pid.append(loans)
+                raise ValueError(
+                    "stale or foreign loan: cannot take fd 7 of process 1: Import failed: "
+                    f"EPERM (pidfd_getfd: fd 7 of process 1; this process {PTRACE_REFUSED} "
+                    "(Yama ptrace_scope ...)"
+                )
+            over_socket.append(len(loans[0].received_fds))
+            return own_borrow(loans, **kw)
+
+        cb.borrow = borrow  # type: ignore[method-assign]
+        assert ("ask", "a") in [(d.action, d.peer) for d in b.request(40)]
+        a.serve()  # lends what lies above its 10 used blocks
+        assert ca.committed_blocks == 12
+        stop = threading.Event()
+
+        def serve_a() -> None:  # the lender's own loop, between its steps
+            while not stop.is_set():
+                a.serve()
+                time.sleep(0.005)
+
+        lender = threading.Thread(target=serve_a)
+        lender.start()
+        try:
+            with pool.transaction() as ledger:
+                engine = ledger.engines["a"]
+            name = fds.address(pool.path, "a", engine.pid, engine.start_time)
+            (offered,) = pool.snapshot().loans.values()
+            assert offered.state == "offered"
+            other = subprocess.run(  # a process that is not the borrower asks for it
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from extensible_kv.pool import fds\n"
+                    "try:\n"
+                    f"    fds.fetch({name!r}, {offered.loan_id}, 1, timeout_s=5.0)\n"
+                    "except ConnectionError:\n"
+                    "    sys.exit(3)",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert other.returncode == 3, other.stderr
+            b.serve()  # refused by pid: asks a's socket, a's loop answers
+            (loan,) = pool.snapshot().loans.values()
+            assert loan.state == "borrowed", loan
+            assert len(by_pid) == 1 and over_socket and over_socket[0] > 0
+            assert cb.committed_blocks == 16 + 20
+            with pytest.raises(ConnectionError):
+                fds.fetch(name, loan.loan_id + 1000, 1, timeout_s=2.0)
+            with pytest.raises(ConnectionError):  # borrowed, no longer on offer
+                fds.fetch(name, loan.loan_id, 1, timeout_s=2.0)
+        finally:
+            stop.set()
+            lender.join()
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"b took loan {loan.loan_id} from a over its socket" in m for m in messages)
+        refused = [m for m in messages if m.startswith("pool: a refuses process")]
+        assert len(refused) == 3, refused
+        assert "not its borrower" in refused[0] and "not on offer" in refused[1], refused
+        assert not [m for m in messages if m.startswith("pool: b could not borrow")]
+        assert bool(ca.views["attn"][:, :10].eq(3).all())  # type: ignore[call-overload]
+        del cb.borrow
+        assert [d.action for d in a.request(8)] == ["recall"]
+        b.serve()
+        a.serve()
+        assert ca.committed_blocks == 32 and pool.snapshot().loans == {}
         b.leave()
         a.leave()
     assert pool.snapshot().engines == {}

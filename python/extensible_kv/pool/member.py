@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from extensible_kv import _args
 from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
 from extensible_kv.flow import ExtendableCache
-from extensible_kv.ipc import Loan
-from extensible_kv.pool import _proc, rules
+from extensible_kv.ipc import Loan, send_shared
+from extensible_kv.pool import _proc, fds, rules
 from extensible_kv.pool.ledger import Engine, Ledger, LoanEntry
 from extensible_kv.pool.policy import Decision, plan_answer, plan_grow, plan_release
 from extensible_kv.pool.store import Pool
@@ -183,6 +183,7 @@ class PoolMember:
         self._warned: set[str] = set()  # lenders whose loan this engine could not borrow
         self._exported_at = -1  # the committed blocks when every handle was last exported
         self._settling = False
+        self._fd_server: fds.FdServer | None = None  # where borrowers refused by pid ask
 
     # ---------------------------------------------------------------------------------------
     # joining and leaving
@@ -206,6 +207,22 @@ class PoolMember:
         with self.pool.transaction() as ledger:
             rules.join(ledger, engine, self.pool.clock())
             self._record(ledger)
+        if self.via == "loan":
+            self._listen(engine)
+
+    def _listen(self, engine: Engine) -> None:
+        """Opens the socket where a borrower that may not take this engine's fds by pid asks
+        for them (`fds`); without it, such a borrower cannot borrow from this engine."""
+        name = fds.address(self.pool.path, engine.name, engine.pid, engine.start_time)
+        try:
+            self._fd_server = fds.FdServer(name)
+        except OSError as error:
+            logger.warning(
+                "pool: %s lends by pid only (its fd socket: %s): a borrower that may not "
+                "trace this process cannot borrow from it",
+                self.name,
+                error,
+            )
 
     def settle(self, timeout_s: float = 10.0) -> None:
         """Ends every loan of this engine: gives back what it borrowed (the engine must not use
@@ -217,6 +234,9 @@ class PoolMember:
     def leave(self, timeout_s: float = 10.0) -> None:
         """`settle`, then leaves the pool in the same transaction that finds no loan left."""
         self._settle(timeout_s, leave=True)
+        if self._fd_server is not None:
+            self._fd_server.close()
+            self._fd_server = None
 
     def _settle(self, timeout_s: float, *, leave: bool) -> None:
         self._settling = True
@@ -342,6 +362,7 @@ class PoolMember:
         what was recalled or lies past the maximum."""
         if busy is not None:
             self.busy = _args.flag(busy, "busy")
+        self._send_fds()
         with self.pool.transaction() as ledger:
             now = self.pool.clock()
             self._record(ledger)
@@ -373,6 +394,37 @@ class PoolMember:
             self._release(decision)
         if not (to_reclaim or lends or to_take or released):
             self._export_ahead()
+
+    def _send_fds(self) -> None:
+        """Answers the borrowers that asked on this engine's socket: a loan's fds go only to
+        the process the ledger names as its borrower, and only while it is on offer."""
+        if self._fd_server is None:
+            return
+        for conn, pid, loan_id in self._fd_server.requests():
+            with conn:
+                with self.pool.transaction() as ledger:
+                    entry = ledger.loans.get(loan_id)
+                    borrower = ledger.engines.get(entry.borrower) if entry else None
+                if entry is None or entry.lender != self.name or entry.state != "offered":
+                    why = "it is not on offer from this engine"
+                elif borrower is None or borrower.pid != pid:
+                    why = "that process is not its borrower"
+                else:
+                    try:
+                        for loan in _loans(entry):
+                            send_shared(conn, loan)
+                    except (OSError, ValueError) as error:  # gone meanwhile, or stale
+                        logger.warning(
+                            "pool: %s could not send loan %d's fds: %s", self.name, loan_id, error
+                        )
+                    continue
+                logger.warning(
+                    "pool: %s refuses process %d the fds of loan %d: %s",
+                    self.name,
+                    pid,
+                    loan_id,
+                    why,
+                )
 
     def _export_ahead(self) -> None:
         """With nothing else to do: exports a few of the cache's handles ahead of a loan, the
@@ -530,7 +582,12 @@ class PoolMember:
     def _take(self, entry: LoanEntry) -> None:
         start = self.cache.committed_blocks
         try:
-            self.cache.borrow(_loans(entry), zero=self.zero, stream=self.stream)
+            try:
+                self.cache.borrow(_loans(entry), zero=self.zero, stream=self.stream)
+            except (ValueError, OSError) as by_pid:
+                if PTRACE_REFUSED not in str(by_pid):
+                    raise
+                self._take_over_socket(entry, by_pid)
         except (ValueError, OSError) as error:  # stale, foreign, or no room: the lender's again
             now = self.pool.clock()
             # Not asked again at once: a lender whose fds this process may not take (ptrace
@@ -555,6 +612,36 @@ class PoolMember:
             rules.took(ledger, entry, start, self.pool.clock())
             self._record(ledger)
         self._resized()
+
+    def _take_over_socket(self, entry: LoanEntry, by_pid: Exception) -> None:
+        """The borrow of `entry` with its fds asked of the lender on its socket, after taking
+        them by pid failed with `by_pid` (refused where this process may not trace the
+        lender; else the socket's answer fails alike). Raises a `ValueError` naming both."""
+        with self.pool.transaction() as ledger:
+            lender = ledger.engines.get(entry.lender)
+        if lender is None:
+            raise by_pid
+        name = fds.address(self.pool.path, lender.name, lender.pid, lender.start_time)
+        expected = _loans(entry)
+        try:
+            received = fds.fetch(name, entry.loan_id, len(expected), self.take_timeout_s)
+        except (OSError, ValueError, ConnectionError) as error:
+            raise ValueError(f"{by_pid}; over {entry.lender}'s socket: {error}") from error
+        try:
+            if received != expected:
+                raise ValueError(
+                    f"{by_pid}; over {entry.lender}'s socket came other loans than the ledger's"
+                )
+            self.cache.borrow(received, zero=self.zero, stream=self.stream)
+        finally:
+            fds.close_received(received)
+        logger.info(
+            "pool: %s took loan %d from %s over its socket (by pid: %s)",
+            self.name,
+            entry.loan_id,
+            entry.lender,
+            by_pid,
+        )
 
     def _release(self, decision: Decision) -> None:
         self._log(decision)
@@ -708,6 +795,11 @@ def _loan_blocks(cache: PoolCache, loan: Loan) -> int:
 def _jsonable(native: tuple[Any, ...]) -> list[Any]:
     *head, handles = native
     return [*head, [list(h) for h in handles]]
+
+
+# What a borrow refused by pid says (src/ipc.rs, `PTRACE_REFUSED_HINT`): then the member asks
+# the lender for the fds over its socket.
+PTRACE_REFUSED = "may not trace the owner"
 
 
 def _loans(entry: LoanEntry) -> list[Loan]:
