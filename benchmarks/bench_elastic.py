@@ -24,8 +24,9 @@ driver call: a worst case for the GIL), `paced` (ours, 50 ms between calls) and 
 second reservation of `--resize-gib`, committed, lending all of it to itself and reclaiming
 it: unmaps and maps of the same handles, none created or released), `trickle` (ours in
 steps of `--trickle-mib`, `--trickle-gap-ms` after each call: the same create and release
-at a bounded rate) and `trickle-grows` / `trickle-shrinks` (the pause after grows / shrinks
-only).
+at a bounded rate), `trickle-grows` / `trickle-shrinks` (the pause after grows / shrinks
+only) and `small-grows` / `small-grows-rated` (grows of `--trickle-mib` a call, back to back;
+shrinks of 1-8 units; the second with `rated`'s release rate).
 Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
 stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
@@ -194,10 +195,11 @@ def _resize_cycles(
     rng: random.Random,
     pause_s: float | tuple[float, float] = 0.0,
     multiples: tuple[int, ...] = (1, 2, 4, 8),
+    grow_unit: int | None = None,
 ) -> dict[str, list[float]]:
     """Grows `tensor` from `base_bytes` by `resize_bytes` and shrinks it back, in 1-8 `unit`
-    steps (or `multiples` of it), until `until`, sleeping `pause_s` after each call (or a
-    pair: after each grow, after each shrink)."""
+    steps (or `multiples` of it; grows in steps of `grow_unit` if given), until `until`,
+    sleeping `pause_s` after each call (or a pair: after each grow, after each shrink)."""
     import torch
 
     calls: dict[str, list[float]] = {
@@ -212,7 +214,12 @@ def _resize_cycles(
     with context:
         while time.monotonic() < until:
             size = base_bytes
-            for step in _steps_bytes(resize_bytes, unit, rng, multiples):
+            grows = (
+                _steps_bytes(resize_bytes, unit, rng, multiples)
+                if grow_unit is None
+                else _steps_bytes(resize_bytes, grow_unit, rng, (1,))
+            )
+            for step in grows:
                 size += step
                 start = time.perf_counter()
                 tensor.resize_(size, zero_new=zero)
@@ -282,8 +289,20 @@ def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
 # same bytes created and released at a bounded rate (whether a scrub spread thin still
 # shows in the steps); `trickle-grows` / `trickle-shrinks`: the same steps, the pause only
 # after each grow / each shrink (whether the scrub that slows the steps follows the creates or
-# the releases).
-DIAGNOSE = ("elsewhere", "python", "paced", "remap", "trickle", "trickle-grows", "trickle-shrinks")
+# the releases); `small-grows`: ours with every grow a call of `--trickle-mib`, back to back,
+# the shrinks 1-8 units (whether a many-handle grow call is what slows the steps), and
+# `small-grows-rated` the same with `rated`'s release rate.
+DIAGNOSE = (
+    "elsewhere",
+    "python",
+    "paced",
+    "remap",
+    "trickle",
+    "trickle-grows",
+    "trickle-shrinks",
+    "small-grows",
+    "small-grows-rated",
+)
 PHASES = ("quiet", "ours", "synchronize", "rated")
 
 
@@ -337,8 +356,9 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             # loop's, above the bytes it reads.
             target, base = (elsewhere, 0) if phase == "elsewhere" else (tensor, loop.live_bytes)
             trickle = phase.startswith("trickle")
-            if phase == "rated":
+            if phase in ("rated", "small-grows-rated"):
                 tensor.release_rate = int(args.release_rate_gib * unit)
+            small = int(args.trickle_mib * unit / 1024)
             gap_s = args.trickle_gap_ms / 1e3
             pause_s = {
                 "paced": 0.05,
@@ -351,13 +371,14 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
                 loop,
                 base,
                 resize_bytes,
-                int(args.trickle_mib * unit / 1024) if trickle else unit,
+                small if trickle else unit,
                 until,
                 phase == "synchronize",
                 args.zero,
                 rng,
                 pause_s,
                 (1,) if trickle else (1, 2, 4, 8),
+                small if phase.startswith("small-grows") else None,
             )
             tensor.release_rate = None
         loop.phase = "release"
