@@ -158,8 +158,8 @@ class Options:
       or `resize` shrink, a `release`) goes back to the driver, one handle at a time
       (`ExtensibleTensor.release_rate`); None (the default): at once. The driver scrubs
       released memory on the device, and gigabytes of it at once slow the steps of a decode
-      loop that shares the GPU; paced, the scrub is spread thin. The shrink itself still
-      returns at once.
+      loop that shares the GPU; paced, the scrub is spread thin (on an H100 that took a fifth
+      of the slowdown off; docs/benchmarks.md). The shrink itself still returns at once.
     """
 
     budget_bytes: int | None = None
