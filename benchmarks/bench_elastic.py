@@ -13,9 +13,11 @@ decode stream to every shrink:
 - `ours`: the shrinks return at once, the memory going back from the tensor's release thread
   once the decode stream has passed the shrink (`src/tensor/release.rs`);
 - `synchronize`: what the peers do: a device synchronize before each shrink;
-- `rated`: ours with the tensor's `release_rate` at `--release-rate-gib` GiB/s: the memory goes
-  back one handle at a time at that rate, so that the driver's scrub of it, spread thin, does
-  not slow the steps (`--handle-mib` sets the handles' size for every phase; default 1 GiB).
+- `rated`: ours with the tensor's `driver_rate` at `--driver-rate-gib` GiB/s: the grows create
+  and the release thread releases one handle at a time at that rate, so that the driver's
+  work for them, spread thin, does not slow the steps (at `7fd8a0d`, as `release_rate`, it
+  paced the releases only); `--handle-mib` sets the handles' size for every phase (default:
+  the library's 1 GiB).
 `--phases` picks phases by name (default: these four, and with `--diagnose` the ones below).
 With `--diagnose`, five phases more, to say what slows the steps while resizing (both `ours`
 and `synchronize` did, alike): `elsewhere` (ours, on a second reservation the loop never
@@ -357,7 +359,7 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             target, base = (elsewhere, 0) if phase == "elsewhere" else (tensor, loop.live_bytes)
             trickle = phase.startswith("trickle")
             if phase in ("rated", "small-grows-rated"):
-                tensor.release_rate = int(args.release_rate_gib * unit)
+                tensor.driver_rate = int(args.driver_rate_gib * unit)
             small = int(args.trickle_mib * unit / 1024)
             gap_s = args.trickle_gap_ms / 1e3
             pause_s = {
@@ -380,7 +382,7 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
                 (1,) if trickle else (1, 2, 4, 8),
                 small if phase.startswith("small-grows") else None,
             )
-            tensor.release_rate = None
+            tensor.driver_rate = None
         loop.phase = "release"
         other = ExtensibleTensor(resize_bytes, device=args.device, **kw)
         other.resize_(resize_bytes, zero_new=False)
@@ -660,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trickle-gap-ms", type=float, default=2.0)
     parser.add_argument(
-        "--release-rate-gib",
+        "--driver-rate-gib",
         type=float,
         default=32.0,
         help="`rated`'s release rate, GiB/s (MiB/s on the host)",

@@ -277,11 +277,11 @@ fn eventually(condition: impl Fn() -> bool) -> bool {
 fn a_paced_release_goes_one_handle_at_a_time_at_its_rate() {
     let host = Arc::new(HostDriver::new(G).unwrap());
     let tensor = tensor_on(host.clone());
-    assert_eq!(tensor.release_rate(), None, "unpaced unless asked");
+    assert_eq!(tensor.driver_rate(), None, "unpaced unless asked");
     let gap = Duration::from_millis(60);
     let rate = (G as f64 / gap.as_secs_f64()) as u64; // a handle per `gap`
-    tensor.set_release_rate(Some(rate)).unwrap();
-    assert_eq!(tensor.release_rate(), Some(rate));
+    tensor.set_driver_rate(Some(rate)).unwrap();
+    assert_eq!(tensor.driver_rate(), Some(rate));
     tensor.hold_events(true).unwrap();
     tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
     let start = std::time::Instant::now();
@@ -296,9 +296,14 @@ fn a_paced_release_goes_one_handle_at_a_time_at_its_rate() {
     let took = start.elapsed();
     seen.push(tensor.pending_release_bytes());
     seen.dedup();
-    assert_eq!(seen, [4 * G, 3 * G, 2 * G, G, 0], "one handle at a time");
+    // The first may have gone before the first look: it goes as soon as its event completes.
+    assert!(seen[0] >= 3 * G && seen.last() == Some(&0), "{seen:?}");
     assert!(
-        took >= 3 * gap,
+        seen.windows(2).all(|w| w[0] - w[1] == G),
+        "one handle at a time: {seen:?}"
+    );
+    assert!(
+        took >= 2 * gap,
         "4 handles at one per {gap:?} went in {took:?}"
     );
     assert_eq!(host.live_counts(), (2, 2, 1));
@@ -311,7 +316,7 @@ fn a_paced_release_goes_one_handle_at_a_time_at_its_rate() {
 fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
     let host = Arc::new(HostDriver::new(G).unwrap());
     let tensor = tensor_on(host.clone());
-    tensor.set_release_rate(Some(G / 10)).unwrap(); // a handle per 10 s
+    tensor.set_driver_rate(Some(G / 10)).unwrap(); // a handle per 10 s
     tensor.hold_events(true).unwrap();
     tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
     tensor.hold_events(false).unwrap();
@@ -319,9 +324,17 @@ fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
         eventually(|| tensor.pending_release_bytes() == 3 * G),
         "the first goes at once"
     );
-    tensor.resize(6 * G, GrowOptions::zeroed()).unwrap();
+    // The thread went top down: granules 2-4 are still pending, and a grow over them maps
+    // them again with no create (which would wait its turn at this rate).
+    let start = std::time::Instant::now();
+    tensor.resize(5 * G, GrowOptions::zeroed()).unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
     assert_eq!(tensor.pending_release_bytes(), 0, "the three not reached");
-    assert_eq!(common::read(&tensor, 2 * G, 4 * G), vec![0; 4 * G as usize]);
+    assert_eq!(common::read(&tensor, 2 * G, 3 * G), vec![0; 3 * G as usize]);
     tensor.check_invariants().unwrap();
 }
 
@@ -330,7 +343,7 @@ fn lifting_the_pace_or_closing_does_not_wait_out_the_rate() {
     for lift in [true, false] {
         let host = Arc::new(HostDriver::new(G).unwrap());
         let tensor = tensor_on(host.clone());
-        tensor.set_release_rate(Some(G / 10)).unwrap(); // a handle per 10 s
+        tensor.set_driver_rate(Some(G / 10)).unwrap(); // a handle per 10 s
         tensor.hold_events(true).unwrap();
         tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
         tensor.hold_events(false).unwrap();
@@ -339,15 +352,15 @@ fn lifting_the_pace_or_closing_does_not_wait_out_the_rate() {
         match lift {
             true => {
                 assert!(matches!(
-                    tensor.set_release_rate(Some(0)),
+                    tensor.set_driver_rate(Some(0)),
                     Err(Error::InvalidArgument(_))
                 ));
                 assert_eq!(
-                    tensor.release_rate(),
+                    tensor.driver_rate(),
                     Some(G / 10),
                     "a refused rate changes nothing"
                 );
-                tensor.set_release_rate(None).unwrap();
+                tensor.set_driver_rate(None).unwrap();
                 assert!(tensor.wait_released(Some(Duration::from_secs(5))));
                 assert_eq!(host.live_counts(), (2, 2, 1));
             }
@@ -359,4 +372,31 @@ fn lifting_the_pace_or_closing_does_not_wait_out_the_rate() {
         let took = start.elapsed();
         assert!(took < Duration::from_secs(5), "lift {lift}: {took:?}");
     }
+}
+
+#[test]
+fn a_paced_grow_creates_one_handle_at_a_time_at_the_rate() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = ExtensibleTensor::with_equal_segments(host.clone(), 8 * G, 1, options()).unwrap();
+    let gap = Duration::from_millis(60);
+    tensor
+        .set_driver_rate(Some((G as f64 / gap.as_secs_f64()) as u64))
+        .unwrap();
+    let start = std::time::Instant::now();
+    tensor.resize(4 * G, GrowOptions::zeroed()).unwrap();
+    let took = start.elapsed();
+    assert!(
+        took >= 3 * gap,
+        "4 handles at one per {gap:?} grew in {took:?}"
+    );
+    assert_eq!((tensor.num_handles(), host.live_counts().1), (4, 4));
+    tensor.set_driver_rate(None).unwrap();
+    let start = std::time::Instant::now();
+    tensor.resize(8 * G, GrowOptions::zeroed()).unwrap();
+    assert!(
+        start.elapsed() < gap,
+        "unpaced again: {:?}",
+        start.elapsed()
+    );
+    tensor.check_invariants().unwrap();
 }

@@ -8,6 +8,7 @@ stream busy for real. One test body per backend.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -156,16 +157,17 @@ def test_a_process_that_ends_with_releases_pending_leaks_nothing(
         assert "left 0 0 0" in done.stdout, done.stdout
 
 
-def test_a_release_rate_paces_the_memory_back_one_handle_at_a_time(
+def test_a_driver_rate_paces_the_memory_back_one_handle_at_a_time(
     make_tensor: MakeTensor, g: int
 ) -> None:
-    """Under a live decode loop the driver's scrub of released memory slows the steps; a
-    `release_rate` spreads it: the shrink still returns at once, and the handles go back one
-    at a time, the ones not reached yet pending (a grow takes them back)."""
+    """Under a live decode loop the driver's work for memory created and released slows the
+    steps; a `driver_rate` spreads it: a shrink still returns at once, and the handles go back
+    one at a time, the ones not reached yet pending (a grow takes them back); a grow creates
+    one handle at a time at the rate."""
     t = _filled(make_tensor, g, 6)
-    assert t.release_rate is None
+    assert t.driver_rate is None
     gap_s = 0.06
-    t.release_rate = int(g / gap_s)  # a handle per `gap_s`
+    t.driver_rate = int(g / gap_s)  # a handle per `gap_s`
     with busy_stream(t) as stream:
         t.shrink_(2 * g, stream=stream)
         assert t.pending_release_bytes == 4 * g
@@ -176,26 +178,27 @@ def test_a_release_rate_paces_the_memory_back_one_handle_at_a_time(
             seen.append(t.pending_release_bytes)
     took = time.perf_counter() - start
     seen.append(t.pending_release_bytes)
-    assert [b for i, b in enumerate(seen) if i == 0 or b != seen[i - 1]] == [
-        4 * g,
-        3 * g,
-        2 * g,
-        g,
-        0,
-    ], "one handle at a time"
-    assert took >= 3 * gap_s * 0.9, f"4 handles at one per {gap_s} s went in {took:.3f} s"
+    # The first may have gone before the first look (its event completes as the block ends).
+    distinct = [b for i, b in enumerate(seen) if i == 0 or b != seen[i - 1]]
+    assert distinct[0] >= 3 * g and distinct[-1] == 0, distinct
+    assert all(a - b == g for a, b in itertools.pairwise(distinct)), "one handle at a time"
+    assert took >= 2 * gap_s * 0.9, f"4 handles at one per {gap_s} s went in {took:.3f} s"
     assert (t.physical_bytes, t.num_handles) == (2 * g, 2)
     assert torch.equal(t.full_view()[g : 2 * g].cpu(), torch.full((g,), 2, dtype=torch.uint8))
-    # Slower than any test: the grow takes back the three the thread has not reached.
-    t.release_rate = max(1, g // 10)
+    start = time.perf_counter()
+    t.resize_(6 * g)  # 4 handles created, one per `gap_s`
+    took = time.perf_counter() - start
+    assert took >= 3 * gap_s * 0.9, f"4 handles at one per {gap_s} s grew in {took:.3f} s"
+    # Slower than any test: the grow takes back the three the thread has not reached (top
+    # down: granules 2-4), with no create, which would wait its turn at this rate.
+    t.driver_rate = max(1, g // 10)
     with busy_stream(t) as stream:
-        t.resize_(6 * g, stream=stream)
         t.shrink_(2 * g, stream=stream)
-    assert _wait(lambda: t.pending_release_bytes == 3 * g), "the first goes at once"
-    t.resize_(6 * g)
+    assert _wait(lambda: t.pending_release_bytes == 3 * g), "the first goes when it may"
+    t.resize_(5 * g)
     assert t.pending_release_bytes == 0
-    assert torch.equal(t.full_view()[2 * g : 6 * g].cpu(), torch.zeros(4 * g, dtype=torch.uint8))
-    t.release_rate = None
+    assert torch.equal(t.full_view()[2 * g : 5 * g].cpu(), torch.zeros(3 * g, dtype=torch.uint8))
+    t.driver_rate = None
     assert t.take_deferred_errors() == []
     t._check_invariants()
 
@@ -204,11 +207,11 @@ def test_a_release_rate_paces_the_memory_back_one_handle_at_a_time(
     ("rate", "error", "match"),
     [(0, ValueError, "positive"), (-1, ValueError, "non-negative"), (1.5, TypeError, "an int")],
 )
-def test_a_wrong_release_rate_is_refused_and_changes_nothing(
+def test_a_wrong_driver_rate_is_refused_and_changes_nothing(
     make_tensor: MakeTensor, rate: object, error: type[Exception], match: str
 ) -> None:
     t = make_tensor(4096)
-    t.release_rate = 1 << 30
+    t.driver_rate = 1 << 30
     with pytest.raises(error, match=match):
-        t.release_rate = rate
-    assert t.release_rate == 1 << 30
+        t.driver_rate = rate
+    assert t.driver_rate == 1 << 30

@@ -1013,27 +1013,27 @@ def test_auto_resize_follows_a_bursty_load(
 
 
 @pytest.mark.timeout(120)
-def test_a_release_rate_reaches_the_cache_and_the_tokens_stay_the_same(tf: Any) -> None:
-    """`enable(release_rate=...)` paces what the cache gives back (its tensor's
-    `release_rate`); the policy's idle shrink still happens and the tokens are the cache's
+def test_a_driver_rate_reaches_the_cache_and_the_tokens_stay_the_same(tf: Any) -> None:
+    """`enable(driver_rate=...)` paces what the cache gives back (its tensor's
+    `driver_rate`); the policy's idle shrink still happens and the tokens are the cache's
     own. A rate that is no positive int is refused at `enable`."""
     from extensible_kv import transformers as ekt
 
     for wrong, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError)):
-        with pytest.raises(error, match="release_rate"):
-            ekt.enable(release_rate=wrong)  # type: ignore[arg-type]
+        with pytest.raises(error, match="driver_rate"):
+            ekt.enable(driver_rate=wrong)  # type: ignore[arg-type]
     assert not ekt.is_enabled()
     model, own, options = resizable(tf, "llama")
     rate = 64 << 20
     policy = ekt.AutoResize(min_blocks=2, idle_s=0.2)
     with (
-        ekt.enabled(**options, auto_resize=policy, release_rate=rate),
+        ekt.enabled(**options, auto_resize=policy, driver_rate=rate),
         model.continuous_batching_context_manager(
             generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
         ) as manager,
     ):
         state = manager.batch_processor.cache._ekv
-        assert state.tensor.release_rate == rate
+        assert state.tensor.driver_rate == rate
         assert run(manager) == own
         least = state.blocks(state.auto.min_sectors)
         deadline = time.monotonic() + 10

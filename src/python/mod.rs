@@ -671,21 +671,23 @@ impl PyExtensibleTensor {
         self.core.pending_release_bytes()
     }
 
-    /// Bytes per second at which memory given back goes back to the driver; None (the
-    /// default): as soon as its stream has passed. Set it for a cache resized under a live
-    /// decode loop: the driver scrubs released memory on the device, and gigabytes of scrub
-    /// at once slow the loop's steps. Shrinks still return at once; the memory stays pending
-    /// (counted in `pending_release_bytes`, taken back by a grow) until its turn, one handle
-    /// at a time. `ValueError` for 0 or a negative rate, `TypeError` for a non-int.
+    /// Bytes per second the tensor creates (grows) and releases (shrinks, `release_physical`)
+    /// at most, together, one handle at a time; None (the default): unpaced. For a cache
+    /// resized under a live decode loop: the driver's work on the device for memory created
+    /// and released (its scrub) slows the loop's steps when gigabytes of it come at once. A
+    /// grow then takes as long as its bytes at the rate (without the GIL); a shrink still
+    /// returns at once, its memory pending (counted in `pending_release_bytes`, taken back by
+    /// a grow) until its turn. Teardown, lends, borrows and consolidation are not paced.
+    /// `ValueError` for 0 or a negative rate, `TypeError` for a non-int.
     #[getter]
-    fn release_rate(&self) -> Option<u64> {
-        self.core.release_rate()
+    fn driver_rate(&self) -> Option<u64> {
+        self.core.driver_rate()
     }
 
     #[setter]
-    fn set_release_rate(&self, rate: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let rate = to_u64_opt(rate, "release_rate")?;
-        Ok(self.core.set_release_rate(rate)?)
+    fn set_driver_rate(&self, rate: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let rate = to_u64_opt(rate, "driver_rate")?;
+        Ok(self.core.set_driver_rate(rate)?)
     }
 
     /// Waits (without the GIL) until every pending release has happened, or for `timeout`

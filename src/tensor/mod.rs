@@ -38,6 +38,7 @@ mod grow;
 mod loan;
 mod mapping;
 mod options;
+mod pace;
 mod reback;
 mod release;
 mod share;
@@ -143,6 +144,8 @@ struct Inner {
     tensor_id: u128,
     /// Mappings given back and waiting for their stream (`release.rs`).
     releaser: Arc<release::Releaser>,
+    /// The driver rate the grows and the release thread share (`pace.rs`).
+    pace: Arc<pace::Pace>,
 }
 
 impl Inner {
@@ -287,8 +290,10 @@ impl ExtensibleTensor {
             loans: Default::default(),
             next_loan_id: 0,
         };
+        let pace = Arc::new(pace::Pace::default());
         let inner = Inner {
-            releaser: release::Releaser::new(Arc::clone(&ctx)),
+            releaser: release::Releaser::new(Arc::clone(&ctx), Arc::clone(&pace)),
+            pace,
             ctx,
             geometry,
             policy,
@@ -386,21 +391,24 @@ impl ExtensibleTensor {
         self.inner.releaser.wait_released(timeout)
     }
 
-    /// The rate, in bytes per second, at which memory given back goes back to the driver;
-    /// `None` (the default): as soon as its stream has passed.
-    pub fn release_rate(&self) -> Option<u64> {
-        self.inner.releaser.rate()
+    /// The driver rate: bytes per second the tensor creates (grows) and releases (shrinks,
+    /// `release_physical`) at most; `None` (the default): unpaced.
+    pub fn driver_rate(&self) -> Option<u64> {
+        self.inner.pace.rate()
     }
 
-    /// Paces releases at `bytes_per_second` (`None`: unpaced), for a tensor resized under a
-    /// live decode loop: the driver scrubs released memory on the device, and gigabytes of
-    /// scrub at once slow the loop's steps (`release.rs`). Shrinks still return at once; the
-    /// memory stays pending (and a grow takes it back) until its turn. Applies from the next
-    /// handle on; teardown is never paced. `InvalidArgument` for 0.
-    pub fn set_release_rate(&self, bytes_per_second: Option<u64>) -> Result<()> {
+    /// Paces the tensor's creates and releases at `bytes_per_second` together, one handle at
+    /// a time (`None`: unpaced), for a tensor resized under a live decode loop: the driver's
+    /// work on the device for memory created and released (its scrub) slows the loop's steps
+    /// when gigabytes of it come at once (`pace.rs`). A grow then takes as long as its bytes
+    /// at that rate (the caller's thread sleeps between its handles); a shrink still returns
+    /// at once, its memory pending (and a grow takes it back) until its turn. Applies from the
+    /// next handle on; teardown, lends, borrows and consolidation are never paced.
+    /// `InvalidArgument` for 0.
+    pub fn set_driver_rate(&self, bytes_per_second: Option<u64>) -> Result<()> {
         if bytes_per_second == Some(0) {
             return Err(Error::invalid(
-                "release_rate must be a positive number of bytes per second, or None",
+                "driver_rate must be a positive number of bytes per second, or None",
             ));
         }
         self.inner.releaser.set_rate(bytes_per_second);

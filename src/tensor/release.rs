@@ -18,27 +18,21 @@
 //!    for a grow to take back or teardown to unmap again: never leaked, never mapped over;
 //! 4. the thread holds no lock while it waits on an event or calls the driver, and it never
 //!    takes the tensor's state lock: a caller holding that lock may wait on the thread;
-//! 5. with a release rate set, the thread releases one handle at a time and starts the next
-//!    only once the bytes released so far, at that rate, are behind it; the handles it has
-//!    not reached stay pending, for a grow to take back.
-//!
-//! Why a rate: the driver scrubs (zeroes) released memory on the device, in the background,
-//! and the scrub of gigabytes at once slows the steps of a decode loop sharing the GPU (H100:
-//! p99 1.12x quiet with 1-8 GiB shrinks back to back, one step 10x with 8 GiB at once; the
-//! same bytes in 64 MiB handles at ~32 GiB/s: 1.02x; docs/benchmarks.md). The shrink still
-//! returns at once; only the memory comes back to the driver later.
+//! 5. with a driver rate set (`pace.rs`), the thread releases one handle at a time, each
+//!    when the rate allows; the handles it has not reached stay pending, for a grow to take
+//!    back. The shrink still returns at once; only the memory reaches the driver later.
 //!
 //! A backend whose events are complete when recorded (the host backend, unless a test holds
 //! them) gets its memory released on the caller's thread, all or nothing, as before: a failed
 //! unmap maps back what was unmapped and the caller keeps every mapping.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::mapping::{relock, Ctx, Mapping, PhysicalHandle};
+use super::pace::Pace;
 use crate::driver::{EventId, Stream};
 use crate::error::Error;
 use crate::plan::{self, Run};
@@ -79,8 +73,6 @@ struct Queue {
     next_seq: u64,
     /// Set at teardown: the thread exits once `pending` is empty.
     closing: bool,
-    /// With a release rate: when the thread may release its next handle (invariant 5).
-    next_release_at: Option<Instant>,
 }
 
 impl Queue {
@@ -112,34 +104,26 @@ pub(super) struct Releaser {
     /// Signalled when an entry is queued, released or taken back, and at teardown.
     changed: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Bytes per second the thread releases at most; 0: as fast as it can (invariant 5).
-    rate: AtomicU64,
+    /// The tensor's driver rate, which its grows share (invariant 5).
+    pace: Arc<Pace>,
 }
 
 impl Releaser {
-    pub(super) fn new(ctx: Arc<Ctx>) -> Arc<Releaser> {
+    pub(super) fn new(ctx: Arc<Ctx>, pace: Arc<Pace>) -> Arc<Releaser> {
         Arc::new(Releaser {
             ctx,
             queue: Mutex::default(),
             changed: Condvar::new(),
             thread: Mutex::new(None),
-            rate: AtomicU64::new(0),
+            pace,
         })
     }
 
-    /// The release rate in bytes per second; `None`: unpaced.
-    pub(super) fn rate(&self) -> Option<u64> {
-        Some(self.rate.load(Ordering::Relaxed)).filter(|&r| r > 0)
-    }
-
-    /// Paces the thread's releases at `rate` bytes per second from its next handle on;
-    /// `None` lifts the pace (a thread waiting out the old one wakes at once).
+    /// Sets the driver rate (`pace.rs`) from the next handle on; `None` lifts it (a thread
+    /// waiting out the old one wakes at once).
     pub(super) fn set_rate(&self, rate: Option<u64>) {
-        self.rate.store(rate.unwrap_or(0), Ordering::Relaxed);
-        let mut queue = self.queue();
-        if rate.is_none() {
-            queue.next_release_at = None;
-        }
+        let queue = self.queue(); // so that the thread sees the rate change, not a lost wakeup
+        self.pace.set(rate);
         drop(queue);
         self.changed.notify_all();
     }
@@ -281,7 +265,7 @@ impl Releaser {
             let Some(entry) = queue.pending.front_mut().filter(|p| p.seq == seq) else {
                 break; // taken back whole, or released at teardown
             };
-            let mappings = match self.rate() {
+            let mappings = match self.pace.rate() {
                 None => std::mem::take(&mut entry.mappings),
                 Some(_) => entry.mappings.pop().into_iter().collect(),
             };
@@ -306,7 +290,7 @@ impl Releaser {
     /// handle, or until teardown or a lifted pace cuts the wait short.
     fn pace(&self) {
         let mut queue = self.queue();
-        while let Some(at) = queue.next_release_at.filter(|_| !queue.closing) {
+        while let Some(at) = self.pace.due().filter(|_| !queue.closing) {
             let left = at.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -339,10 +323,8 @@ impl Releaser {
         queue.bytes -= bytes;
         queue.handles -= handles;
         queue.stuck.extend(stuck);
-        queue.next_release_at = self
-            .rate()
-            .map(|rate| Instant::now() + Duration::from_secs_f64(bytes as f64 / rate as f64));
         drop(queue);
+        self.pace.spent(bytes);
         self.changed.notify_all();
     }
 

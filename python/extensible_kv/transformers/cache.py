@@ -154,12 +154,13 @@ class Options:
     - `pool_move`: asked to lend, the cache moves its live blocks down into free ones first
       (as `resize(..., move=True)` does, between the loop's steps), so that it lends every
       free block above its minimum, not only the free ones at its top.
-    - `release_rate`: bytes per second at which memory the cache gives back (an `AutoResize`
-      or `resize` shrink, a `release`) goes back to the driver, one handle at a time
-      (`ExtensibleTensor.release_rate`); None (the default): at once. The driver scrubs
-      released memory on the device, and gigabytes of it at once slow the steps of a decode
-      loop that shares the GPU; paced, the scrub is spread thin (on an H100 that took a fifth
-      of the slowdown off; docs/benchmarks.md). The shrink itself still returns at once.
+    - `driver_rate`: bytes per second the cache creates (grows) and gives back (an
+      `AutoResize` or `resize` shrink, a `release`) through the driver at most, one handle at
+      a time (`ExtensibleTensor.driver_rate`); None (the default): unpaced. The driver's work
+      on the device for that memory (its scrub) slows the steps of a decode loop that shares
+      the GPU when gigabytes come at once; paced, it is spread thin, and a grow takes as long
+      as its bytes at the rate (docs/benchmarks.md, "Pacing the releases"). A shrink still
+      returns at once.
     """
 
     budget_bytes: int | None = None
@@ -174,14 +175,14 @@ class Options:
     pool_via: str = "loan"
     pool_step_blocks: int | None = None
     pool_move: bool = False
-    release_rate: int | None = None
+    driver_rate: int | None = None
 
     def __post_init__(self) -> None:
         for name, least in (
             ("budget_bytes", 0),
             ("margin_bytes", 0),
             ("granularity", 1),
-            ("release_rate", 1),
+            ("driver_rate", 1),
         ):
             value = _args.optional_size(getattr(self, name), name, minimum=least)
             object.__setattr__(self, name, value)
@@ -481,7 +482,7 @@ def _cache_class(base: Any, pool_class: type) -> type:
             granularity=build.options.granularity,
             export_handle_types="posix_fd" if lends else 0,
         )
-        tensor.release_rate = build.options.release_rate
+        tensor.driver_rate = build.options.driver_rate
         try:
             state = _State(
                 tensor=tensor,

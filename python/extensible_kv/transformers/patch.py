@@ -162,7 +162,7 @@ def enable(
     pool_via: str = "loan",
     pool_step_blocks: int | None = None,
     pool_move: bool = False,
-    release_rate: int | None = None,
+    driver_rate: int | None = None,
 ) -> None:
     """Every continuous-batching manager transformers creates from now on gets an extensible
     KV cache, sized after its warm-up (see `extensible_kv.transformers`). Calling it again
@@ -188,7 +188,7 @@ def enable(
         pool_via,
         pool_step_blocks,
         pool_move,
-        release_rate,
+        driver_rate,
     )
     _apply(options)
 
