@@ -312,11 +312,12 @@ fn a_paced_release_goes_one_handle_at_a_time_at_its_rate() {
     tensor.check_invariants().unwrap();
 }
 
-#[test]
-fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
+/// `tensor_on` shrunk from 6 granules to 2 at a driver rate of a handle per 10 s, once the
+/// first of the 4 handles has gone (at once: nothing was created or released before).
+fn three_left_to_release_at_a_handle_per_10_s() -> (Arc<HostDriver>, ExtensibleTensor) {
     let host = Arc::new(HostDriver::new(G).unwrap());
     let tensor = tensor_on(host.clone());
-    tensor.set_driver_rate(Some(G / 10)).unwrap(); // a handle per 10 s
+    tensor.set_driver_rate(Some(G / 10)).unwrap();
     tensor.hold_events(true).unwrap();
     tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
     tensor.hold_events(false).unwrap();
@@ -324,6 +325,12 @@ fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
         eventually(|| tensor.pending_release_bytes() == 3 * G),
         "the first goes at once"
     );
+    (host, tensor)
+}
+
+#[test]
+fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
+    let (_, tensor) = three_left_to_release_at_a_handle_per_10_s();
     // The thread went top down: granules 2-4 are still pending, and a grow over them maps
     // them again with no create (which would wait its turn at this rate).
     let start = std::time::Instant::now();
@@ -341,13 +348,7 @@ fn a_grow_takes_back_the_handles_a_paced_release_has_not_reached() {
 #[test]
 fn lifting_the_pace_or_closing_does_not_wait_out_the_rate() {
     for lift in [true, false] {
-        let host = Arc::new(HostDriver::new(G).unwrap());
-        let tensor = tensor_on(host.clone());
-        tensor.set_driver_rate(Some(G / 10)).unwrap(); // a handle per 10 s
-        tensor.hold_events(true).unwrap();
-        tensor.shrink(2 * G, ShrinkOptions::default()).unwrap();
-        tensor.hold_events(false).unwrap();
-        assert!(eventually(|| tensor.pending_release_bytes() == 3 * G));
+        let (host, tensor) = three_left_to_release_at_a_handle_per_10_s();
         let start = std::time::Instant::now();
         match lift {
             true => {

@@ -712,6 +712,20 @@ def members_of(
     }
 
 
+def lender_and_borrower(
+    pool: Pool, ca: ExtensibleKVCache, cb: ExtensibleKVCache, used: dict[str, int]
+) -> tuple[PoolMember, PoolMember]:
+    """Members a and b joined (up to 64 blocks each), a at 32 blocks of which its first 10
+    are live and hold 3s."""
+    a, b = members_of(pool, {"a": ca, "b": cb}, used, max_blocks=64).values()
+    a.join()
+    b.join()
+    assert a.grow(32) == 32
+    used["a"] = 10
+    ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
+    return a, b
+
+
 def test_member_arguments_are_checked(tmp_path: Path) -> None:
     pool = Pool("test", directory=tmp_path)
     with cache() as c:
@@ -813,12 +827,7 @@ def test_a_loan_the_borrower_cannot_take_goes_back_and_its_lender_waits_to_be_as
     used = {"a": 0, "b": 0}
     caplog.set_level(logging.INFO, logger="extensible_kv")
     with cache() as ca, cache() as cb:
-        a, b = members_of(pool, {"a": ca, "b": cb}, used, max_blocks=64).values()
-        a.join()
-        b.join()
-        assert a.grow(32) == 32
-        used["a"] = 10
-        ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
+        a, b = lender_and_borrower(pool, ca, cb, used)
         refusal = ValueError(
             "stale or foreign loan: the lender, process 1, is gone; ask the lender for a "
             "current loan (lend again)"
@@ -881,12 +890,7 @@ def test_a_borrower_refused_by_pid_takes_the_loan_over_the_lenders_socket(
     used = {"a": 0, "b": 0}
     caplog.set_level(logging.INFO, logger="extensible_kv")
     with cache() as ca, cache() as cb:
-        a, b = members_of(pool, {"a": ca, "b": cb}, used, max_blocks=64).values()
-        a.join()
-        b.join()
-        assert a.grow(32) == 32
-        used["a"] = 10
-        ca.views["attn"][:, :10].fill_(3)  # type: ignore[call-overload]
+        a, b = lender_and_borrower(pool, ca, cb, used)
         by_pid, over_socket = [], []
         own_borrow = cb.borrow
 
