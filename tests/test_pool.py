@@ -939,7 +939,13 @@ def test_a_borrower_refused_by_pid_takes_the_loan_over_the_lenders_socket(
                 timeout=60,
             )
             assert other.returncode == 3, other.stderr
+            import socket
+
+            silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            silent.connect(name)  # asks nothing: dropped, and a serves on
             b.serve()  # refused by pid: asks a's socket, a's loop answers
+            assert silent.recv(1) == b""  # closed by a, unanswered
+            silent.close()
             (loan,) = pool.snapshot().loans.values()
             assert loan.state == "borrowed", loan
             assert len(by_pid) == 1 and over_socket and over_socket[0] > 0

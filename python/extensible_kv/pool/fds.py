@@ -24,8 +24,12 @@ from collections.abc import Iterator
 
 from extensible_kv.ipc import Loan, _recv_exactly, recv_loan
 
-# How long the lender waits for a request's 8 bytes once it accepted the connection.
-REQUEST_TIMEOUT_S = 0.5
+# How long the lender waits for a request's 8 bytes once it accepted the connection (a
+# borrower sends them right after connecting, before the lender accepts), and how many
+# requests one `serve` answers: a local process that connects and sends nothing, again and
+# again, delays the lender's loop by at most their product.
+REQUEST_TIMEOUT_S = 0.02
+REQUESTS_PER_SERVE = 8
 
 
 def address(pool_path: str, engine: str, pid: int, start_time: int) -> bytes:
@@ -52,8 +56,9 @@ class FdServer:
     def requests(self) -> Iterator[tuple[socket.socket, int, int]]:
         """Every request waiting now: `(connection, the asking process's pid, loan id)`. The
         caller answers on the connection and closes it; a request that does not come whole
-        within `REQUEST_TIMEOUT_S` is dropped."""
-        while True:
+        within `REQUEST_TIMEOUT_S` is dropped; past `REQUESTS_PER_SERVE`, the rest wait for
+        the next call."""
+        for _ in range(REQUESTS_PER_SERVE):
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
