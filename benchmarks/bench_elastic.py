@@ -28,7 +28,7 @@ it: unmaps and maps of the same handles, none created or released), `trickle` (o
 steps of `--trickle-mib`, `--trickle-gap-ms` after each call: the same create and release
 at a bounded rate), `trickle-grows` / `trickle-shrinks` (the pause after grows / shrinks
 only) and `small-grows` / `small-grows-rated` (grows of `--trickle-mib` a call, back to back;
-shrinks of 1-8 units; the second with `rated`'s release rate).
+shrinks of 1-8 units; the second with `rated`'s driver rate).
 Reported: the step time p50 / p99 / max per phase (on the host's clock, launch to the
 stream's end as the engine sees it, and on a GPU also the device's own, CUDA events around
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
@@ -293,7 +293,7 @@ def _python_only(tensor: Any, until: float) -> dict[str, list[float]]:
 # after each grow / each shrink (whether the scrub that slows the steps follows the creates or
 # the releases); `small-grows`: ours with every grow a call of `--trickle-mib`, back to back,
 # the shrinks 1-8 units (whether a many-handle grow call is what slows the steps), and
-# `small-grows-rated` the same with `rated`'s release rate.
+# `small-grows-rated` the same with `rated`'s driver rate.
 DIAGNOSE = (
     "elsewhere",
     "python",
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         "--driver-rate-gib",
         type=float,
         default=32.0,
-        help="`rated`'s release rate, GiB/s (MiB/s on the host)",
+        help="`rated`'s driver rate, GiB/s (MiB/s on the host)",
     )
     parser.add_argument(
         "--handle-mib",

@@ -248,7 +248,7 @@ impl Releaser {
 
     /// Waits for the first pending entry's event, then unmaps and releases what is left of
     /// it (a grow may take mappings back meanwhile): all at once, or one handle at a time at
-    /// the release rate. False when nothing was pending.
+    /// the driver rate. False when nothing was pending.
     fn release_front(&self) -> bool {
         let front = self
             .queue()
@@ -286,7 +286,7 @@ impl Releaser {
         true
     }
 
-    /// Waits (the queue's lock let go while it does) until the release rate allows the next
+    /// Waits (the queue's lock let go while it does) until the driver rate allows the next
     /// handle, or until teardown or a lifted pace cuts the wait short.
     fn pace(&self) {
         let mut queue = self.queue();

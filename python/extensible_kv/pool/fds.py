@@ -18,6 +18,7 @@ process given the same pid, or an engine of another pool, is never asked.
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import struct
 from collections.abc import Iterator
@@ -97,8 +98,6 @@ def fetch(name: bytes, loan_id: int, count: int, timeout_s: float) -> list[Loan]
 
 def close_received(loans: list[Loan]) -> None:
     """Closes the fds `loans` still carry (those a borrow did not take)."""
-    import os
-
     for loan in loans:
         for fd in loan._take_fds() or ():
             os.close(fd)
