@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from extensible_kv import AttentionLayerSpec, ExtensibleKVCache, KVCacheTensorSpec
 from extensible_kv.pool import Pool, PoolMember
+from extensible_kv.pool.member import PTRACE_REFUSED
 
 GRANULE = 4096
 # FLASH_ATTN: 2 segments (K, V) of 32 tokens x 2 heads x 32 bf16 = one granule a block.
@@ -51,15 +52,20 @@ class Engine:
         seed: int,
         limits: tuple[int, int],
         answer_timeout_s: float,
+        refuse_by_pid: bool,
     ) -> None:
         self.seed = seed
         self.used = 0
+        self.over_socket = 0  # loans borrowed with fds the lender sent on its socket
         self.cache = ExtensibleKVCache(
             SPEC, CAPACITY, "cpu", granularity=GRANULE, export_handle_types="posix_fd"
         )
         view = self.cache.views["attn"]
         assert isinstance(view, torch.Tensor) and self.cache.block_dims["attn"] == 1
         self.view = view.transpose(0, 1)  # blocks first: (blocks, K/V, tokens, heads, size)
+        self.refuse_by_pid = refuse_by_pid
+        if refuse_by_pid:
+            self.cache.borrow = self.borrow_refused_by_pid  # type: ignore[method-assign]
         self.member = PoolMember(
             Pool(pool, directory=directory),
             name,
@@ -73,6 +79,25 @@ class Engine:
             commit_step_blocks=STEP,
         )
         self.member.join()
+
+    def borrow_refused_by_pid(self, loans: Any, **kw: Any) -> int:
+        """The cache's borrow where this process may not take other processes' fds by pid
+        (pidfd_getfd's EPERM under Yama's ptrace_scope, stood in for): only fds the lender
+        sent on its socket are taken."""
+        if any(loan.received_fds is None for loan in loans):
+            raise ValueError(
+                "stale or foreign loan: cannot take fd 7 of process 1: Import failed: EPERM "
+                f"(pidfd_getfd: fd 7 of process 1; this process {PTRACE_REFUSED} (stood in)"
+            )
+        blocks = ExtensibleKVCache.borrow(self.cache, loans, **kw)
+        self.over_socket += 1
+        return blocks
+
+    def idle(self, conn: Any) -> None:
+        """Between commands: as a lender's loop does between its steps, answers borrowers
+        that ask on its socket (which changes nothing in the ledger or in its numbers)."""
+        while not conn.poll(0.002):
+            self.member._send_fds()
 
     def resized(self, committed: int) -> None:
         assert committed >= self.used, f"the cache shrank to {committed} under {self.used} used"
@@ -109,6 +134,7 @@ class Engine:
             "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
             "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
             "used": self.used,
+            "over_socket": self.over_socket,
         }
 
     def settle(self, timeout_s: float) -> None:
@@ -130,6 +156,8 @@ def _main(conn: Any, args: tuple[Any, ...]) -> None:
         engine = Engine(*args)
         conn.send(("ok", os.getpid()))
         while True:
+            if engine.refuse_by_pid:
+                engine.idle(conn)
             command, *rest = conn.recv()
             if command == "stop":
                 conn.send(("ok",))
@@ -216,12 +244,14 @@ def start(
     seed: int,
     limits: tuple[int, int] = (4, CAPACITY),
     answer_timeout_s: float = 1.0,
+    refuse_by_pid: bool = False,
 ) -> Proc:
-    """Starts engine `name`; `joined` waits for it to be in the pool."""
+    """Starts engine `name`; `joined` waits for it to be in the pool. With `refuse_by_pid`,
+    the engine may not take others' fds by pid and borrows over their sockets."""
     parent, child = ctx.Pipe()
     process = ctx.Process(
         target=_main,
-        args=(child, (directory, pool, name, seed, limits, answer_timeout_s)),
+        args=(child, (directory, pool, name, seed, limits, answer_timeout_s, refuse_by_pid)),
         daemon=True,
     )
     process.start()

@@ -1,7 +1,8 @@
 """The pool with real engine processes on the host backend (`pool_engine.py`): three engines
-borrow and give back under a seeded random schedule while engines are killed with SIGKILL at
-random steps (some in the middle of a command), limits changed at run time from the command
-line, and a donor stopped with SIGSTOP.
+borrow and give back under a seeded random schedule (taking the fds by pid, or over the
+lenders' sockets) while engines are killed with SIGKILL at random steps (some in the middle of
+a command), limits changed at run time from the command line, and a donor stopped with
+SIGSTOP.
 
 After every step the ledger is consistent (`rules.check`), says what each engine's process
 holds (its own numbers, and the bytes of memory `/proc/<pid>/maps` shows it mapping), and the
@@ -104,10 +105,16 @@ def check_settled(
         assert other_fds(proc.pid) == fds_after_join[name], f"{name} leaked an fd"
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    ("seed", "refuse_by_pid"),
+    [(0, False), (1, False), pytest.param(2, True, id="2-over-sockets")],
+)
 def test_three_engines_borrow_and_give_back_through_kill_9s(
-    tmp_path: Path, ctx: Any, procs: list[Proc], seed: int
+    tmp_path: Path, ctx: Any, procs: list[Proc], seed: int, refuse_by_pid: bool
 ) -> None:
+    """With `refuse_by_pid`, no engine may take another's fds by pid (Yama's ptrace_scope,
+    stood in for): every loan's fds go over its lender's socket, and a kill in the middle of
+    a command may fall in such a hand-off, on either side."""
     rng = random.Random(seed)
     pool = Pool(POOL, directory=tmp_path)
     share = 96 * BLOCK_BYTES  # 32 blocks an engine on average: they must borrow to grow
@@ -122,7 +129,11 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
         new = []
         for _ in range(count):
             name = f"e{serial}"
-            new.append(start(ctx, str(tmp_path), POOL, name, seed * 100 + serial))
+            new.append(
+                start(
+                    ctx, str(tmp_path), POOL, name, seed * 100 + serial, refuse_by_pid=refuse_by_pid
+                )
+            )
             serial += 1
         procs.extend(new)
         for proc in new:
@@ -136,6 +147,7 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
     kills = set(rng.sample(range(5, steps - 10), 4))
     borrowed: set[int] = set()  # loans seen borrowed
     killed_with_loans = 0
+    over_socket: dict[str, int] = {}  # loans each engine took over a lender's socket
     ledger = pool.snapshot()
     for step in range(steps):
         if step in kills:
@@ -177,9 +189,14 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
                     _, numbers[other.name] = other("serve")
         ledger = check_consistent(pool, live, numbers, share)
         borrowed |= {x.loan_id for x in ledger.loans.values() if x.state == "borrowed"}
+        over_socket.update((n, numbers[n]["over_socket"]) for n in live)
 
     print(f"{len(borrowed)} loans borrowed, {killed_with_loans} of 4 killed with loans")
     assert len(borrowed) >= 5, "the schedule hardly lent anything"
+    if refuse_by_pid:
+        assert sum(over_socket.values()) >= 5, f"hardly anything went over sockets: {over_socket}"
+    else:
+        assert sum(over_socket.values()) == 0, over_socket
     assert killed_with_loans >= 1, "no engine was killed with loans in flight"
     for proc in live.values():
         proc.send("settle", 30.0)
