@@ -34,7 +34,9 @@ stream's end as the engine sees it, and on a GPU also the device's own, CUDA eve
 the replay: what the GPU was slowed by, apart from the host), the host time of every grow and shrink
 call, how long after a shrink returned its memory was released (and, on a GPU, after the
 stream's last use of it: an event recorded after the shrink, seen complete), and the host time of a
-`release_physical` of `--resize-gib` under the loop. The grows do not zero (paged KV is
+`release_physical` of `--resize-gib` under the loop, and, with the loop stopped, the
+driver's own time to give back shrinks of 1, 2, 4 and 8 GiB: the least a release can lag
+(beside which the lag per GiB under decode reads). The grows do not zero (paged KV is
 written before it is read; vLLM does not zero its cache either): `--zero` zeroes them.
 
 `serve`: transformers' continuous batching (random-weight model from a config, 8B-shaped on a
@@ -209,7 +211,9 @@ def _resize_cycles(
         "shrink_ms": [],
         "released_after_ms": [],
         "released_after_last_use_ms": [],
+        "released_per_gib_ms": [],  # the lag after the last use over the step's GiB
     }
+    per_gib = GIB if loop.gpu else MIB  # the host backend's sizes are MiB
     pause_grow_s, pause_shrink_s = pause_s if isinstance(pause_s, tuple) else (pause_s, pause_s)
     own = torch.cuda.Stream(loop.device) if loop.gpu else None
     context = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
@@ -250,6 +254,7 @@ def _resize_cycles(
                 released = time.perf_counter()
                 calls["released_after_ms"].append((released - returned) * 1e3)
                 calls["released_after_last_use_ms"].append((released - last_use) * 1e3)
+                calls["released_per_gib_ms"].append((released - last_use) * 1e3 * per_gib / step)
                 time.sleep(pause_shrink_s)
     return calls
 
@@ -403,6 +408,7 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
             elsewhere.close()
         if remap is not None:
             remap.close()
+    result["idle_release"] = _idle_release(args, unit, kw, sizing, gpu)
     result["steps"] = {phase: _percentiles(times) for phase, times in loop.times.items()}
     result["device_steps"] = {p: _percentiles(t) for p, t in loop.device_times.items()}
     for phase in [p for p in phases if p != "quiet"]:
@@ -413,6 +419,36 @@ def decode_part(args: argparse.Namespace) -> dict[str, Any]:
     if gpu:
         torch.cuda.synchronize()
     return result
+
+
+def _idle_release(
+    args: argparse.Namespace, unit: int, kw: dict[str, Any], sizing: dict[str, Any], gpu: bool
+) -> dict[str, Any]:
+    """The driver's own time to give back each step size (1, 2, 4, 8 units) with the device
+    idle, the decode loop stopped: how long after a shrink its memory can be released at
+    the least (the unmaps and releases themselves), beside which the lag under decode reads.
+    Median of 3 shrinks of each size."""
+    import torch
+    from extensible_kv import ExtensibleTensor
+
+    sizes = [k * unit for k in (1, 2, 4, 8) if k * unit <= args.resize_gib * unit]
+    tensor = ExtensibleTensor(max(sizes), device=args.device, **kw, **sizing)
+    floor: dict[str, Any] = {}
+    try:
+        for size in sizes:
+            lags = []
+            for _ in range(3):
+                tensor.resize_(size, zero_new=False)
+                if gpu:
+                    torch.cuda.synchronize(args.device)
+                tensor.shrink_(0)
+                returned = time.perf_counter()
+                tensor.wait_released()
+                lags.append((time.perf_counter() - returned) * 1e3)
+            floor[str(size // unit)] = {"bytes": size, "released_after_ms": statistics.median(lags)}
+    finally:
+        tensor.close()
+    return floor
 
 
 def _bursts(args: argparse.Namespace, vocab: int, gpu: bool) -> list[list[list[int]]]:
@@ -607,6 +643,27 @@ def report(results: dict[str, Any]) -> str:
             f"| ours | release_physical of {rel['bytes'] / GIB:.2f} GiB | 1 | "
             f"{rel['call_ms']:.3f} | released {rel['released_after_ms']:.2f} ms after | |"
         )
+        floor = decode.get("idle_release") or {}
+        if floor:
+            lines += [
+                "",
+                "### A shrink's memory released, after the stream's last use of it (ms)",
+                "The driver's own time for the same sizes with the device idle (median of 3) "
+                "is the least it can take: "
+                + ", ".join(f"{k} units {v['released_after_ms']:.2f} ms" for k, v in floor.items())
+                + " (a unit is a GiB on a GPU, a MiB on the host).",
+                "",
+                "| phase | n | p50 | p99 | max | p50 per unit | p99 per unit |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for phase in (*PHASES[1:], *DIAGNOSE):
+                calls = decode.get(f"{phase}_calls", {})
+                lag, per = calls.get("released_after_last_use_ms"), calls.get("released_per_gib_ms")
+                if lag and per:
+                    lines.append(
+                        f"| {phase} | {lag['n']} | {lag['p50_ms']:.2f} | {lag['p99_ms']:.2f} | "
+                        f"{lag['max_ms']:.2f} | {per['p50_ms']:.2f} | {per['p99_ms']:.2f} |"
+                    )
     serve = results.get("serve")
     if serve:
         a, f = serve["auto"], serve["fixed"]

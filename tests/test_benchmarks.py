@@ -141,7 +141,8 @@ def test_bench_pool_loan_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The decode loop runs through its four phases with the resizer cycling, every shrink's
-    memory is released, and the bursty trace serves identical tokens on both caches."""
+    memory is released (its lag per GiB filed, beside the idle device's release of each step
+    size), and the bursty trace serves identical tokens on both caches."""
     pytest.importorskip("transformers")
     bench = bench_scripts.load("bench_elastic")
     argv = [
@@ -158,6 +159,9 @@ def test_bench_elastic_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert calls["grow_ms"]["n"] > 0 and calls["shrink_ms"]["n"] > 0
         assert calls["released_after_ms"]["n"] == calls["shrink_ms"]["n"]
     assert decode["release_physical"]["bytes"] == 8 << 20
+    assert [v["bytes"] for v in decode["idle_release"].values()] == [k << 20 for k in (1, 2, 4, 8)]
+    lag = decode["ours_calls"]["released_per_gib_ms"]
+    assert lag["n"] == decode["ours_calls"]["shrink_ms"]["n"] and lag["p50_ms"] >= 0
     serve = res["serve"]
     assert serve["identical"] is True
     assert serve["auto"]["blocks_seen"][0] < serve["fixed"]["blocks_seen"][0]
