@@ -401,3 +401,24 @@ fn a_paced_grow_creates_one_handle_at_a_time_at_the_rate() {
     );
     tensor.check_invariants().unwrap();
 }
+
+#[test]
+fn lifting_the_pace_ends_a_paced_grow_s_wait() {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let tensor = ExtensibleTensor::with_equal_segments(host.clone(), 4 * G, 1, options()).unwrap();
+    tensor.set_driver_rate(Some(G / 10)).unwrap(); // a handle per 10 s
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        let grow = s.spawn(|| tensor.resize(4 * G, GrowOptions::zeroed()));
+        std::thread::sleep(Duration::from_millis(50)); // past the first create, waiting
+        tensor.set_driver_rate(None).unwrap();
+        grow.join().unwrap().unwrap();
+    });
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "the grow waited out the rate: {took:?}"
+    );
+    assert_eq!((tensor.num_handles(), host.live_counts().1), (4, 4));
+    tensor.check_invariants().unwrap();
+}

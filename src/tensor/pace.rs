@@ -7,8 +7,10 @@
 //!    `n / rate` seconds have passed; creates and releases share that one budget, as they
 //!    share the driver;
 //! 2. without a rate nothing waits, and lifting the rate ends every wait at once;
-//! 3. a `Pace` holds no other lock while it is locked: the release thread reads it under
-//!    its queue's lock, a grow under the tensor's state lock.
+//! 3. a `Pace` holds no other lock while it is locked: the release thread and a grow read it
+//!    under the release queue's lock (a grow holding the tensor's state lock as well), and
+//!    both wait their turn on that queue's condvar (`Releaser::wait_turn`), which a change of
+//!    the rate signals.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -49,19 +51,6 @@ impl Pace {
         if let Some(rate) = self.rate() {
             let owed = Duration::from_secs_f64(bytes as f64 / rate as f64);
             *relock(&self.next_at) = Some(Instant::now() + owed);
-        }
-    }
-
-    /// Sleeps until the next handle may go (a grow's wait: the caller holds no lock that the
-    /// release thread or a launch takes).
-    pub(super) fn wait(&self) {
-        while let Some(at) = self.due() {
-            let left = at.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            // In slices, so that a lifted rate ends the wait soon.
-            std::thread::sleep(left.min(Duration::from_millis(10)));
         }
     }
 }

@@ -260,7 +260,7 @@ impl Releaser {
         };
         let mut waited = Some(self.ctx.driver.wait_event(event.id));
         loop {
-            self.pace();
+            self.wait_turn();
             let mut queue = self.queue();
             let Some(entry) = queue.pending.front_mut().filter(|p| p.seq == seq) else {
                 break; // taken back whole, or released at teardown
@@ -287,8 +287,10 @@ impl Releaser {
     }
 
     /// Waits (the queue's lock let go while it does) until the driver rate allows the next
-    /// handle, or until teardown or a lifted pace cuts the wait short.
-    fn pace(&self) {
+    /// handle, or until teardown or a lifted pace cuts the wait short: the release thread's
+    /// wait before each handle, and a grow's before each create (`grow.rs`, under the state
+    /// lock, which this never takes).
+    pub(super) fn wait_turn(&self) {
         let mut queue = self.queue();
         while let Some(at) = self.pace.due().filter(|_| !queue.closing) {
             let left = at.saturating_duration_since(Instant::now());
