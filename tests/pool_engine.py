@@ -85,10 +85,7 @@ class Engine:
         (pidfd_getfd's EPERM under Yama's ptrace_scope, stood in for): only fds the lender
         sent on its socket are taken."""
         if any(loan.received_fds is None for loan in loans):
-            raise ValueError(
-                "stale or foreign loan: cannot take fd 7 of process 1: Import failed: EPERM "
-                f"(pidfd_getfd: fd 7 of process 1; this process {PTRACE_REFUSED} (stood in)"
-            )
+            raise refused_by_pid()
         blocks = ExtensibleKVCache.borrow(self.cache, loans, **kw)
         self.over_socket += 1
         return blocks
@@ -148,6 +145,15 @@ class Engine:
             ]
         self.use(min([self.used, *starts]))
         self.member.settle(timeout_s)
+
+
+def refused_by_pid() -> ValueError:
+    """What a borrow raises where this process may not take the lender's fds by pid
+    (pidfd_getfd's EPERM under Yama's ptrace_scope; src/ipc.rs's hint), stood in for."""
+    return ValueError(
+        "stale or foreign loan: cannot take fd 7 of process 1: Import failed: EPERM "
+        f"(pidfd_getfd: fd 7 of process 1; this process {PTRACE_REFUSED} (Yama ptrace_scope ...)"
+    )
 
 
 def _main(conn: Any, args: tuple[Any, ...]) -> None:

@@ -883,7 +883,7 @@ def test_a_borrower_refused_by_pid_takes_the_loan_over_the_lenders_socket(
     import threading
 
     from extensible_kv.pool import fds
-    from extensible_kv.pool.member import PTRACE_REFUSED
+    from pool_engine import refused_by_pid
 
     pool = Pool("test", directory=tmp_path, clock=Clock())
     pool.set_share("cpu", 48 * 2 * 4096)
@@ -897,11 +897,7 @@ def test_a_borrower_refused_by_pid_takes_the_loan_over_the_lenders_socket(
         def borrow(loans: Any, **kw: Any) -> int:
             if any(loan.received_fds is None for loan in loans):
                 by_pid.append(loans)
-                raise ValueError(
-                    "stale or foreign loan: cannot take fd 7 of process 1: Import failed: "
-                    f"EPERM (pidfd_getfd: fd 7 of process 1; this process {PTRACE_REFUSED} "
-                    "(Yama ptrace_scope ...)"
-                )
+                raise refused_by_pid()
             over_socket.append(len(loans[0].received_fds))
             return own_borrow(loans, **kw)
 
