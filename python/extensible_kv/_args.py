@@ -4,7 +4,8 @@
 A size is any integer `operator.index` takes (int, numpy and torch integer scalars), never a
 bool or a float. A flag is a bool (numpy's too). A dtype is a `torch.dtype`: numpy dtypes and
 strings are refused by name, with the torch dtype to pass instead, since torch itself takes no
-aliases either (`tensor.view("float32")` fails).
+aliases either (`tensor.view("float32")` fails). A duration is a finite number of seconds
+within a bound (`duration`); `seconds` also takes None (no limit) where a wait may be endless.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
-def size(value: object, name: str, *, minimum: int = 0) -> int:
-    """`value` as an int of at least `minimum`."""
+def size(value: object, name: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """`value` as an int of at least `minimum` (and at most `maximum`, if given)."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} must be an int, not {_type_name(value)}")
     try:
@@ -31,11 +32,15 @@ def size(value: object, name: str, *, minimum: int = 0) -> int:
         raise TypeError(f"{name} must be an int, not {_type_name(value)}") from None
     if number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {number}")
     return number
 
 
-def optional_size(value: object, name: str, *, minimum: int = 0) -> int | None:
-    return None if value is None else size(value, name, minimum=minimum)
+def optional_size(
+    value: object, name: str, *, minimum: int = 0, maximum: int | None = None
+) -> int | None:
+    return None if value is None else size(value, name, minimum=minimum, maximum=maximum)
 
 
 def sizes(values: object, name: str, *, minimum: int | None = 0) -> tuple[int, ...]:
@@ -59,6 +64,31 @@ def seconds(value: object, name: str = "timeout", *, optional: bool = True) -> f
     number = float(value)  # type: ignore[arg-type]
     if not number >= 0:  # NaN too
         raise ValueError(f"{name} must be {either}>= 0 seconds, got {value}")
+    return number
+
+
+# The longest wait or bound a caller may give in seconds (`duration`): about 11.6 days. Far
+# past anything a pool or a loan waits for, and small enough that a deadline computed from it
+# stays a finite time every reader accepts (the pool's ledger refuses times of 1e12 s or more).
+MAX_SECONDS = 1e6
+
+
+def duration(
+    value: object, name: str, *, zero: bool = False, maximum: float = MAX_SECONDS
+) -> float:
+    """`value` as a finite number of seconds, more than 0 (at least 0 where `zero`) and at
+    most `maximum`: a bound that ends. None, NaN and infinities are refused: a wait "for ever"
+    is never what a bound means, and NaN compares false with every deadline."""
+    is_real = isinstance(value, int | float) or hasattr(type(value), "__float__")
+    if isinstance(value, bool) or not is_real:
+        raise TypeError(f"{name} must be a number of seconds, not {_type_name(value)}")
+    number = float(value)  # type: ignore[arg-type]
+    low_ok = number >= 0 if zero else number > 0
+    if not (low_ok and number <= maximum):  # NaN fails both
+        low = ">= 0" if zero else "> 0"
+        raise ValueError(
+            f"{name} must be a finite number of seconds {low} and <= {maximum:g}, got {value}"
+        )
     return number
 
 

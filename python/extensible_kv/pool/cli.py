@@ -1,20 +1,23 @@
 """`python -m extensible_kv pool status|limit|share|watch|reset`: read and change a pool's ledger
-while its engines run. Errors (a corrupt ledger, an unknown engine, a lock held too long) are
-one line on stderr and exit status 2."""
+while its engines run. Errors (a bad flag, a corrupt ledger, an unknown engine, a lock held too
+long, another user's pool) are one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+from extensible_kv import _args
 from extensible_kv.pool import rules
-from extensible_kv.pool.ledger import Ledger
+from extensible_kv.pool.ledger import Ledger, check_device, check_name
 from extensible_kv.pool.policy import unresponsive
-from extensible_kv.pool.store import Pool, PoolLockTimeout
+from extensible_kv.pool.store import GROUP_ENV, Pool, PoolLockTimeout
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -27,9 +30,19 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Shows and changes a node-local memory pool's ledger (extensible_kv.pool) "
         "while its engines run.",
     )
-    pool.add_argument("--pool", default="default", help="the pool's name (default: default)")
+    pool.add_argument(
+        "--pool",
+        default="default",
+        type=_checked(check_name, "a pool name"),
+        help="the pool's name (default: default)",
+    )
     pool.add_argument(
         "--dir", help="the ledger's directory (default: $EXTENSIBLE_KV_POOL_DIR, else /dev/shm)"
+    )
+    pool.add_argument(
+        "--group",
+        help=f"the group of a pool shared by several users (default: ${GROUP_ENV}, else none: "
+        "the pool is this user's alone)",
     )
     pool.set_defaults(run=run)
     actions = pool.add_subparsers(dest="action", required=True)
@@ -39,20 +52,32 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     status.set_defaults(pool_run=_status)
     limit = actions.add_parser("limit", help="change an engine's min/max blocks while it runs")
-    limit.add_argument("engine")
+    limit.add_argument("engine", type=_checked(check_name, "an engine name"))
     limit.add_argument("--min", type=_blocks, dest="min_blocks", help="blocks it never lends")
     limit.add_argument("--max", type=_blocks, dest="max_blocks", help="blocks it never passes")
     limit.set_defaults(pool_run=_limit)
     share = actions.add_parser("share", help="cap the bytes the pool may hold on a device")
-    share.add_argument("device", help="cpu or cuda:N")
+    share.add_argument("device", type=_checked(check_device, "a device"), help="cpu or cuda:N")
     share.add_argument("size", type=_size, help="bytes (units B, KiB, MiB, GiB, TiB) or none")
     share.set_defaults(pool_run=_share)
     watch = actions.add_parser("watch", help="status, refreshed")
-    watch.add_argument("--interval", type=float, default=1.0, help="seconds (default: 1)")
+    watch.add_argument("--interval", type=_interval, default=1.0, help="seconds (default: 1)")
     watch.add_argument("--count", type=_blocks, help="refreshes, then exit (default: until ^C)")
     watch.set_defaults(pool_run=_watch)
     reset = actions.add_parser("reset", help="remove the ledger (a corrupt one too)")
     reset.set_defaults(pool_run=_reset)
+
+
+def _checked(check: Callable[[str, str], str], what: str) -> Callable[[str], str]:
+    """An argparse type that refuses what `check` refuses, with its reason."""
+
+    def parse(text: str) -> str:
+        try:
+            return check(text, what)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
 def _blocks(text: str) -> int:
@@ -60,28 +85,47 @@ def _blocks(text: str) -> int:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
+    if not 0 <= value <= rules.MAX_BLOCKS:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    try:
+        return _args.duration(value, "the interval")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0 and <= {_args.MAX_SECONDS:g}, got {text!r}"
+        ) from None
 
 
 def _size(text: str) -> int | None:
     if text.strip().lower() == "none":
         return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
+    match = re.fullmatch(r"\s*(\d{1,40})(?:\.(\d{1,40}))?\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(3).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"a size like 40GiB, 512MiB or 1048576, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    # In integers: a float would round a large size, and 1e39 is no size at all.
+    whole, fraction = match.group(1), match.group(2) or ""
+    unit = _UNITS[match.group(3).lower()]
+    num_bytes: int = (int(whole + fraction) * unit) // 10 ** len(fraction)
+    if num_bytes > rules.MAX_BLOCKS:
+        raise argparse.ArgumentTypeError(f"{text!r} is more bytes than a share can say")
+    return num_bytes
 
 
 def run(options: dict[str, Any]) -> int:
     """`python -m extensible_kv pool ...`: the exit status."""
-    pool = Pool(options.pop("pool"), directory=options.pop("dir"))
     action = options.pop("action")
     command = options.pop("pool_run")
     try:
+        pool = Pool(options.pop("pool"), directory=options.pop("dir"), group=options.pop("group"))
         return int(command(pool, **options))
-    except (ValueError, PoolLockTimeout, OSError) as error:
+    except (ValueError, TypeError, PoolLockTimeout, OSError) as error:
         print(f"pool {action}: {error}", file=sys.stderr)
         return 2
 
@@ -102,8 +146,6 @@ def _limit(pool: Pool, engine: str, min_blocks: int | None, max_blocks: int | No
 
 
 def _share(pool: Pool, device: str, size: int | None) -> int:
-    if not re.fullmatch(r"cpu|cuda:\d{1,3}", device):
-        raise ValueError(f"device {device!r}: cpu or cuda:N")
     pool.set_share(device, size)
     return 0
 

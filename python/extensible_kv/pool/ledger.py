@@ -24,15 +24,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "DEVICE",
     "ENGINE_NAME",
     "LOAN_STATES",
+    "MAX_INT",
+    "MAX_LAYOUT",
+    "MAX_REASON",
+    "MAX_TIME",
     "Engine",
     "Event",
     "Ledger",
     "LedgerCorruptError",
     "LoanEntry",
+    "check_device",
+    "check_name",
     "decode",
     "encode",
+    "refusal",
 ]
 
 MAGIC = "EKVPOOL"
@@ -40,6 +48,11 @@ VERSION = 1
 MAX_LEDGER_BYTES = 1 << 24  # a ledger of thousands of loans is well under a MiB
 MAX_EVENTS = 64
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
+MAX_INT = 2**128  # every integer read is below it: tensor ids are 128 bits, nothing else comes near
+MAX_TIME = 1e12  # every time read is below it (seconds of CLOCK_MONOTONIC: ~31,700 years)
+MAX_REASON = 1024  # characters of a loan's reason
+MAX_LAYOUT = 256  # characters of an engine's layout
 # asked: the borrower asked the lender for `blocks`; the lender answers by `deadline`.
 # offered: the lender lent what lay past its block `kept_blocks`; `loans` describe the
 # memory; the borrower takes it by `deadline`.
@@ -49,7 +62,30 @@ ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # removes the entry once it has read it.
 LOAN_STATES = ("asked", "offered", "borrowed", "returned", "refused", "expired")
 _LOAN_FIELDS = 8  # of an `extensible_kv.ipc.Loan`'s native tuple
-_MAX_INT = 2**128  # tensor ids are 128 bits; nothing else comes near
+
+
+def check_name(value: object, what: str) -> str:
+    """`value` if it is a name the ledger reads (an engine's or a pool's: 1 to 64 letters,
+    digits, `.`, `_` or `-`, starting with a letter or digit); else a `TypeError` or
+    `ValueError` naming `what`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    if not ENGINE_NAME.match(value):
+        raise ValueError(
+            f"{what} {value[:80]!r}: 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit"
+        )
+    return value
+
+
+def check_device(value: object, what: str = "device") -> str:
+    """`value` if it is a device the ledger reads (`cpu`, `cuda:N`); else a `TypeError` or
+    `ValueError` naming `what`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    if not DEVICE.match(value):
+        raise ValueError(f"{what} {value[:40]!r}: cpu or cuda:N")
+    return value
 
 
 class LedgerCorruptError(ValueError):
@@ -164,6 +200,16 @@ def decode(data: bytes, where: str = "the ledger") -> Ledger:
             f"{where} is corrupt: {bad}; if no engine uses the pool any more, "
             "`python -m extensible_kv pool reset` starts a new one"
         ) from None
+
+
+def refusal(data: bytes) -> str | None:
+    """Why `decode` would refuse `data` (None: it reads it). A writer asks before it writes,
+    so that the ledger never holds a value its readers refuse."""
+    try:
+        _decode(data)
+    except _Bad as bad:
+        return str(bad)
+    return None
 
 
 class _Bad(Exception):
@@ -286,7 +332,7 @@ def _list(raw: object, where: str) -> list[Any]:
 def _int(value: object, where: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _Bad(f"{where} is not an integer")
-    if not minimum <= value < _MAX_INT:
+    if not minimum <= value < MAX_INT:
         raise _Bad(f"{where} is {value}, out of range")
     return value
 
@@ -295,7 +341,7 @@ def _float(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(f"{where} is not a number")
     number = float(value)
-    if not 0.0 <= number < 1e12:  # also refuses NaN and infinities
+    if not 0.0 <= number < MAX_TIME:  # also refuses NaN and infinities
         raise _Bad(f"{where} is {number}, out of range")
     return number
 
@@ -307,7 +353,7 @@ def _name(value: object, where: str) -> str:
 
 
 def _device(value: object, where: str) -> str:
-    if not isinstance(value, str) or not re.match(r"^(cpu|cuda:\d{1,3})$", value):
+    if not isinstance(value, str) or not DEVICE.match(value):
         raise _Bad(f"{where} ({str(value)[:32]!r}) is not a device (cpu, cuda:N)")
     return value
 
@@ -318,7 +364,7 @@ def _engine(raw: object, where: str) -> Engine:
     _name(engine.name, f"{where}.name")
     _int(engine.pid, f"{where}.pid", minimum=1)
     _device(engine.device, f"{where}.device")
-    if len(engine.layout) > 256:
+    if len(engine.layout) > MAX_LAYOUT:
         raise _Bad(f"{where}.layout is too long")
     for key in ("start_time", "committed_blocks", "physical_bytes", "lent_bytes"):
         _int(getattr(engine, key), f"{where}.{key}")
@@ -356,7 +402,7 @@ def _loan(raw: object, where: str, ledger: Ledger) -> LoanEntry:
     _int(loan.start_block, f"{where}.start_block")
     _int(loan.kept_blocks, f"{where}.kept_blocks")
     loan.deadline = _float(loan.deadline, f"{where}.deadline")
-    if len(loan.reason) > 1024:
+    if len(loan.reason) > MAX_REASON:
         raise _Bad(f"{where}.reason is too long")
     has_memory = loan.state in ("offered", "borrowed", "returned")
     if has_memory != bool(loan.loans) or has_memory != bool(loan.num_bytes):

@@ -10,6 +10,18 @@ at its next `serve()`, borrows them (the fds are taken from the lender by pid, a
 memory moves outside the pool's lock; each outcome is posted in the next transaction, together
 with the engine's own numbers, so the ledger is consistent between any two transactions.
 
+A post can fail after the memory moved (the lock held too long by another process, a full
+`/dev/shm`, a corrupt ledger), and a Ctrl-C can fall between the two. So the member's own
+cache is the truth: right after each move, before any post, the member notes what it moved
+(the loans it lent, by loan id, with their `Loan`s; the loans it borrowed, with where they
+begin), and every transaction it runs starts by bringing the ledger's entries for this engine
+in line with that record (`PoolMember._reconcile`, through the rules: an offer, a take, a
+give-back or a reclaim posted late; a lend whose request ended meanwhile is returned to be
+reclaimed). A failed post inside `serve()` is logged and left to the next transaction; an
+explicit call (`grow`, `request`, `settle`, `leave`) raises, and its move is reconciled all
+the same. A Ctrl-C during a move is held until the move and its note are done; every wait
+(for the lock, for memory, for borrowers) ends on it.
+
 Call `serve()` from the engine's own thread between its steps, often (it is the heartbeat, and
 a donor answers only there): a lend takes blocks away from the cache, which must not happen
 while a step uses them. `free_tail_blocks()` says how many top blocks the engine does not use
@@ -23,12 +35,16 @@ Same ledger, policy and log; only the donor's answer differs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from extensible_kv import _args
@@ -36,9 +52,17 @@ from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
 from extensible_kv.flow import ExtendableCache
 from extensible_kv.ipc import Loan, send_shared
 from extensible_kv.pool import _proc, fds, rules
-from extensible_kv.pool.ledger import Engine, Ledger, LoanEntry
+from extensible_kv.pool.ledger import (
+    MAX_LAYOUT,
+    Engine,
+    Ledger,
+    LedgerCorruptError,
+    LoanEntry,
+    check_device,
+    check_name,
+)
 from extensible_kv.pool.policy import Decision, plan_answer, plan_grow, plan_release
-from extensible_kv.pool.store import Pool
+from extensible_kv.pool.store import Pool, PoolLockTimeout
 
 if TYPE_CHECKING:
     from extensible_kv.tensor import ExtensibleTensor
@@ -53,6 +77,41 @@ VIAS = ("loan", "driver")
 
 # Handles a buffer exports ahead of a loan in one idle `serve()` (`PoolMember._export_ahead`).
 EXPORT_AHEAD_HANDLES = 4
+# How long a shrink through the driver waits for its memory to be the driver's, in slices
+# that a Ctrl-C ends, before it posts anyway (the release thread is late, not lost).
+RELEASE_WAIT_S = 10.0
+# How long the reclaim of a returned loan may look for its borrower's death (the board sees a
+# give-back at once, a dead borrower only through its pidfd, a poll of a few ms): long enough
+# for that, short enough that a loan the ledger says is back and is not never stalls a serve.
+RECLAIM_LOOK_S = 0.01
+# Socket peers refused with a warning; the rest at debug level (a stranger may knock often).
+REFUSALS_WARNED = 16
+# What failing to use the ledger raises: the lock held too long, the file system (a full
+# /dev/shm, a file in the wrong hands), the ledger unreadable.
+_STORE_FAILURES = (PoolLockTimeout, LedgerCorruptError, OSError)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lent:
+    """A loan this engine lent and has not reclaimed: what its cache holds out."""
+
+    loans: tuple[Loan, ...]
+    kept_blocks: int
+    blocks: int
+    num_bytes: int
+    native: list[list[Any]]  # the loans as the ledger keeps them
+
+
+@dataclasses.dataclass(frozen=True)
+class _Borrowed:
+    """A loan this engine borrowed and has not given back: what its cache maps of another."""
+
+    entry: LoanEntry
+    start_block: int
+
+
+class _PostFailed(Exception):
+    """Inside `serve()`: the ledger could not be used; what moved is posted later."""
 
 
 class PoolCache(ExtendableCache, Protocol):
@@ -142,11 +201,13 @@ class PoolMember:
         if via not in VIAS:
             raise ValueError(f"via must be one of {', '.join(map(repr, VIAS))}, not {via!r}")
         self.via = via
+        if not isinstance(pool, Pool | str):
+            raise TypeError(f"pool must be a Pool or a pool's name, not {type(pool).__name__}")
         self.pool = Pool(pool) if isinstance(pool, str) else pool
-        self.name = name
+        self.name = check_name(name, "engine name")
         self.cache = cache
-        self.min_blocks = _args.size(min_blocks, "min_blocks")
-        self.max_blocks = _args.size(max_blocks, "max_blocks")
+        self.min_blocks = _args.size(min_blocks, "min_blocks", maximum=rules.MAX_BLOCKS)
+        self.max_blocks = _args.size(max_blocks, "max_blocks", maximum=rules.MAX_BLOCKS)
         if self.max_blocks > cache.capacity_blocks:
             raise ValueError(
                 f"max_blocks {self.max_blocks} is more than the cache's capacity "
@@ -167,17 +228,36 @@ class PoolMember:
                 "a pool member lends and borrows blocks as POSIX fds: create its cache with "
                 "export_handle_types='posix_fd' (or join with via='driver')"
             )
+        for what, function in [
+            ("free_tail_blocks", free_tail_blocks),
+            ("on_resize", on_resize),
+            ("free_bytes", free_bytes),
+        ]:
+            if function is not None and not callable(function):
+                raise TypeError(f"{what} must be callable, not {type(function).__name__}")
+        if not callable(free_tail_blocks):
+            raise TypeError("free_tail_blocks must be callable, not None")
         self.free_tail_blocks = free_tail_blocks
         self.on_resize = on_resize
-        self.free_bytes = free_bytes or _device_free_bytes(str(cache.buffers[0].device))
+        device = check_device(str(cache.buffers[0].device), "the cache's device")
+        self.free_bytes = free_bytes or _device_free_bytes(device)
         self.zero = _args.flag(zero, "zero")
-        self.answer_timeout_s = answer_timeout_s
-        self.take_timeout_s = take_timeout_s
+        self.answer_timeout_s = _args.duration(answer_timeout_s, "answer_timeout_s")
+        self.take_timeout_s = _args.duration(take_timeout_s, "take_timeout_s")
         self.commit_step_blocks = _args.optional_size(
             commit_step_blocks, "commit_step_blocks", minimum=1
         )
         self.stream = stream
         self.busy = False
+        # What this engine's cache holds out and holds of others, noted right after each move
+        # and before its post: the truth that `_reconcile` brings the ledger in line with.
+        self._lent: dict[int, _Lent] = {}
+        self._borrowed: dict[int, _Borrowed] = {}
+        self._gave_back: dict[int, str] = {}  # loan id -> why, until the ledger says so
+        self._released: dict[int, int] = {}  # request -> blocks given to the driver for it
+        self._serving = 0  # serve() calls in progress: a failed post is logged there
+        self._post_failure: str | None = None  # the last failed post's error, while failing
+        self._refusals = 0  # socket peers refused so far
         self._last_plan: list[tuple[str, str, int]] = []
         self._refused: dict[str, float] = {}  # donor -> when it may be asked again
         self._warned: set[str] = set()  # lenders whose loan this engine could not borrow
@@ -204,7 +284,7 @@ class PoolMember:
             max_blocks=self.max_blocks,
             capacity_blocks=cache.capacity_blocks,
         )
-        with self.pool.transaction() as ledger:
+        with self._transaction() as ledger:
             rules.join(ledger, engine, self.pool.clock())
             self._record(ledger)
         if self.via == "loan":
@@ -227,13 +307,14 @@ class PoolMember:
     def settle(self, timeout_s: float = 10.0) -> None:
         """Ends every loan of this engine: gives back what it borrowed (the engine must not use
         those blocks any more), refuses what it was asked, withdraws its own requests, and
-        recalls and reclaims what it lent, waiting up to `timeout_s` for the borrowers (who
-        must `serve`). Past the timeout, a `TimeoutError`."""
-        self._settle(timeout_s, leave=False)
+        recalls and reclaims what it lent, waiting up to `timeout_s` (finite, >= 0) for the
+        borrowers (who must `serve`). Past the timeout, a `TimeoutError`; a Ctrl-C ends the
+        wait with a `KeyboardInterrupt`, each loan as it stands (the ledger says so)."""
+        self._settle(_args.duration(timeout_s, "timeout_s", zero=True), leave=False)
 
     def leave(self, timeout_s: float = 10.0) -> None:
         """`settle`, then leaves the pool in the same transaction that finds no loan left."""
-        self._settle(timeout_s, leave=True)
+        self._settle(_args.duration(timeout_s, "timeout_s", zero=True), leave=True)
         if self._fd_server is not None:
             self._fd_server.close()
             self._fd_server = None
@@ -249,18 +330,16 @@ class PoolMember:
         deadline = time.monotonic() + timeout_s
         why = f"{self.name} {'leaves' if leave else 'settles'}"
         while True:
-            with self.pool.transaction() as ledger:
+            with self._transaction() as ledger:
                 now = self.pool.clock()
                 for loan in ledger.loans_of(self.name):
                     if loan.state == "asked" and loan.lender == self.name:
                         rules.refuse(ledger, loan.loan_id, why, now)
                     elif loan.state in ("asked", "refused", "expired"):
-                        rules.forget(ledger, loan.loan_id)
-                        ledger.loans.pop(loan.loan_id, None)  # a request of its own: withdrawn
+                        rules.withdraw(ledger, loan.loan_id, why, now)  # a request of its own
                     elif loan.lender == self.name:
                         rules.recall(ledger, loan.loan_id, why, now)
-                        if loan.state == "offered":
-                            loan.deadline = 0.0  # not taken yet: this serve takes it back
+                        rules.end_offer(ledger, loan.loan_id, why, now)
                 if not any(
                     loan.state not in ("refused", "expired") for loan in ledger.loans_of(self.name)
                 ):
@@ -286,9 +365,9 @@ class PoolMember:
         """Plans how to get `blocks` more blocks and starts it without waiting: commits what
         the device has free, asks donors (answered at their `serve`), recalls its own loans.
         Returns the decisions (each logged with its reason)."""
-        blocks = _args.size(blocks, "blocks")
+        blocks = _args.size(blocks, "blocks", maximum=rules.MAX_BLOCKS)
         commit = 0
-        with self.pool.transaction() as ledger:
+        with self._transaction() as ledger:
             now = self.pool.clock()
             self._record(ledger)
             refused = [name for name, until in self._refused.items() if until > now]
@@ -298,10 +377,7 @@ class PoolMember:
             for d in decisions:
                 if d.action == "commit":
                     commit = d.blocks
-                    engine = ledger.engines[self.name]
-                    # Counted before it is done, so that no other engine takes the same memory.
-                    engine.committed_blocks += commit
-                    engine.physical_bytes += commit * engine.block_bytes
+                    rules.commit_ahead(ledger, self.name, commit)
                 elif d.action == "ask":
                     rules.ask(
                         ledger,
@@ -332,17 +408,20 @@ class PoolMember:
             except OutOfMemoryError as error:
                 logger.info("pool: %s could not commit %d blocks: %s", self.name, commit, error)
             finally:
-                with self.pool.transaction() as ledger:
-                    self._record(ledger)
-            self._resized()
+                self._resized()  # the engine learns its size even if the post below fails
+            with self._transaction() as ledger:  # what was counted ahead becomes what is
+                self._record(ledger)
         return decisions
 
     def grow(self, blocks: int, timeout_s: float = 5.0) -> int:
-        """Asks for `blocks` more blocks and serves until it has them or `timeout_s` passed;
-        returns the committed blocks (its caller checks whether that is enough)."""
-        target = self.cache.committed_blocks + _args.size(blocks, "blocks")
-        with self.pool.transaction() as ledger:  # the limits may have changed since it joined
-            target = min(target, ledger.engines[self.name].max_blocks)
+        """Asks for `blocks` more blocks and serves until it has them or `timeout_s` (finite,
+        >= 0) passed; returns the committed blocks (its caller checks whether that is enough).
+        A Ctrl-C ends the wait with a `KeyboardInterrupt`."""
+        blocks = _args.size(blocks, "blocks", maximum=rules.MAX_BLOCKS)
+        timeout_s = _args.duration(timeout_s, "timeout_s", zero=True)
+        target = self.cache.committed_blocks + blocks
+        with self._transaction() as ledger:  # the limits may have changed since it joined
+            target = min(target, rules.engine(ledger, self.name).max_blocks)
         deadline = time.monotonic() + timeout_s
         while self.cache.committed_blocks < target:
             self.request(target - self.cache.committed_blocks)
@@ -362,8 +441,36 @@ class PoolMember:
         what was recalled or lies past the maximum."""
         if busy is not None:
             self.busy = _args.flag(busy, "busy")
+        self._serving += 1
+        try:
+            self._serve()
+        except _PostFailed as failed:
+            self._failed_post(failed.__cause__ or failed)
+            return
+        finally:
+            self._serving -= 1
+        if self._post_failure is not None:
+            logger.warning("pool: %s reaches the ledger again", self.name)
+            self._post_failure = None
+
+    def _failed_post(self, error: BaseException) -> None:
+        """A transaction of `serve()` failed: left to the next one, whose `_reconcile` posts
+        what moved meanwhile. Warned once a streak (the engine serves often)."""
+        text = f"{type(error).__name__}: {error}"
+        if self._post_failure is None:
+            logger.warning(
+                "pool: %s could not use the ledger (%s); what its cache moved is posted at its "
+                "next transaction",
+                self.name,
+                text,
+            )
+        else:
+            logger.debug("pool: %s still cannot use the ledger: %s", self.name, text)
+        self._post_failure = text
+
+    def _serve(self) -> None:
         self._send_fds()
-        with self.pool.transaction() as ledger:
+        with self._transaction() as ledger:
             now = self.pool.clock()
             self._record(ledger)
             for loan in ledger.loans_of(self.name):
@@ -376,19 +483,20 @@ class PoolMember:
                 lends, to_take = self._work(ledger)
         if to_reclaim:
             for loan in to_reclaim:
-                # A returned loan's handles are back, or its borrower is dead (seen within a
-                # few ms); an offer past its deadline is untaken (closed at once) or taken
-                # meanwhile (then it stops here, and the older loans wait their turn).
-                if not self._reclaim(loan, timeout=1.0 if loan.state == "returned" else 0.0):
+                # A returned loan's handles are back, or its borrower is dead; an offer past
+                # its deadline is untaken (closed at once) or taken meanwhile (then it stops
+                # here, and the older loans wait their turn). Never waited on: one not back
+                # yet is tried again at the next serve.
+                if not self._reclaim(loan):
                     break
-            with self.pool.transaction() as ledger:  # answers planned on the cache as it is
+            with self._transaction() as ledger:  # answers planned on the cache as it is
                 self._record(ledger)
                 lends, to_take = self._work(ledger)
         for decision in lends:
             self._lend(decision)
         for loan in sorted(to_take, key=lambda loan: loan.loan_id):
             self._take(loan)
-        with self.pool.transaction() as ledger:  # after the takes: a give-back sees them
+        with self._transaction() as ledger:  # after the takes: a give-back sees them
             released = plan_release(ledger, self.name, free_tail_blocks=self._free_top())
         for decision in released:
             self._release(decision)
@@ -397,34 +505,44 @@ class PoolMember:
 
     def _send_fds(self) -> None:
         """Answers the borrowers that asked on this engine's socket: a loan's fds go only to
-        the process the ledger names as its borrower, and only while it is on offer."""
+        the process the ledger names as its borrower, and only while it is on offer. Never
+        waits: any other process's connection is closed at once, before anything is read."""
         if self._fd_server is None:
             return
-        for conn, pid, loan_id in self._fd_server.requests():
+        offered: dict[int, dict[int, LoanEntry]] = {}  # borrower's pid -> its loans on offer
+
+        def peers() -> dict[int, dict[int, LoanEntry]]:
+            with self._transaction() as ledger:
+                for loan in ledger.loans.values():
+                    borrower = ledger.engines.get(loan.borrower)
+                    if loan.lender == self.name and loan.state == "offered" and borrower:
+                        offered.setdefault(borrower.pid, {})[loan.loan_id] = loan
+            return offered
+
+        for conn, pid, loan_id in self._fd_server.requests(peers, self._refused_peer):
             with conn:
-                with self.pool.transaction() as ledger:
-                    entry = ledger.loans.get(loan_id)
-                    borrower = ledger.engines.get(entry.borrower) if entry else None
-                if entry is None or entry.lender != self.name or entry.state != "offered":
-                    why = "it is not on offer from this engine"
-                elif borrower is None or borrower.pid != pid:
-                    why = "that process is not its borrower"
-                else:
-                    try:
-                        for loan in _loans(entry):
-                            send_shared(conn, loan)
-                    except (OSError, ValueError) as error:  # gone meanwhile, or stale
-                        logger.warning(
-                            "pool: %s could not send loan %d's fds: %s", self.name, loan_id, error
-                        )
+                entry = offered.get(pid, {}).get(loan_id)
+                if entry is None:
+                    self._refused_peer(pid, f"loan {loan_id} is not on offer to it")
                     continue
-                logger.warning(
-                    "pool: %s refuses process %d the fds of loan %d: %s",
-                    self.name,
-                    pid,
-                    loan_id,
-                    why,
-                )
+                try:
+                    for loan in _loans(entry):
+                        send_shared(conn, loan)
+                except (OSError, ValueError) as error:  # gone meanwhile, or stale
+                    logger.warning(
+                        "pool: %s could not send loan %d's fds: %s", self.name, loan_id, error
+                    )
+
+    def _refused_peer(self, pid: int, why: str = "") -> None:
+        self._refusals += 1
+        level = logging.WARNING if self._refusals <= REFUSALS_WARNED else logging.DEBUG
+        logger.log(
+            level,
+            "pool: %s refuses process %d on its socket: %s",
+            self.name,
+            pid,
+            why or "it is not the borrower of a loan this engine has on offer",
+        )
 
     def _export_ahead(self) -> None:
         """With nothing else to do: exports a few of the cache's handles ahead of a loan, the
@@ -464,12 +582,17 @@ class PoolMember:
         """Requests to answer (lends planned) and offers to take."""
         mine = ledger.loans_of(self.name)
         asked = [loan for loan in mine if loan.lender == self.name and loan.state == "asked"]
-        offered = [loan for loan in mine if loan.borrower == self.name and loan.state == "offered"]
+        offered = [
+            loan
+            for loan in mine
+            if loan.borrower == self.name
+            and loan.state == "offered"
+            and loan.loan_id not in self._borrowed
+        ]
         return self._answer(ledger, asked), offered
 
     def _answer(self, ledger: Ledger, asked: list[LoanEntry]) -> list[Decision]:
         lends = []
-        engine = ledger.engines[self.name]
         free_tail = self._free_tail()
         free = self._free_anywhere() if asked else None
         points = _lend_points(self.cache) if asked else set()
@@ -496,7 +619,7 @@ class PoolMember:
             free_tail = max(0, free_tail - decision.blocks)
             if free is not None:
                 free -= decision.blocks
-            engine.committed_blocks -= decision.blocks  # what the next answer sees
+            rules.lend_ahead(ledger, self.name, decision.blocks)  # what the next answer sees
         return lends
 
     def _lend(self, decision: Decision) -> None:
@@ -506,34 +629,28 @@ class PoolMember:
         keep = self.cache.committed_blocks - decision.blocks
         try:
             self._clear_past(keep)
-            loans = self.cache.lend(keep, stream=self.stream)
+            with _uninterrupted():
+                loans = self.cache.lend(keep, stream=self.stream)
+                self._lent[decision.loan_id] = _Lent(
+                    tuple(loans),
+                    keep,
+                    _loan_blocks(self.cache, loans[0]),
+                    sum(x.num_bytes for x in loans),
+                    [list(_jsonable(loan._to_native())) for loan in loans],
+                )
         except (ValueError, RuntimeError) as error:  # a straddling handle past `keep`, say
-            with self.pool.transaction() as ledger:
+            with self._transaction() as ledger:
                 rules.refuse(ledger, decision.loan_id, f"cannot lend: {error}", self.pool.clock())
                 self._record(ledger)
             return
         self._resized()
-        blocks = _loan_blocks(self.cache, loans[0])
-        entry = [list(_jsonable(loan._to_native())) for loan in loans]
-        with self.pool.transaction() as ledger:
-            now = self.pool.clock()
-            offered = rules.offer(
-                ledger,
-                decision.loan_id,
-                keep,
-                blocks,
-                sum(x.num_bytes for x in loans),
-                entry,
-                now + self.take_timeout_s,
-                now,
-            )
-            if offered:
-                self._record(ledger)
-        if not offered:  # expired, or the borrower is gone: never taken, so back at once
-            self.cache.reclaim(loans, zero=False, timeout=0, stream=self.stream)
-            with self.pool.transaction() as ledger:
-                self._record(ledger)
-            self._resized()
+        with self._transaction() as ledger:  # `_reconcile` offers it
+            self._record(ledger)
+            entry = ledger.loans.get(decision.loan_id)
+        if entry is not None and entry.state == "returned":
+            # The request ended meanwhile (expired, or the borrower is gone): never taken,
+            # so back at once.
+            self._reclaim(entry)
 
     def _release_for(self, decision: Decision) -> None:
         """`via="driver"`'s answer: the blocks go back to the driver, and the request ends;
@@ -541,15 +658,17 @@ class PoolMember:
         keep = self.cache.committed_blocks - decision.blocks
         try:
             self._clear_past(keep)
-            self._shrink(keep)
+            with _uninterrupted():
+                self.cache.shrink_to(keep)
+                self._released[decision.loan_id] = decision.blocks
         except (ValueError, RuntimeError) as error:  # its top blocks are no longer free, say
-            with self.pool.transaction() as ledger:
+            with self._transaction() as ledger:
                 why = f"cannot release: {error}"
                 rules.refuse(ledger, decision.loan_id, why, self.pool.clock())
                 self._record(ledger)
             return
-        with self.pool.transaction() as ledger:
-            rules.released(ledger, decision.loan_id, decision.blocks, self.pool.clock())
+        self._released_to_driver()
+        with self._transaction() as ledger:  # `_reconcile` posts it released
             self._record(ledger)
 
     def _clear_past(self, keep: int) -> None:
@@ -559,72 +678,109 @@ class PoolMember:
         if self.move and self._free_tail() < self.cache.committed_blocks - keep:
             cast(MovingCache, self.cache).move_below(keep)
 
-    def _shrink(self, keep: int) -> None:
-        """Shrinks the cache to `keep` blocks (a handle boundary) and waits until the memory
-        is the driver's: before the ledger says so, or another engine could count on memory
-        the device still holds."""
-        self.cache.shrink_to(keep)
-        self.cache.wait_released()
+    def _released_to_driver(self) -> None:
+        """Waits until what a shrink gave back is the driver's: before the ledger says so, or
+        another engine could count on memory the device still holds. In slices, so that a
+        Ctrl-C ends it; past `RELEASE_WAIT_S`, posted anyway (the memory is on its way)."""
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while not self.cache.wait_released(timeout=0.01):
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "pool: %s: the driver has not released its shrink after %.0f s",
+                    self.name,
+                    RELEASE_WAIT_S,
+                )
+                break
         self._resized()
 
-    def _reclaim(self, entry: LoanEntry, timeout: float) -> bool:
-        loans = _loans(entry)
-        try:
-            self.cache.reclaim(loans, zero=self.zero, timeout=timeout, stream=self.stream)
-        except LoanTimeoutError:
-            return False  # taken after all: the borrower posts it
-        with self.pool.transaction() as ledger:
-            rules.reclaimed(ledger, entry.loan_id, self.pool.clock())
-            self._record(ledger)
+    def _reclaim(self, entry: LoanEntry) -> bool:
+        """Takes loan `entry` back if its borrower gave it back, died or never took it, and
+        posts it; never waits longer than `RECLAIM_LOOK_S`. False while it is still out (the
+        borrower posts it)."""
+        lent = self._lent.get(entry.loan_id)
+        if lent is None:  # reclaimed already: `_reconcile` posts it
+            return True
+        before = _lent_bytes(self.cache)
+        with _uninterrupted():
+            try:
+                look = RECLAIM_LOOK_S if entry.state == "returned" else 0.0
+                self.cache.reclaim(lent.loans, zero=self.zero, timeout=look, stream=self.stream)
+            except LoanTimeoutError:
+                return False
+            except BaseException:
+                if _lent_bytes(self.cache) < before:  # back, then the cache's own step failed
+                    del self._lent[entry.loan_id]
+                raise
+            del self._lent[entry.loan_id]
         self._resized()
+        with self._transaction() as ledger:  # `_reconcile` posts it reclaimed
+            self._record(ledger)
         return True
 
     def _take(self, entry: LoanEntry) -> None:
         start = self.cache.committed_blocks
+        before = _borrowed_bytes(self.cache)
         try:
             try:
-                self.cache.borrow(_loans(entry), zero=self.zero, stream=self.stream)
+                self._borrow(entry, _loans(entry), start)
             except (ValueError, OSError) as by_pid:
-                if PTRACE_REFUSED not in str(by_pid):
+                if PTRACE_REFUSED not in str(by_pid) or _borrowed_bytes(self.cache) > before:
                     raise
-                self._take_over_socket(entry, by_pid)
+                self._take_over_socket(entry, by_pid, start)
         except (ValueError, OSError) as error:  # stale, foreign, or no room: the lender's again
-            now = self.pool.clock()
-            # Not asked again at once: a lender whose fds this process may not take (ptrace
-            # refused: Yama's ptrace_scope, another user, a container without CAP_SYS_PTRACE)
-            # would otherwise unmap, lend and reclaim at every step, and nothing would move.
-            self._refused[entry.lender] = now + self.answer_timeout_s
-            if entry.lender not in self._warned:
-                self._warned.add(entry.lender)
+            if _borrowed_bytes(self.cache) > before:
+                # Mapped, then the cache's own step after it failed: held all the same.
+                with _uninterrupted():
+                    self._borrowed[entry.loan_id] = _Borrowed(entry, start)
                 logger.warning(
-                    "pool: %s could not borrow from %s, and asks it again in %.1f s at the "
-                    "earliest: %s",
-                    self.name,
-                    entry.lender,
-                    self.answer_timeout_s,
-                    error,
+                    "pool: %s borrowed loan %d, then failed: %s", self.name, entry.loan_id, error
                 )
-            with self.pool.transaction() as ledger:
-                rules.returned(ledger, entry.loan_id, f"could not borrow: {error}", now)
-                self._record(ledger)
-            return
-        with self.pool.transaction() as ledger:
-            rules.took(ledger, entry, start, self.pool.clock())
-            self._record(ledger)
+            else:
+                self._could_not_take(entry, error)
+                return
         self._resized()
+        with self._transaction() as ledger:  # `_reconcile` posts it borrowed
+            self._record(ledger)
 
-    def _take_over_socket(self, entry: LoanEntry, by_pid: Exception) -> None:
+    def _borrow(self, entry: LoanEntry, loans: Sequence[Loan], start: int) -> None:
+        with _uninterrupted():
+            self.cache.borrow(loans, zero=self.zero, stream=self.stream)
+            self._borrowed[entry.loan_id] = _Borrowed(entry, start)
+
+    def _could_not_take(self, entry: LoanEntry, error: Exception) -> None:
+        now = self.pool.clock()
+        # Not asked again at once: a lender whose fds this process may not take (ptrace
+        # refused: Yama's ptrace_scope, another user, a container without CAP_SYS_PTRACE)
+        # would otherwise unmap, lend and reclaim at every step, and nothing would move.
+        self._refused[entry.lender] = now + self.answer_timeout_s
+        if entry.lender not in self._warned:
+            self._warned.add(entry.lender)
+            logger.warning(
+                "pool: %s could not borrow from %s, and asks it again in %.1f s at the "
+                "earliest: %s",
+                self.name,
+                entry.lender,
+                self.answer_timeout_s,
+                error,
+            )
+        with self._transaction() as ledger:
+            rules.returned(ledger, entry.loan_id, f"could not borrow: {error}", now)
+            self._record(ledger)
+
+    def _take_over_socket(self, entry: LoanEntry, by_pid: Exception, start: int) -> None:
         """The borrow of `entry` with its fds asked of the lender on its socket, after taking
         them by pid failed with `by_pid` (refused where this process may not trace the
         lender; else the socket's answer fails alike). Raises a `ValueError` naming both."""
-        with self.pool.transaction() as ledger:
+        with self._transaction() as ledger:
             lender = ledger.engines.get(entry.lender)
         if lender is None:
             raise by_pid
         name = fds.address(self.pool.path, lender.name, lender.pid, lender.start_time)
         expected = _loans(entry)
         try:
-            received = fds.fetch(name, entry.loan_id, len(expected), self.take_timeout_s)
+            received = fds.fetch(
+                name, entry.loan_id, len(expected), self.take_timeout_s, lender_pid=lender.pid
+            )
         except (OSError, ValueError, ConnectionError) as error:
             raise ValueError(f"{by_pid}; over {entry.lender}'s socket: {error}") from error
         try:
@@ -632,7 +788,7 @@ class PoolMember:
                 raise ValueError(
                     f"{by_pid}; over {entry.lender}'s socket came other loans than the ledger's"
                 )
-            self.cache.borrow(received, zero=self.zero, stream=self.stream)
+            self._borrow(entry, received, start)
         finally:
             fds.close_received(received)
         logger.info(
@@ -658,17 +814,20 @@ class PoolMember:
             except RuntimeError as error:  # its blocks were taken meanwhile
                 logger.info("pool: %s does not shrink to %d blocks: %s", self.name, cut, error)
                 return
-            self._shrink(cut)
-            with self.pool.transaction() as ledger:
+            self.cache.shrink_to(cut)
+            self._released_to_driver()
+            with self._transaction() as ledger:
                 self._record(ledger)
             return
-        with self.pool.transaction() as ledger:
+        with self._transaction() as ledger:
             entry = ledger.loans.get(decision.loan_id)
         if entry is not None and entry.state == "borrowed":
             self._give_back(entry, decision.reason)
 
     def _give_back(self, entry: LoanEntry, reason: str) -> None:
-        with self.pool.transaction() as ledger:
+        if entry.loan_id not in self._borrowed:  # given back already: `_reconcile` posts it
+            return
+        with self._transaction() as ledger:
             above = [
                 loan.loan_id
                 for loan in ledger.loans_of(self.name)
@@ -687,13 +846,88 @@ class PoolMember:
         except RuntimeError as error:  # too few free blocks below it now
             logger.info("pool: %s keeps loan %d: %s", self.name, entry.loan_id, error)
             return
-        self.cache.give_back(_loans(entry), stream=self.stream)
-        with self.pool.transaction() as ledger:
-            rules.returned(ledger, entry.loan_id, reason, self.pool.clock())
-            self._record(ledger)
+        before = _borrowed_bytes(self.cache)
+        with _uninterrupted():
+            try:
+                self.cache.give_back(_loans(entry), stream=self.stream)
+            except BaseException:
+                if _borrowed_bytes(self.cache) < before:  # back, then the cache's step failed
+                    self._gave(entry.loan_id, reason)
+                raise
+            self._gave(entry.loan_id, reason)
         self._resized()
+        with self._transaction() as ledger:  # `_reconcile` posts it returned
+            self._record(ledger)
+
+    def _gave(self, loan_id: int, reason: str) -> None:
+        del self._borrowed[loan_id]
+        self._gave_back[loan_id] = reason
 
     # ---------------------------------------------------------------------------------------
+    # the ledger, in line with the cache
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Ledger]:
+        """A transaction of the pool whose recovery step also reconciles this engine's entries
+        with its cache (`_reconcile`). Inside `serve()`, a failure to use the ledger (not one
+        of the body's) is a `_PostFailed`, which `serve` logs."""
+        body_failed = False
+        try:
+            with self.pool.transaction(repair=self._reconcile) as ledger:
+                try:
+                    yield ledger
+                except BaseException:
+                    body_failed = True
+                    raise
+        except _STORE_FAILURES as error:
+            if body_failed or not self._serving:
+                raise
+            raise _PostFailed(str(error)) from error
+
+    def _reconcile(self, ledger: Ledger) -> None:
+        """Brings this engine's entries in the ledger in line with what its cache holds (the
+        member's own record, kept right after each move): what a failed post, or a Ctrl-C
+        between a move and its post, left unsaid is posted now, through the rules. A loan
+        lent and not offered is offered (or, its request gone, returned to be reclaimed); one
+        reclaimed, borrowed, given back or released to the driver is posted so. Each rule
+        changes nothing for what was posted already. Then the engine's numbers, if the
+        ledger's differ from its cache's."""
+        engine = ledger.engines.get(self.name)
+        if engine is None:  # not in the pool (not joined yet, left, or the pool was reset)
+            return
+        now = self.pool.clock()
+        for loan_id, lent in self._lent.items():
+            deadline = now + self.take_timeout_s
+            args = (lent.kept_blocks, lent.blocks, lent.num_bytes, lent.native, deadline, now)
+            rules.lent(ledger, loan_id, self.name, *args)
+        for loan_id, borrowed in self._borrowed.items():
+            entry = ledger.loans.get(loan_id)
+            if entry is None or entry.state != "borrowed":
+                rules.took(ledger, borrowed.entry, borrowed.start_block, now)
+        for loan in ledger.loans_of(self.name):
+            if loan.lender == self.name and loan.state in rules.HOLDING:
+                if loan.loan_id not in self._lent:
+                    rules.reclaimed(ledger, loan.loan_id, now)
+            elif loan.borrower == self.name and loan.state == "borrowed":
+                if loan.loan_id not in self._borrowed:
+                    why = self._gave_back.get(loan.loan_id, "given back")
+                    rules.returned(ledger, loan.loan_id, why, now)
+        self._gave_back.clear()
+        for loan_id, blocks in self._released.items():
+            rules.released(ledger, loan_id, blocks, now)
+        self._released.clear()
+        held = self._held()
+        if any(getattr(engine, key) != value for key, value in held.items()):
+            rules.record(ledger, self.name, now, held, heartbeat=False)
+
+    def _held(self) -> dict[str, int]:
+        cache = self.cache
+        return {
+            "committed_blocks": cache.committed_blocks,
+            "physical_bytes": cache.physical_bytes,
+            "lent_bytes": _lent_bytes(cache),
+            "borrowed_bytes": _borrowed_bytes(cache),
+        }
 
     def _record(self, ledger: Ledger) -> None:
         cache = self.cache
@@ -702,20 +936,13 @@ class PoolMember:
         if not any(t.borrowed_bytes for t in cache.buffers):  # a borrower lends nothing
             fits = [committed - k for k in _lend_points(cache) if committed - k <= free]
             lendable = max(fits, default=0)
-        rules.record(
-            ledger,
-            self.name,
-            self.pool.clock(),
-            {
-                "committed_blocks": cache.committed_blocks,
-                "physical_bytes": cache.physical_bytes,
-                "lent_bytes": sum(t.lent_bytes for t in cache.buffers),
-                "borrowed_bytes": sum(t.borrowed_bytes for t in cache.buffers),
-                "lendable_blocks": lendable,
-                "free_top_blocks": free,
-                "busy": self.busy,
-            },
-        )
+        numbers: dict[str, Any] = {
+            **self._held(),
+            "lendable_blocks": lendable,
+            "free_top_blocks": free,
+            "busy": self.busy,
+        }
+        rules.record(ledger, self.name, self.pool.clock(), numbers)
 
     def _free_tail(self) -> int:
         free = _args.size(self.free_tail_blocks(), "free_tail_blocks()")
@@ -757,6 +984,40 @@ class PoolMember:
         self._last_plan = plan
 
 
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Holds a Ctrl-C (SIGINT) until the block ends, then delivers it: a memory move and the
+    member's note of it are one step, so that a `KeyboardInterrupt` never falls between them
+    (the note is what repairs the ledger). Python runs signal handlers on the main thread
+    only: on any other there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or previous == signal.SIG_IGN:  # a handler not Python's, or none
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(*caught[0])
+            else:  # SIG_DFL: what the signal would have done
+                signal.raise_signal(signal.SIGINT)
+
+
+def _lent_bytes(cache: PoolCache) -> int:
+    return sum(t.lent_bytes for t in cache.buffers)
+
+
+def _borrowed_bytes(cache: PoolCache) -> int:
+    return sum(t.borrowed_bytes for t in cache.buffers)
+
+
 def _moves(cache: PoolCache) -> bool:
     return all(callable(getattr(cache, name, None)) for name in ("free_blocks", "move_below"))
 
@@ -783,9 +1044,13 @@ def _lend_points(cache: PoolCache) -> set[int]:
 
 
 def _layout(cache: PoolCache) -> str:
-    """What two caches must share for one to borrow the other's blocks."""
+    """What two caches must share for one to borrow the other's blocks: their geometry, or
+    its digest where it is longer than the ledger's readers take (a cache of many buffers)."""
     granularity = [t.granularity for t in cache.buffers]
-    return json.dumps([list(cache.num_segments), list(cache.segment_block_bytes), granularity])
+    text = json.dumps([list(cache.num_segments), list(cache.segment_block_bytes), granularity])
+    if len(text) <= MAX_LAYOUT:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _loan_blocks(cache: PoolCache, loan: Loan) -> int:

@@ -18,16 +18,32 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from extensible_kv.pool.ledger import ENGINE_NAME, Engine, Ledger, LoanEntry
+from extensible_kv import _args
+from extensible_kv.pool.ledger import (
+    ENGINE_NAME,
+    MAX_INT,
+    MAX_REASON,
+    Engine,
+    Ledger,
+    LoanEntry,
+    check_device,
+)
 
 logger = logging.getLogger("extensible_kv.pool")
 
 __all__ = [
+    "MAX_BLOCKS",
     "ask",
     "check",
+    "check_share",
+    "commit_ahead",
+    "end_offer",
+    "engine",
     "forget",
     "join",
     "leave",
+    "lend_ahead",
+    "lent",
     "offer",
     "reap",
     "recall",
@@ -39,12 +55,24 @@ __all__ = [
     "set_limits",
     "set_share",
     "took",
+    "withdraw",
 ]
+
+# The most blocks (or bytes) a limit or a share may say: the ledger's readers refuse integers
+# from `MAX_INT` up.
+MAX_BLOCKS = MAX_INT - 1
+# The states in which a loan's memory is the lender's, lent out: offered, borrowed, returned.
+HOLDING = ("offered", "borrowed", "returned")
 
 
 def _log(ledger: Ledger, now: float, text: str) -> None:
     ledger.log(now, text)
     logger.info("pool: %s", text)
+
+
+def _reason(text: str) -> str:
+    """A reason as the ledger keeps it: a borrow's error may be longer than its readers take."""
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
 def reap(ledger: Ledger, now: float, alive: Callable[[int, int], bool]) -> list[str]:
@@ -133,6 +161,8 @@ def leave(ledger: Ledger, name: str, now: float, *, force: bool = False) -> None
 def set_limits(
     ledger: Ledger, name: str, now: float, min_blocks: int | None, max_blocks: int | None
 ) -> None:
+    _args.optional_size(min_blocks, "min_blocks", maximum=MAX_BLOCKS)
+    _args.optional_size(max_blocks, "max_blocks", maximum=MAX_BLOCKS)
     engine = _engine(ledger, name)
     low = engine.min_blocks if min_blocks is None else min_blocks
     high = engine.max_blocks if max_blocks is None else max_blocks
@@ -145,7 +175,15 @@ def set_limits(
     _log(ledger, now, f"{name}'s limits are now {low}..{high} blocks")
 
 
+def check_share(device: object, num_bytes: object) -> None:
+    """A share as the ledger reads it: a device (`cpu`, `cuda:N`) and an int of bytes, or
+    None; else a `TypeError` or `ValueError` naming what is wrong."""
+    check_device(device, "a share's device")
+    _args.optional_size(num_bytes, "a share (a number of bytes)", maximum=MAX_BLOCKS)
+
+
 def set_share(ledger: Ledger, device: str, num_bytes: int | None, now: float) -> None:
+    check_share(device, num_bytes)
     if num_bytes is None:
         ledger.shares.pop(device, None)
         _log(ledger, now, f"the pool may use all the free memory of {device}")
@@ -154,14 +192,18 @@ def set_share(ledger: Ledger, device: str, num_bytes: int | None, now: float) ->
         _log(ledger, now, f"the pool may hold {num_bytes} B of {device}")
 
 
-def record(ledger: Ledger, name: str, now: float, numbers: dict[str, Any]) -> None:
-    """A heartbeat: what engine `name` holds now (`committed_blocks`, `physical_bytes`,
-    `lent_bytes`, `borrowed_bytes`, and `busy`, any of them)."""
+def record(
+    ledger: Ledger, name: str, now: float, numbers: dict[str, Any], *, heartbeat: bool = True
+) -> None:
+    """What engine `name` holds now (`committed_blocks`, `physical_bytes`, `lent_bytes`,
+    `borrowed_bytes`, and `busy`, any of them), and with `heartbeat` that it is alive and
+    answering at `now`."""
     engine = _engine(ledger, name)
     for key, value in numbers.items():
         setattr(engine, key, value)
-    engine.heartbeat = now
-    engine.stuck = False
+    if heartbeat:
+        engine.heartbeat = now
+        engine.stuck = False
 
 
 def ask(
@@ -201,7 +243,78 @@ def offer(
     return True
 
 
+def lent(
+    ledger: Ledger,
+    loan_id: int,
+    lender: str,
+    kept_blocks: int,
+    blocks: int,
+    num_bytes: int,
+    loans: list[list[Any]],
+    deadline: float,
+    now: float,
+) -> str:
+    """Posts a lend that `lender` made for request `loan_id`, late or again (a lend posted
+    already changes nothing): offered while the request is asked; else (it expired, was
+    refused or withdrawn meanwhile, and no borrower can have it) the loan is `returned`, with
+    no borrower, for the lender to reclaim. Returns the loan's state."""
+    loan = ledger.loans.get(loan_id)
+    if loan is not None and loan.lender == lender and loan.state in HOLDING:
+        return loan.state
+    if offer(ledger, loan_id, kept_blocks, blocks, num_bytes, loans, deadline, now):
+        return "offered"
+    why = "lent, but the request had ended: the lender takes it back"
+    ledger.loans[loan_id] = LoanEntry(
+        loan_id,
+        lender,
+        "",
+        blocks,
+        "returned",
+        now,
+        num_bytes,
+        kept_blocks=kept_blocks,
+        reason=why,
+        loans=loans,
+    )
+    return "returned"
+
+
+def end_offer(ledger: Ledger, loan_id: int, reason: str, now: float) -> None:
+    """The lender takes back offer `loan_id` at its next serve, taken or not (it settles): its
+    deadline is past. A loan taken meanwhile waits for its borrower to give it back."""
+    loan = ledger.loans.get(loan_id)
+    if loan is not None and loan.state == "offered" and loan.deadline > 0.0:
+        loan.deadline = 0.0
+        _log(ledger, now, f"loan {loan_id}: {loan.lender} takes its offer back: {reason}")
+
+
+def withdraw(ledger: Ledger, loan_id: int, reason: str, now: float) -> None:
+    """The borrower withdraws request `loan_id` (asked, refused or expired: no memory moved)."""
+    loan = ledger.loans.get(loan_id)
+    if loan is not None and loan.state in ("asked", "refused", "expired"):
+        del ledger.loans[loan_id]
+        _log(ledger, now, f"loan {loan_id}: {loan.borrower} withdraws its request: {reason}")
+
+
+def commit_ahead(ledger: Ledger, name: str, blocks: int) -> None:
+    """Engine `name` is about to commit `blocks` blocks of the device's free memory: counted
+    before it does, so that no other engine plans on the same memory. Its next record says
+    what it committed."""
+    engine = _engine(ledger, name)
+    engine.committed_blocks += blocks
+    engine.physical_bytes += blocks * engine.block_bytes
+
+
+def lend_ahead(ledger: Ledger, name: str, blocks: int) -> None:
+    """Engine `name` is about to lend `blocks` blocks for a request it answers: counted before
+    it does, so that its next answer in the same round plans on what is left. Its next record
+    says what it lent."""
+    engine = _engine(ledger, name)
+    engine.committed_blocks = max(0, engine.committed_blocks - blocks)
+
+
 def refuse(ledger: Ledger, loan_id: int, reason: str, now: float) -> None:
+    reason = _reason(reason)
     loan = ledger.loans.get(loan_id)
     if loan is not None and loan.state == "asked":
         loan.state, loan.reason = "refused", reason
@@ -238,7 +351,7 @@ def took(ledger: Ledger, entry: LoanEntry, start_block: int, now: float) -> None
             entry.deadline,
             entry.num_bytes,
             kept_blocks=entry.kept_blocks,
-            reason=f"lender {entry.lender} died",
+            reason=_reason(f"lender {entry.lender} died"),
             loans=entry.loans,
         )
         ledger.loans[loan.loan_id] = loan
@@ -254,6 +367,7 @@ def took(ledger: Ledger, entry: LoanEntry, start_block: int, now: float) -> None
 def returned(ledger: Ledger, loan_id: int, reason: str, now: float) -> None:
     """The borrower gave the loan back (or could not take it): the lender reclaims it. An
     orphan (its lender dead) ends here."""
+    reason = _reason(reason)
     loan = ledger.loans.get(loan_id)
     if loan is None:
         return
@@ -286,6 +400,12 @@ def recall(ledger: Ledger, loan_id: int, reason: str, now: float, by: str = "") 
         loan.recall = True
         who = f"{by} recalls it for {loan.lender}" if by else f"{loan.lender} recalls it"
         _log(ledger, now, f"loan {loan_id}: {who}: {reason}")
+
+
+def engine(ledger: Ledger, name: str) -> Engine:
+    """Engine `name`'s entry; a `ValueError` naming the pool's engines if it has none (it
+    left, or the pool was reset)."""
+    return _engine(ledger, name)
 
 
 def _engine(ledger: Ledger, name: str) -> Engine:
