@@ -14,13 +14,18 @@ and asks with `grow(n)` or `request(n)`; memory moves as loans of whole blocks
 cache moves live blocks down (a `MovingCache`, `move=True`) lends its free blocks wherever
 they lie.
 
+The ledger lives in a directory of its own in shared memory, this user's alone unless the
+pool is given a group (`Pool(name, group=...)`, `$EXTENSIBLE_KV_POOL_GROUP`): another user's
+pool, or a path in it that is not what the pool made, is a `PoolPermissionError`
+(`extensible_kv.pool.store`).
+
 `python -m extensible_kv pool status|limit|share|watch|reset` reads and changes it.
 """
 
 from extensible_kv.pool.ledger import Engine, Ledger, LedgerCorruptError, LoanEntry
 from extensible_kv.pool.member import MovingCache, PoolCache, PoolMember
 from extensible_kv.pool.policy import Decision
-from extensible_kv.pool.store import Pool, PoolLockTimeout
+from extensible_kv.pool.store import Pool, PoolLockTimeout, PoolPermissionError
 
 __all__ = [
     "Decision",
@@ -33,4 +38,5 @@ __all__ = [
     "PoolCache",
     "PoolLockTimeout",
     "PoolMember",
+    "PoolPermissionError",
 ]
