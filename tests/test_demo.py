@@ -4,7 +4,7 @@ the Llama- and Qwen3-shaped models and with sliding-window layers; the report ha
 each non-zero exit says why. Host runs are small and in-process; `test_readme.py` runs the
 command as the README gives it, and on a GPU the defaults use CUDA graphs.
 
-Skipped, with the reason, where transformers >=5.18,<5.25 is absent; CI sets
+Skipped, with the reason, where transformers >=5.18,<5.26 is absent; CI sets
 EKV_REQUIRE_TRANSFORMERS=1, which turns the skip into a failure.
 """
 

@@ -13,7 +13,7 @@ donor releases to the driver, the needy engine commits). In one process: the ada
 geometry (the trash sectors below block 0, lends at sector boundaries past them, every change
 mirrored in transformers' pool), the options' checks, and the hooks gone when a manager stops.
 
-Skipped, with the reason, where transformers >=5.18,<5.25 is absent; CI sets
+Skipped, with the reason, where transformers >=5.18,<5.26 is absent; CI sets
 EKV_REQUIRE_TRANSFORMERS=1, which turns the skip into a failure.
 """
 

@@ -1,5 +1,5 @@
 """extensible-kv for transformers' continuous batching (`generate_batch`,
-`init_continuous_batching`, `continuous_batching_context_manager`), transformers 5.18 to 5.24.
+`init_continuous_batching`, `continuous_batching_context_manager`), transformers 5.18 to 5.25.
 
     import extensible_kv.transformers as ekv_transformers
     ekv_transformers.enable()          # or: with ekv_transformers.enabled(): ...

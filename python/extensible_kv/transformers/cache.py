@@ -2,8 +2,9 @@
 
 transformers 5.18+ keeps a continuous-batching KV cache in one flat uint8 tensor: two trash
 sectors first (sector 0: the zeroed read trash and the sliding window's sentinel; sector 1: the
-write trash), then the data sectors its `CachePool` hands to the allocators (full, sliding).
-That is one segment that grows at its end, so the flow (docs/design.md §5) fits as it is:
+write trash), then the data sectors its `CachePool` hands to the allocators (full, sliding; from
+5.25 MLA's, which views the same bytes as one row of latents per token). That is one segment
+that grows at its end, so the flow (docs/design.md §5) fits as it is:
 
 1. `ExtensiblePagedAttentionCache.__init__` runs transformers' own constructor (allocators,
    sector geometry, `max_batch_tokens`, its own sizing as `estimate`), then reserves
@@ -431,6 +432,7 @@ def _cache_class(base: Any, pool_class: type) -> type:
                     "extensible_kv.transformers does not support tensor parallelism yet: "
                     "disable it (extensible_kv.transformers.disable()) for TP managers"
                 )
+            _refuse_mla_without_its_layout(base, arguments["config"])
             device = flow.normalize_device(arguments["device"], legacy=False)
             if device.type != "cuda" and options.budget_bytes is None and not options.host_free:
                 raise ValueError(
@@ -531,6 +533,28 @@ def _cache_class(base: Any, pool_class: type) -> type:
             )
 
     return ExtensiblePagedAttentionCache
+
+
+def _refuse_mla_without_its_layout(base: Any, config: Any) -> None:
+    """An MLA model (its config has `kv_lora_rank`) caches two latents per token in one row,
+    which only 5.25's `MLACacheAllocator` lays out. Before it, transformers gives MLA layers
+    the per-head key/value pages of full attention, and the first write fails in the loop's
+    thread (`index_copy_`: the slice shapes differ), its own cache's as ours: refused here,
+    before anything is reserved, with the reason. From 5.25 the MLA layout is served like any
+    other: views of the same flat tensor, one row per token."""
+    if getattr(config, "kv_lora_rank", None) is None:
+        return
+    if getattr(inspect.getmodule(base), "MLACacheAllocator", None) is not None:
+        return
+    import transformers
+
+    raise UnsupportedError(
+        f"this model's attention is MLA (its config has kv_lora_rank="
+        f"{config.kv_lora_rank}): transformers {transformers.__version__}'s continuous "
+        "batching has no cache layout for its latents (its own cache fails on the first step "
+        "too); transformers 5.25 added it (MLACacheAllocator): upgrade, or disable "
+        "extensible_kv.transformers for this model"
+    )
 
 
 def _refuse_impossible_budget(state: _State) -> None:

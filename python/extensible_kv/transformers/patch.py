@@ -41,11 +41,13 @@ from extensible_kv.transformers import pooled as _pooled
 
 # Its public names are the package's (`extensible_kv.transformers.__all__`), listed there once.
 
-# The flat cache tensor with its trash sectors first arrived in 5.18; 5.24 is the newest that
-# installs here (5.25 needs a `kernels` release the registry does not serve). Tested on both ends.
+# The flat cache tensor with its trash sectors first arrived in 5.18; 5.25 is the newest release
+# whose continuous batching the seam was read against. CI tests both ends (scripts/test); the
+# range's text is made from these two, so that no message can name another.
 MIN_VERSION = (5, 18)
-MAX_VERSION = (5, 24)
-SUPPORTED = ">=5.18,<5.25"
+MAX_VERSION = (5, 25)
+SUPPORTED = f">={MIN_VERSION[0]}.{MIN_VERSION[1]},<{MAX_VERSION[0]}.{MAX_VERSION[1] + 1}"
+_RANGE = f"{MIN_VERSION[0]}.{MIN_VERSION[1]}.0 to {MAX_VERSION[0]}.{MAX_VERSION[1]}.x"
 _PACKAGE = "transformers.generation.continuous_batching"
 _CACHE_MODULE = f"{_PACKAGE}.cache"
 _API_MODULE = f"{_PACKAGE}.continuous_api"
@@ -87,7 +89,7 @@ TRANSFORMERS = Stack(
     ),
     min_version=MIN_VERSION,
     max_version=MAX_VERSION,
-    tested="5.24",
+    tested="5.25",
 )
 
 _state: dict[str, Any] = {"options": None, "report": None}
@@ -133,7 +135,7 @@ def _check_version() -> Recognised:
     found = TRANSFORMERS.recognise(version)
     if not found.supported:
         raise UnsupportedError(
-            f"extensible_kv.transformers supports transformers {SUPPORTED} (5.18.0 to 5.24.x); "
+            f"extensible_kv.transformers supports transformers {SUPPORTED} ({_RANGE}); "
             f"found {version}: install a supported version, or leave the extensible cache off"
         )
     problems = list(found.problems)
