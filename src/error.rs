@@ -181,6 +181,31 @@ pub enum Error {
     #[error("timed out: {0}")]
     Timeout(String),
 
+    /// Memory that is not this tensor's alone to pass on: a borrowed handle lent onward or
+    /// described by `share`, or a handle `share` described (importers may map it) lent;
+    /// nothing was changed.
+    #[error("{0}")]
+    LoanConflict(String),
+
+    /// The kernel refused to let this process take another one's fd (`pidfd_getfd`: EPERM or
+    /// EACCES, where this process may not trace the other); nothing was mapped.
+    #[error("{call} refused ({code}): {detail}")]
+    PtraceRefused {
+        /// The call the kernel refused.
+        call: &'static str,
+        /// The process whose fd was asked for.
+        pid: i32,
+        /// `EPERM` or `EACCES`.
+        code: String,
+        /// What was asked, and what to do instead.
+        detail: String,
+    },
+
+    /// The caller gave up a long wait (`reclaim`'s `stop`: a signal, in Python) before it
+    /// ended; nothing was changed.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
+
     /// The tensor was closed; its addresses are gone.
     #[error("the tensor is closed")]
     Closed,

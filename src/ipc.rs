@@ -31,7 +31,7 @@ use rustix::fs::MemfdFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::process::{Pid, PidfdFlags, PidfdGetfdFlags};
 
-use crate::error::{Errno, Error, OnOp, Op, Result};
+use crate::error::{errno_name, Errno, Error, OnOp, Op, Result};
 use crate::plan::Run;
 
 /// The name prefix of registry memfds (`/memfd:<prefix><id as 32 hex digits>`).
@@ -282,20 +282,90 @@ const PTRACE_REFUSED_HINT: &str = "; this process may not trace the owner (Yama 
      another user, a container without CAP_SYS_PTRACE): have the owner pass the fds over a Unix \
      socket (extensible_kv.ipc.send_shared, then recv_shared or recv_loan here)";
 
-fn syscall_error(call: &str, pid: i32, fd: Option<i32>, errno: Errno) -> Error {
+fn syscall_error(call: &'static str, pid: i32, fd: Option<i32>, errno: Errno) -> Error {
     let what = match fd {
-        Some(fd) => format!("{call}: fd {fd} of process {pid}"),
-        None => format!("{call}: process {pid}"),
+        Some(fd) => format!("fd {fd} of process {pid}"),
+        None => format!("process {pid}"),
     };
     if let (Errno::BADF, Some(fd)) = (errno, fd) {
         return stale(format!("process {pid} no longer holds fd {fd}"));
     }
+    if let Errno::PERM | Errno::ACCESS = errno {
+        // Typed, so that callers branch on it (the fds then travel over a socket), not on text.
+        return Error::PtraceRefused {
+            call,
+            pid,
+            code: errno_name(errno),
+            detail: format!("{what}{PTRACE_REFUSED_HINT}"),
+        };
+    }
     let hint = match errno {
-        Errno::PERM | Errno::ACCESS => PTRACE_REFUSED_HINT,
         Errno::SRCH => "; the owner process is gone",
         _ => "",
     };
-    Error::os(Op::Import, errno, format!("{what}{hint}"))
+    Error::os(Op::Import, errno, format!("{call}: {what}{hint}"))
+}
+
+/// Where the fds of one import or borrow come from: the owner, by pid (`pidfd_getfd`, its
+/// pidfd opened at the first and kept, so that every fd comes from that very process), or fds
+/// this process holds already (received over a Unix socket, duplicated from the caller's),
+/// each standing for the number the owner had for it. Either way an fd proves nothing by
+/// itself: the caller checks each against the owner's registry or board after taking it.
+pub enum FdSource {
+    /// Taken from process `pid` by number.
+    Owner {
+        /// The owner's pid.
+        pid: u32,
+        /// Its pidfd, opened by the first `take`.
+        process: Option<Process>,
+    },
+    /// Received, each with the owner's number for it.
+    Received(Vec<(i32, OwnedFd)>),
+}
+
+impl FdSource {
+    /// The owner `owner_pid`'s fds, or `fds` when given: exactly one per number of `numbers`
+    /// (`what` names, for the error, whose numbers those are, in order).
+    pub fn new(
+        owner_pid: u32,
+        numbers: Vec<i32>,
+        fds: Option<Vec<OwnedFd>>,
+        what: &str,
+    ) -> Result<FdSource> {
+        let Some(fds) = fds else {
+            return Ok(FdSource::Owner {
+                pid: owner_pid,
+                process: None,
+            });
+        };
+        if numbers.len() != fds.len() {
+            return Err(Error::invalid(format!(
+                "received {} fds, but {} are named: {what}",
+                fds.len(),
+                numbers.len()
+            )));
+        }
+        Ok(FdSource::Received(numbers.into_iter().zip(fds).collect()))
+    }
+
+    /// The fd the owner numbers `number` (each received fd is given once).
+    pub fn take(&mut self, number: i32) -> Result<OwnedFd> {
+        match self {
+            FdSource::Owner { pid, process } => {
+                let process = match process {
+                    Some(process) => process,
+                    None => process.insert(Process::open(*pid as i32)?),
+                };
+                process.take(number)
+            }
+            FdSource::Received(fds) => {
+                let at = fds.iter().position(|(n, _)| *n == number).ok_or_else(|| {
+                    Error::invalid(format!("no received fd stands for the owner's fd {number}"))
+                })?;
+                Ok(fds.remove(at).1)
+            }
+        }
+    }
 }
 
 /// The name prefix of loan boards (`/memfd:<prefix><tensor id, 32 hex>:<loan id, 16 hex>`).
@@ -304,6 +374,8 @@ const LOAN_PREFIX: &str = "extensible-kv-loan:";
 const BOARD_HEADER_WORDS: usize = 4;
 /// Words per lent handle: serial, first granule, granules, fd number, returned flag.
 const BOARD_HANDLE_WORDS: usize = 5;
+/// An fd word once the lender let go of the loan's fds (`LoanBoard::withdraw`): no fd number.
+const WITHDRAWN: u64 = u64::MAX;
 const OFFERED: u64 = 1;
 const TAKEN: u64 = 2;
 const CLOSED: u64 = 3;
@@ -434,18 +506,41 @@ impl LoanBoard {
         self.word(1).load(SC)
     }
 
-    /// The handles the lender lent, in order.
+    /// The handles the lender lent, in order (a withdrawn one's fd is -1).
     pub fn entries(&self) -> Vec<LoanEntry> {
         (0..self.num_handles)
-            .map(|i| {
-                let at = |k: usize| self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * i + k);
-                LoanEntry {
-                    serial: at(0).load(SC),
-                    run: Run::new(at(1).load(SC), at(2).load(SC)),
-                    fd: i32::try_from(at(3).load(SC)).unwrap_or(-1),
-                }
-            })
+            .filter_map(|i| self.entry(i))
             .collect()
+    }
+
+    /// Handle `index` as the board names it now: read after its fd was taken, an entry that
+    /// still names that fd number proves the fd was the lent handle's when it was taken (the
+    /// lender withdraws every entry before it closes any of the loan's fds).
+    pub fn entry(&self, index: usize) -> Option<LoanEntry> {
+        let at = |k: usize| self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * index + k);
+        (index < self.num_handles).then(|| LoanEntry {
+            serial: at(0).load(SC),
+            run: Run::new(at(1).load(SC), at(2).load(SC)),
+            fd: i32::try_from(at(3).load(SC)).unwrap_or(-1),
+        })
+    }
+
+    /// The lender lets go of the loan's fds (it closes its tensor): every entry stops naming
+    /// an fd, before any of them is closed, since a closed number soon names another file.
+    pub fn withdraw(&self) {
+        for i in 0..self.num_handles {
+            self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * i + 3)
+                .store(WITHDRAWN, SC);
+        }
+    }
+
+    /// Whether the lender let go of the loan's fds (`withdraw`).
+    pub fn is_withdrawn(&self) -> bool {
+        (0..self.num_handles).any(|i| {
+            self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * i + 3)
+                .load(SC)
+                == WITHDRAWN
+        })
     }
 
     fn returned_flag(&self, index: usize) -> Option<&AtomicU64> {
@@ -514,14 +609,30 @@ impl LoanBoard {
     /// Closes an offered loan (the lender takes it back before anyone borrowed it): whether it
     /// was offered.
     pub fn close_if_offered(&self) -> bool {
-        self.word(0)
-            .compare_exchange(OFFERED, CLOSED, SC, SC)
-            .is_ok()
+        self.close_from(BoardState::Offered)
     }
 
-    /// Offers again a loan this lender closed with `close_if_offered` (a reclaim that failed).
-    pub fn reopen(&self) {
-        let _ = self.word(0).compare_exchange(CLOSED, OFFERED, SC, SC);
+    /// Closes the loan if it still stands as `was` (the lender's reclaim, once it may map the
+    /// handles back): whether it did. Atomic, so that no borrower can claim it (nor a failed
+    /// borrow offer it again) between the lender's look and its mapping.
+    pub fn close_from(&self, was: BoardState) -> bool {
+        let was = self.encode(was);
+        self.word(0).compare_exchange(was, CLOSED, SC, SC).is_ok()
+    }
+
+    /// Puts back the state `close_from` closed (a reclaim that failed to map the handles).
+    pub fn reopen(&self, was: BoardState) {
+        let was = self.encode(was);
+        let _ = self.word(0).compare_exchange(CLOSED, was, SC, SC);
+    }
+
+    /// The state word that stands for `state` (the start time has a word of its own).
+    fn encode(&self, state: BoardState) -> u64 {
+        match state {
+            BoardState::Offered => OFFERED,
+            BoardState::Taken { pid, .. } => u64::from(pid) << 32 | TAKEN,
+            BoardState::Closed => CLOSED,
+        }
     }
 
     /// Closes the loan whatever its state (the lender has it back).
@@ -618,13 +729,77 @@ mod tests {
     }
 
     #[test]
-    fn a_refused_take_says_that_this_process_may_not_trace_the_owner() {
-        for errno in [Errno::PERM, Errno::ACCESS] {
-            let refused = syscall_error("pidfd_getfd", 1, Some(7), errno).to_string();
+    fn a_refused_take_is_typed_and_says_that_this_process_may_not_trace_the_owner() {
+        for (errno, name) in [(Errno::PERM, "EPERM"), (Errno::ACCESS, "EACCES")] {
+            let refused = syscall_error("pidfd_getfd", 1, Some(7), errno);
+            assert!(
+                matches!(&refused, Error::PtraceRefused { pid: 1, code, .. } if code == name),
+                "{refused:?}"
+            );
+            let refused = refused.to_string();
             assert!(refused.contains("may not trace the owner"), "{refused}");
+            assert!(refused.contains("fd 7 of process 1"), "{refused}");
         }
-        let gone = syscall_error("pidfd_getfd", 1, Some(7), Errno::SRCH).to_string();
-        assert!(!gone.contains("may not trace the owner"), "{gone}");
+        let gone = syscall_error("pidfd_getfd", 1, Some(7), Errno::SRCH);
+        assert!(matches!(gone, Error::Driver { .. }), "{gone:?}");
+        assert!(
+            !gone.to_string().contains("may not trace the owner"),
+            "{gone}"
+        );
+    }
+
+    #[test]
+    fn a_lender_closes_the_board_from_what_it_saw_so_a_failed_borrow_cannot_offer_it_again() {
+        let entry = LoanEntry {
+            serial: 1,
+            run: Run::new(0, 1),
+            fd: 40,
+        };
+        let board = LoanBoard::create(0xfeed, 1, 9, &[entry]).unwrap();
+        board.claim().unwrap();
+        let taken = board.state();
+        board.mark_returned(0); // a failed borrow releases what it imported, then unclaims
+        assert!(board.close_from(taken), "the lender saw every handle back");
+        board.unclaim();
+        assert_eq!(
+            board.state(),
+            BoardState::Closed,
+            "offered while the lender maps it"
+        );
+        // The other order: the failed borrow offers it again first, and the lender sees that.
+        board.reopen(taken);
+        board.unclaim();
+        assert!(!board.close_from(taken));
+        assert_eq!(board.state(), BoardState::Offered);
+        assert!(board.close_if_offered());
+    }
+
+    #[test]
+    fn a_withdrawn_board_names_no_fd() {
+        let entries = [
+            LoanEntry {
+                serial: 3,
+                run: Run::new(2, 2),
+                fd: 40,
+            },
+            LoanEntry {
+                serial: 4,
+                run: Run::new(4, 2),
+                fd: 41,
+            },
+        ];
+        let board = LoanBoard::create(0xfeed, 1, 9, &entries).unwrap();
+        let borrower = LoanBoard::open(borrow_fd(board.raw_fd()).unwrap(), 0xfeed, 1).unwrap();
+        assert_eq!(borrower.entries(), entries);
+        assert!(!borrower.is_withdrawn());
+        board.withdraw();
+        assert!(borrower.is_withdrawn());
+        assert_eq!(borrower.entry(0).map(|e| e.fd), Some(-1));
+        assert_eq!(
+            borrower.entry(1).map(|e| (e.serial, e.run)),
+            Some((4, Run::new(4, 2)))
+        );
+        assert_eq!(borrower.entry(2), None);
     }
 
     #[test]

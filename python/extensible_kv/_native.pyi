@@ -14,8 +14,10 @@ __all__ = [
     "ClosedError",
     "DriverError",
     "ExtensibleTensor",
+    "LoanConflictError",
     "LoanTimeoutError",
     "OutOfMemoryError",
+    "PtraceRefusedError",
     "UnsupportedError",
     "_loan_owner_fds",
     "_owner_fds",
@@ -57,6 +59,19 @@ class ClosedError(ValueError):
 
 class LoanTimeoutError(TimeoutError):
     """A loan was not given back in time; nothing was changed."""
+
+class LoanConflictError(ValueError):
+    """Memory that is not this tensor's alone to pass on: a borrowed handle lent onward or
+    shared, or a handle share() described lent; nothing was changed."""
+
+class PtraceRefusedError(PermissionError):
+    """The kernel refused this process another one's fd (pidfd_getfd: EPERM or EACCES, where
+    it may not trace that process); nothing was mapped. Have the owner send the fds over a
+    Unix socket instead (send_shared, then recv_shared or recv_loan)."""
+
+    call: str
+    pid: int
+    code: str
 
 def vmm_unavailable_reason(device: object) -> str | None: ...
 def footprint_bytes(segment_offsets: Sequence[int], prefix_bytes: int, granularity: int) -> int: ...

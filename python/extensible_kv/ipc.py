@@ -34,6 +34,17 @@ lender's loan board (a memfd named after the tensor and the loan, holding a rand
 the loan's state and what was lent): a tampered, stale or replayed loan is a `ValueError`
 before anything is mapped. Its fds are taken by pid like a description's, or travel over a
 Unix socket: `send_shared(sock, loan)` in the lender, `recv_loan(sock)` in the borrower.
+Where the kernel refuses the fds by pid (another user, Yama's ptrace_scope), a borrow or an
+import raises `PtraceRefusedError`, a `PermissionError`: send them over a socket instead.
+
+A loan moves memory, a share maps it twice, and the two refuse each other
+(`LoanConflictError`, a `ValueError`, nothing changed): a tensor that maps borrowed memory
+cannot `share()` (its importers would keep the lender's memory after the give-back and the
+reclaim, reading the lender's bytes and writing into them), and a handle `share()` described
+is never lent (its importers would read what the borrower writes, and write into its memory),
+since an importer may map it for as long as it likes. A borrowed handle is never lent onward
+either: it goes back to its lender. So a shared tensor lends only memory grown after its last
+`share()`, and a borrower shares once it has given its loans back.
 """
 
 from __future__ import annotations

@@ -255,7 +255,11 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
     def share(self) -> SharedTensor:
         """A picklable description of this tensor's memory for other processes (see
-        `extensible_kv.ipc`); each handle is exported once, on the first call that needs it."""
+        `extensible_kv.ipc`); each handle is exported once, on the first call that needs it.
+
+        Loans and shares refuse each other: a tensor that maps borrowed memory is refused with
+        `LoanConflictError` (its importers would keep mapping the lender's memory after the
+        give-back; give the loans back first), and a handle described here is never lent."""
         return SharedTensor._from_native(self._share())
 
     @classmethod
@@ -264,7 +268,9 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         reservation of its own (on `device`, by default the owner's). Views keep it alive,
         whatever the owner does. It cannot grow, shrink or release the owner's memory:
         `refresh` follows the owner instead. All or nothing: a failure maps nothing and keeps
-        no fd or handle."""
+        no fd or handle. Where this process may not take the owner's fds by pid (another user,
+        Yama's ptrace_scope), `PtraceRefusedError` (a `PermissionError`): have the owner
+        `send_shared` the description instead."""
         _check_description(description)
         target = description.device if device is None else device
         fds = description._take_fds()
@@ -299,7 +305,9 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         that straddles the size kept stays here. The addresses stay reserved, so views and
         CUDA graphs stay valid, and a grow over the lent memory is refused until `reclaim`.
         Needs `export_handle_types="posix_fd"`. All or nothing: `ValueError` when no whole
-        handle lies past the size kept."""
+        handle lies past the size kept, and `LoanConflictError` (a `ValueError`) when one is
+        not this tensor's alone to lend: a borrowed handle (it goes back to its lender, never
+        onward) or one that `share()` described (importers may map it still)."""
         return Loan._from_native(self._lend(bytes_per_segment, stream))
 
     def borrow(self, loan: Loan, *, zero: bool = True, stream: int | None = None) -> None:
@@ -308,8 +316,14 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         segments that end at a granule boundary with nothing mapped past it, room for the
         loan, and no handle crossing a segment's end; else a `ValueError` says why, before
         anything is mapped. A tampered, stale or replayed loan is a `ValueError` too (a loan
-        is borrowed at most once). With `zero` (the default) the borrowed bytes are zeroed on
-        `stream`; `zero=False` keeps the lender's bytes, for a trusted pair. All or nothing."""
+        is borrowed at most once), and so is a loan whose lender closed its tensor, even while
+        this call runs: every fd taken is checked against the lender's board after it is
+        taken. Where this process may not take the lender's fds by pid, `PtraceRefusedError`
+        (a `PermissionError`): have the lender `send_shared` the loan, and `recv_loan` it
+        here. With `zero` (the default) the borrowed bytes are zeroed on `stream`;
+        `zero=False` keeps the lender's bytes, for a trusted pair. All or nothing. A borrow
+        waits first for what shrinks gave back to be released; Ctrl-C ends that wait, with
+        nothing borrowed."""
         _check_loan(loan)
         _args.flag(zero, "zero")
         fds = loan._take_fds()
@@ -338,7 +352,14 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         or died, or never borrowed it (then no one can any more), up to `timeout` seconds
         (`None`: for ever), then maps the memory back at its addresses, zeroed on `stream`
         unless `zero=False`. The segments grow back to their size before the lend if they
-        hold what it kept. Past the timeout, `LoanTimeoutError` and nothing changes."""
+        hold what it kept and every byte up to there is mapped (after an exact shrink, a
+        `consolidate` or a shrink and grow, the tail of a handle that straddled the size kept
+        may not be: then the memory comes back unused past the committed bytes, and a grow
+        uses it). Past the timeout, `LoanTimeoutError` and nothing changes. Ctrl-C (any
+        signal whose handler raises) ends the wait: before the loan is back, its exception is
+        raised and nothing changed; once it is back, the reclaim completes and a
+        `KeyboardInterrupt` says so. One reclaim of a loan at a time: a second is a
+        `ValueError` while the first waits."""
         _check_loan(loan)
         _args.flag(zero, "zero")
         timeout = _args.seconds(timeout)
@@ -347,7 +368,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
     def wait_released(self, timeout: float | None = None) -> bool:
         """Waits (without the GIL) until the memory that shrinks and `release_physical` gave
         back has been released, or for `timeout` seconds: whether it has.
-        `pending_release_bytes` is what is still on its way back."""
+        `pending_release_bytes` is what is still on its way back. Ctrl-C ends the wait."""
         return super().wait_released(_args.seconds(timeout))
 
     # -- giving memory back while the addresses stay (the integrations' release and free) -----

@@ -2,7 +2,9 @@
 //! `Error`: each variant becomes one class, subclassing the builtin a user would catch
 //! (`ValueError`, `MemoryError`, `BufferError`), with the variant's numbers as attributes.
 
-use pyo3::exceptions::{PyBaseException, PyBufferError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{
+    PyBaseException, PyBufferError, PyKeyboardInterrupt, PyRuntimeError, PyValueError,
+};
 use pyo3::prelude::*;
 
 use crate::error::{Error, SizeOp};
@@ -39,6 +41,21 @@ pyo3::create_exception!(
     ClosedError,
     PyValueError,
     "The tensor was closed."
+);
+pyo3::create_exception!(
+    extensible_kv._native,
+    LoanConflictError,
+    PyValueError,
+    "Memory that is not this tensor's alone to pass on: a borrowed handle lent onward or \
+     shared, or a handle share() described lent; nothing was changed."
+);
+pyo3::create_exception!(
+    extensible_kv._native,
+    PtraceRefusedError,
+    pyo3::exceptions::PyPermissionError,
+    "The kernel refused this process another one's fd (pidfd_getfd: EPERM or EACCES, where \
+     it may not trace that process); nothing was mapped. Have the owner send the fds over a \
+     Unix socket instead (send_shared, then recv_shared or recv_loan)."
 );
 
 /// The facade's method for `op`: a one-size call, or the per-segment one.
@@ -103,6 +120,28 @@ impl From<Error> for PyErr {
             Error::Closed => ClosedError::new_err(message),
             Error::Timeout(_) => LoanTimeoutError::new_err(message),
             Error::ViewsAlive { .. } => PyBufferError::new_err(message),
+            Error::LoanConflict(_) => LoanConflictError::new_err(message),
+            Error::PtraceRefused {
+                call,
+                pid,
+                ref code,
+                ..
+            } => {
+                let errno = match code.as_str() {
+                    "EACCES" => 13,
+                    _ => 1, // EPERM
+                };
+                with_attrs(PtraceRefusedError::new_err(message), |e| {
+                    // `errno` alone (no `strerror`), so that str() stays the message.
+                    e.setattr("errno", errno)?;
+                    e.setattr("call", call)?;
+                    e.setattr("pid", pid)?;
+                    e.setattr("code", code)
+                })
+            }
+            // The bindings raise the signal's own exception in its place; this is the
+            // fallback for a core caller that stopped a wait for reasons of its own.
+            Error::Interrupted(_) => PyKeyboardInterrupt::new_err(message),
         }
     }
 }
@@ -122,5 +161,7 @@ pub fn add_to(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add("DriverError", py.get_type::<DriverError>())?;
     module.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     module.add("LoanTimeoutError", py.get_type::<LoanTimeoutError>())?;
-    module.add("ClosedError", py.get_type::<ClosedError>())
+    module.add("ClosedError", py.get_type::<ClosedError>())?;
+    module.add("LoanConflictError", py.get_type::<LoanConflictError>())?;
+    module.add("PtraceRefusedError", py.get_type::<PtraceRefusedError>())
 }

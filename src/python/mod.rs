@@ -9,8 +9,9 @@ mod loan;
 mod share;
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyKeyboardInterrupt, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
@@ -237,7 +238,63 @@ pub struct PyExtensibleTensor {
     profile: Option<Arc<ProfilingDriver>>,
 }
 
+/// How long a native wait goes without checking for signals (Ctrl-C): the GIL is taken once
+/// per slice, so a wait of hours costs nothing and still ends within this of a signal.
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// A timeout in seconds (negative: none left), `None` for ever.
+fn to_timeout(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|s| Duration::try_from_secs_f64(s.max(0.0)))
+        .transpose()
+        .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))
+}
+
+/// Takes the GIL and runs the signal handlers: whether one raised, its exception kept in
+/// `raised` (the handler has run: the exception is the caller's to raise, never dropped).
+fn check_signals(raised: &mut Option<PyErr>) -> bool {
+    match Python::attach(|py| py.check_signals()) {
+        Ok(()) => false,
+        Err(err) => {
+            raised.get_or_insert(err);
+            true
+        }
+    }
+}
+
+/// The exception to raise for a signal `signal` whose handler raised after the call's work
+/// was done (`done` says what holds): a KeyboardInterrupt saying so in place of the bare one,
+/// so that the caller does not take a completed call for a failed one; any other exception
+/// is raised as it is, with `done` as a note.
+fn interrupted_after(py: Python<'_>, signal: PyErr, done: &str) -> PyErr {
+    if signal.is_instance_of::<PyKeyboardInterrupt>(py) {
+        return PyKeyboardInterrupt::new_err(format!("interrupted after {done}"));
+    }
+    let _ = signal
+        .value(py)
+        .call_method1("add_note", (format!("interrupted after {done}"),));
+    signal
+}
+
 impl PyExtensibleTensor {
+    /// Waits (without the GIL, in slices that check for signals) until every pending release
+    /// has happened, or for `timeout`: whether none is pending. A signal raises its exception,
+    /// nothing changed.
+    fn wait_released_or_signal(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<bool> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let slice = left.map_or(SIGNAL_SLICE, |left| left.min(SIGNAL_SLICE));
+            if self.run(py, |core| Ok(core.wait_released(Some(slice))))? {
+                return Ok(true);
+            }
+            if left.is_some_and(|left| left <= slice) {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
+    }
+
     /// Runs `op` on the core without the GIL (it may wait for the tensor's lock and for the
     /// driver), then logs, as warnings, the errors destructors deferred meanwhile (each once;
     /// `take_deferred_errors` still returns them).
@@ -583,6 +640,10 @@ impl PyExtensibleTensor {
             self.stream_or_current(py, stream, zero)?,
         );
         let fds = share::to_fds(fds)?;
+        // A borrow waits, under the tensor's lock, for what shrinks gave back to be released
+        // (its place may be there): waited for here first, in slices that check for signals,
+        // so that Ctrl-C ends a wait that would not end (a stream that never gets there).
+        self.wait_released_or_signal(py, None)?;
         self.run(py, |core| core.borrow(&loan, fds, zero, stream))
     }
 
@@ -615,11 +676,31 @@ impl PyExtensibleTensor {
             loan::to_loan(loan)?,
             self.stream_or_current(py, stream, zero)?,
         );
-        let timeout = timeout
-            .map(|s| std::time::Duration::try_from_secs_f64(s.max(0.0)))
-            .transpose()
-            .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))?;
-        self.run(py, |core| core.reclaim(&loan, zero, timeout, stream))
+        let timeout = to_timeout(timeout)?;
+        // The wait may last as long as the borrower keeps the loan: every 50 ms or so it takes
+        // the GIL to check for signals. A signal's exception (the handler has run) stops the
+        // wait: raised as it is when nothing changed, or saying that the reclaim completed.
+        let mut raised: Option<PyErr> = None;
+        let result = self.run(py, |core| {
+            let mut stop = || check_signals(&mut raised);
+            Ok(core.reclaim_or_stop(&loan, zero, timeout, stream, &mut stop))
+        })?;
+        match (result, raised) {
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(signal)) => Err(interrupted_after(
+                py,
+                signal,
+                &format!("the reclaim completed: loan {} is back", loan.loan_id),
+            )),
+            (Err(crate::Error::Interrupted(_)), Some(signal)) => Err(signal), // nothing changed
+            (Err(err), Some(signal)) => {
+                // Failed on its own as the signal came (all or nothing: nothing changed).
+                let note = format!("the reclaim failed meanwhile: {err}");
+                let _ = signal.value(py).call_method1("add_note", (note,));
+                Err(signal)
+            }
+            (Err(err), None) => Err(err.into()),
+        }
     }
 
     /// Bytes lent out and not reclaimed yet.
@@ -694,11 +775,8 @@ impl PyExtensibleTensor {
     /// seconds: whether none is pending.
     #[pyo3(signature = (timeout=None))]
     fn wait_released(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let timeout = timeout
-            .map(|s| std::time::Duration::try_from_secs_f64(s.max(0.0)))
-            .transpose()
-            .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))?;
-        self.run(py, |core| Ok(core.wait_released(timeout)))
+        let timeout = to_timeout(timeout)?;
+        self.wait_released_or_signal(py, timeout)
     }
 
     /// Exports (without the GIL) up to `max_handles` handles not exported yet, the top ones

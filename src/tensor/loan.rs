@@ -40,7 +40,7 @@ use super::share::handles_refused;
 use super::{check_state, ExtensibleTensor, Mapping, PerSegment, PhysicalHandle, State};
 use crate::driver::{DeviceKind, ExportTypes, Exported, ImportSource, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::{self, BoardState, LoanBoard, LoanEntry, Process, Watched};
+use crate::ipc::{self, BoardState, FdSource, LoanBoard, LoanEntry, Watched};
 use crate::plan::{self, Run};
 
 /// One lent handle, as a loan's description names it.
@@ -85,6 +85,10 @@ pub(super) struct Lent {
     /// The segment sizes right after the lend, and before it.
     kept_bytes: Vec<u64>,
     before_bytes: Vec<u64>,
+    /// Set while a `reclaim` of the loan waits (without the tensor's lock): a second one is
+    /// refused, since it could take the first one's closing of the board for a completed
+    /// reclaim, or offer the loan again while the first maps its handles back.
+    reclaiming: bool,
 }
 
 impl Lent {
@@ -95,9 +99,12 @@ impl Lent {
 
 impl Drop for Lent {
     /// A loan dropped unreclaimed (the lender closed): no one may borrow it any more. A
-    /// borrower that has it keeps what it mapped.
+    /// borrower that has it keeps what it mapped. The board stops naming the loan's fds before
+    /// the handles (their fields, dropped after this) close them: a borrow under way checks
+    /// every fd it takes against the board, and a closed number soon names other memory.
     fn drop(&mut self) {
         self.board.close_if_offered();
+        self.board.withdraw();
     }
 }
 
@@ -177,7 +184,7 @@ impl LoanDescription {
                 std::process::id()
             )));
         }
-        let mut source = LoanFds::new(self, None)?;
+        let mut source = self.fd_source(None)?;
         let board = self.open_board(&mut source)?;
         if board.state() != BoardState::Offered {
             return Err(ipc::stale_loan(format!(
@@ -186,22 +193,84 @@ impl LoanDescription {
                 board.state()
             )));
         }
-        let mut fds = vec![source.take(self.board_fd)?];
-        for h in &self.handles {
-            fds.push(source.take(h.fd)?);
+        let mut fds = vec![self.take(&mut source, self.board_fd)?];
+        for index in 0..self.handles.len() {
+            fds.push(self.take_handle(&mut source, &board, index)?);
         }
         Ok(fds)
     }
 
+    /// Where the loan's fds come from: the lender by pid, or `fds` received (the board's,
+    /// then one per handle).
+    fn fd_source(&self, fds: Option<Vec<OwnedFd>>) -> Result<FdSource> {
+        let numbers: Vec<i32> = std::iter::once(self.board_fd)
+            .chain(self.handles.iter().map(|h| h.fd))
+            .collect();
+        let what = "the loan's board's, then one per handle";
+        FdSource::new(self.owner_pid, numbers, fds, what)
+    }
+
+    /// The lender's fd `number`: a stale or foreign loan where it cannot be taken (another
+    /// process, an fd it no longer holds); a refused trace stays `PtraceRefused`, for the
+    /// caller to have the fds sent instead.
+    fn take(&self, source: &mut FdSource, number: i32) -> Result<OwnedFd> {
+        let by_pid = matches!(source, FdSource::Owner { .. });
+        source.take(number).map_err(|err| match err {
+            Error::PtraceRefused { .. } => err,
+            _ if by_pid => ipc::stale_loan(format!(
+                "cannot take fd {number} of process {}: {err}",
+                self.owner_pid
+            )),
+            _ => err,
+        })
+    }
+
+    /// Handle `index`'s fd, checked against the board after it was taken: the lender stops
+    /// naming the loan's fds on the board before it closes any (`Lent`'s drop), so an entry
+    /// that still names the number proves that the fd taken was the lent handle's. Checked
+    /// before, a number the lender closed meanwhile could name another of its files by now.
+    fn take_handle(
+        &self,
+        source: &mut FdSource,
+        board: &LoanBoard,
+        index: usize,
+    ) -> Result<OwnedFd> {
+        let wanted = &self.handles[index];
+        let fd = self.take(source, wanted.fd)?;
+        let named = LoanEntry {
+            serial: wanted.serial,
+            run: wanted.run,
+            fd: wanted.fd,
+        };
+        if board.entry(index) != Some(named) {
+            return Err(ipc::stale_loan(format!(
+                "the lender let go of loan {} (it closed its tensor) before its handle {} \
+                 was taken: fd {} may name other memory by now",
+                self.loan_id, wanted.serial, wanted.fd
+            )));
+        }
+        Ok(fd)
+    }
+
     /// The lender's board, checked to be this loan's and to say what the description says.
-    fn open_board(&self, source: &mut LoanFds) -> Result<LoanBoard> {
-        let board = LoanBoard::open(source.take(self.board_fd)?, self.tensor_id, self.loan_id)?;
+    fn open_board(&self, source: &mut FdSource) -> Result<LoanBoard> {
+        let board = LoanBoard::open(
+            self.take(source, self.board_fd)?,
+            self.tensor_id,
+            self.loan_id,
+        )?;
         if board.epoch() != self.epoch {
             return Err(ipc::stale_loan(format!(
                 "loan {} has epoch {:#x} on the lender's board, not {:#x}",
                 self.loan_id,
                 board.epoch(),
                 self.epoch
+            )));
+        }
+        if board.is_withdrawn() {
+            return Err(ipc::stale_loan(format!(
+                "the lender let go of loan {} (it closed its tensor)",
+                self.loan_id
             )));
         }
         if board.entries() != self.entries() {
@@ -211,59 +280,6 @@ impl LoanDescription {
             )));
         }
         Ok(board)
-    }
-}
-
-/// Where a borrower's fds come from: the lender, by pid (pidfd_getfd), or received ones
-/// (the board's first, then one per handle), by the number the lender had for them.
-enum LoanFds {
-    Owner(u32, Option<Process>),
-    Received(Vec<(i32, OwnedFd)>),
-}
-
-impl LoanFds {
-    fn new(loan: &LoanDescription, fds: Option<Vec<OwnedFd>>) -> Result<LoanFds> {
-        let Some(fds) = fds else {
-            return Ok(LoanFds::Owner(loan.owner_pid, None));
-        };
-        let numbers: Vec<i32> = std::iter::once(loan.board_fd)
-            .chain(loan.handles.iter().map(|h| h.fd))
-            .collect();
-        if numbers.len() != fds.len() {
-            return Err(Error::invalid(format!(
-                "received {} fds, but the loan names {} (its board's, then one per handle)",
-                fds.len(),
-                numbers.len()
-            )));
-        }
-        Ok(LoanFds::Received(numbers.into_iter().zip(fds).collect()))
-    }
-
-    fn take(&mut self, number: i32) -> Result<OwnedFd> {
-        match self {
-            LoanFds::Owner(pid, process) => {
-                let process = match process {
-                    Some(process) => process,
-                    None => process.insert(Process::open(*pid as i32).map_err(|e| {
-                        ipc::stale_loan(format!("the lender, process {pid}, is gone ({e})"))
-                    })?),
-                };
-                // A foreign or stale loan (another process, an fd it no longer holds, a
-                // process this one may not trace) is refused as such, saying why.
-                process.take(number).map_err(|e| {
-                    ipc::stale_loan(format!("cannot take fd {number} of process {pid}: {e}"))
-                })
-            }
-            LoanFds::Received(fds) => {
-                let at = fds.iter().position(|(n, _)| *n == number).ok_or_else(|| {
-                    Error::invalid(format!(
-                        "no received fd stands for the lender's fd {number}"
-                    ))
-                })?;
-                let (_, fd) = fds.remove(at);
-                Ok(fd)
-            }
-        }
     }
 }
 
@@ -311,6 +327,7 @@ impl ExtensibleTensor {
                  (a handle that straddles the size kept stays with the lender)"
             )));
         }
+        self.refuse_not_own(&state, &dead)?;
         let entries = self.export_for_loan(&state, &dead)?;
         state.next_loan_id += 1;
         let loan_id = state.next_loan_id;
@@ -325,6 +342,7 @@ impl ExtensibleTensor {
             handles,
             kept_bytes: segment_bytes.to_vec(),
             before_bytes: state.segment_bytes.clone(),
+            reclaiming: false,
         };
         let description = self.describe_loan(loan_id, &lent, &entries);
         state.loans.insert(loan_id, lent);
@@ -362,6 +380,36 @@ impl ExtensibleTensor {
             exported += 1;
         }
         Ok(left)
+    }
+
+    /// Refuses to lend any handle over `runs` that is not this tensor's alone to lend: a
+    /// borrowed one goes back to its lender, never onward (else, once the tensor between let
+    /// go of it, its lender would reclaim what a third tensor still maps), and one that
+    /// `share` described may still be mapped by importers (they would read what the borrower
+    /// writes, and write into its memory).
+    fn refuse_not_own(&self, state: &State, runs: &[Run]) -> Result<()> {
+        for run in runs {
+            let handle = state.mappings[&run.first_granule].handle();
+            let (first, last) = (run.first_granule, run.end_granule() - 1);
+            if let Some(slot) = &handle.loan {
+                return Err(Error::LoanConflict(format!(
+                    "cannot lend granules {first} to {last}: they are a handle borrowed from \
+                     loan {} of tensor {:032x}, which goes back to its lender, never onward; \
+                     lend keeping every borrowed byte, or give the loan back",
+                    slot.loan_id, slot.tensor_id
+                )));
+            }
+            if handle.published_at.get().is_some() {
+                return Err(Error::LoanConflict(format!(
+                    "cannot lend granules {first} to {last}: share() described that handle \
+                     (serial {}), and importers may map it still: they would read what the \
+                     borrower writes, and write into its memory; lend memory grown after the \
+                     last share(), or from a tensor that is not shared",
+                    handle.serial
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Exports (once) the handles over `runs` and names them for the board.
@@ -448,7 +496,7 @@ impl ExtensibleTensor {
         // their stream: let them go first.
         self.inner.releaser.settle();
         let placement = self.place(&state, loan)?;
-        let mut source = LoanFds::new(loan, fds)?;
+        let mut source = loan.fd_source(fds)?;
         let board = Arc::new(loan.open_board(&mut source)?);
         match board.claim() {
             Ok(()) => {}
@@ -499,13 +547,16 @@ impl ExtensibleTensor {
         loan: &LoanDescription,
         board: &Arc<LoanBoard>,
         placement: &Placement,
-        source: &mut LoanFds,
+        source: &mut FdSource,
         (zero, stream, queued): (bool, Stream, &mut bool),
         fresh: &mut Vec<Mapping>,
     ) -> Result<()> {
         let ctx = &self.inner.ctx;
-        for (index, (wanted, &run)) in loan.handles.iter().zip(&placement.runs).enumerate() {
-            let fd = source.take(wanted.fd)?;
+        for (index, &run) in placement.runs.iter().enumerate() {
+            // Taken and checked one at a time, right before its import: the zeroing of the
+            // handles before it is slow (~0.7 s a GiB on the host), and the lender may close
+            // meanwhile.
+            let fd = loan.take_handle(source, board, index)?;
             let (va, num_bytes) = ctx.span(run);
             let id = ctx.driver.import(ImportSource::Fd(fd.as_fd()), num_bytes)?;
             let mut handle = PhysicalHandle::adopt(ctx, id, ctx.next_serial());
@@ -669,8 +720,11 @@ impl ExtensibleTensor {
     /// for ever) until the borrower has given back every handle, or is gone, or never
     /// borrowed it; then maps the handles back at their addresses, zeroed on `stream` with
     /// `zero`. The segments grow back to their sizes before the lend if they still hold what
-    /// the lend kept; else the handles are mapped as slack, for a later grow. Past the
-    /// timeout, `Error::Timeout` and nothing changes. All or nothing.
+    /// the lend kept and every granule up to those sizes is mapped (an exact shrink, a
+    /// consolidation or a shrink and grow since may have dropped the tail of a handle that
+    /// straddled the size kept); else the handles are mapped as slack, for a later grow.
+    /// Past the timeout, `Error::Timeout` and nothing changes. All or nothing. One reclaim of
+    /// a loan at a time: a second, meanwhile, is refused.
     pub fn reclaim(
         &self,
         loan: &LoanDescription,
@@ -678,24 +732,53 @@ impl ExtensibleTensor {
         timeout: Option<Duration>,
         stream: Stream,
     ) -> Result<()> {
+        self.reclaim_or_stop(loan, zero, timeout, stream, &mut || false)
+    }
+
+    /// `reclaim`, asking `stop` every 50 ms or so of the wait whether the caller gives up (the
+    /// bindings check for signals there): then the wait ends, with the reclaim if the loan is
+    /// back by then, else with `Error::Interrupted` and nothing changed.
+    pub fn reclaim_or_stop(
+        &self,
+        loan: &LoanDescription,
+        zero: bool,
+        timeout: Option<Duration>,
+        stream: Stream,
+        stop: &mut dyn FnMut() -> bool,
+    ) -> Result<()> {
         let board = {
-            let state = self.lock_owned("reclaim")?;
-            let lent = self.lent(&state, loan)?;
+            let mut state = self.lock_owned("reclaim")?;
+            let lent = self.lent_mut(&mut state, loan)?;
+            if lent.reclaiming {
+                return Err(Error::invalid(format!(
+                    "loan {} is being reclaimed already, by another call that waits for it",
+                    loan.loan_id
+                )));
+            }
+            lent.reclaiming = true;
             Arc::clone(&lent.board)
         };
-        let closed_offered = wait_returned(&board, loan.loan_id, timeout)?;
-        let mut state = self.lock_owned("reclaim")?;
-        let mapped = self
-            .lent(&state, loan)
-            .map(|_| ())
-            .and_then(|()| self.map_lent_back(&mut state, loan.loan_id, zero, stream));
-        if mapped.is_err() && closed_offered {
-            board.reopen();
+        let waited = wait_returned(&board, loan.loan_id, timeout, stop);
+        let mut state = self.lock_owned("reclaim")?; // closed meanwhile: the loan went with it
+        let result = waited.and_then(|was| {
+            let mapped = self.map_lent_back(&mut state, loan.loan_id, zero, stream);
+            if mapped.is_err() {
+                board.reopen(was);
+            }
+            mapped
+        });
+        if let Some(lent) = state.loans.get_mut(&loan.loan_id) {
+            lent.reclaiming = false;
         }
-        mapped?;
+        result?;
         board.close();
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
         Ok(())
+    }
+
+    fn lent_mut<'s>(&self, state: &'s mut State, loan: &LoanDescription) -> Result<&'s mut Lent> {
+        self.lent(state, loan)?;
+        Ok(state.loans.get_mut(&loan.loan_id).expect("found just now"))
     }
 
     fn lent<'s>(&self, state: &'s State, loan: &LoanDescription) -> Result<&'s Lent> {
@@ -765,7 +848,11 @@ impl ExtensibleTensor {
         for mapping in fresh {
             state.mappings.insert(mapping);
         }
-        if state.segment_bytes == lent.kept_bytes {
+        // Only over mapped granules: since the lend, the handle that straddled the size kept
+        // may have lost its tail (an exact shrink, a consolidation, a shrink and a grow).
+        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        let needed = self.inner.geometry.needed_runs(&lent.before_bytes);
+        if state.segment_bytes == lent.kept_bytes && plan::subtract(&needed, &mapped).is_empty() {
             state.segment_bytes.clone_from(&lent.before_bytes);
         }
         Ok(())
@@ -823,40 +910,66 @@ impl ExtensibleTensor {
     }
 }
 
-/// Waits until loan `loan_id`'s board says its handles may be mapped again: never borrowed
-/// (then closed here: whether that happened is returned), every handle returned, or the
-/// borrower gone. Polls the board every few milliseconds, sleeping on the borrower's pidfd.
-fn wait_returned(board: &LoanBoard, loan_id: u64, timeout: Option<Duration>) -> Result<bool> {
+/// Waits until loan `loan_id`'s board says its handles may be mapped again, then closes it
+/// (atomically, from the state it found: no borrower can claim it, nor a failed borrow offer
+/// it again, while the lender maps the handles back) and returns that state, for a reclaim
+/// that fails to put back. Ready: never borrowed, every handle returned, or the borrower gone.
+/// Polls the board every few milliseconds, sleeping on the borrower's pidfd, and asks `stop`
+/// every `STOP_EVERY`: once it says so, a loan not back at the next look ends the wait with
+/// `Error::Interrupted`.
+fn wait_returned(
+    board: &LoanBoard,
+    loan_id: u64,
+    timeout: Option<Duration>,
+    stop: &mut dyn FnMut() -> bool,
+) -> Result<BoardState> {
     const SLICE_MS: i32 = 2;
+    const STOP_EVERY: Duration = Duration::from_millis(50);
     let started = Instant::now();
+    let mut asked = started;
+    let mut stopping = false;
     let mut watched: Option<(u32, Watched)> = None;
+    let mut gone: Option<u32> = None;
     loop {
-        match board.state() {
-            BoardState::Offered if board.close_if_offered() => return Ok(true),
+        let now = board.state();
+        let (pid, start_time) = match now {
+            BoardState::Closed => return Ok(now),
+            BoardState::Offered if board.close_from(now) => return Ok(now),
             BoardState::Offered => continue, // claimed or unclaimed meanwhile: look again
-            BoardState::Closed => return Ok(false),
-            BoardState::Taken { pid, start_time } => {
-                if board.num_returned() == board.num_handles() {
-                    return Ok(false);
-                }
-                let waited = started.elapsed();
-                if let Some(limit) = timeout.filter(|&limit| waited >= limit) {
-                    return Err(Error::Timeout(format!(
-                        "loan {loan_id} is still borrowed by process {pid} after {} ms ({} of \
-                         {} handles given back); nothing was changed",
-                        limit.as_millis(),
-                        board.num_returned(),
-                        board.num_handles()
-                    )));
-                }
-                let watch = match &watched {
-                    Some((watching, watch)) if *watching == pid => watch,
-                    _ => &watched.insert((pid, Watched::new(pid, start_time))).1,
-                };
-                if watch.wait_gone(SLICE_MS) {
-                    return Ok(false);
-                }
+            BoardState::Taken { pid, start_time } => (pid, start_time),
+        };
+        if board.num_returned() == board.num_handles() || gone == Some(pid) {
+            match board.close_from(now) {
+                true => return Ok(now),
+                false => continue, // a failed borrow offered it again: look again
             }
+        }
+        let still = |after: String| {
+            format!(
+                "loan {loan_id} is still borrowed by process {pid}{after} ({} of {} handles \
+                 given back); nothing was changed",
+                board.num_returned(),
+                board.num_handles()
+            )
+        };
+        if stopping {
+            return Err(Error::Interrupted(still(String::new())));
+        }
+        if let Some(limit) = timeout.filter(|&limit| started.elapsed() >= limit) {
+            let after = format!(" after {} ms", limit.as_millis());
+            return Err(Error::Timeout(still(after)));
+        }
+        if asked.elapsed() >= STOP_EVERY {
+            asked = Instant::now();
+            stopping = stop();
+            continue; // one more look: a loan back by now is reclaimed all the same
+        }
+        let watch = match &watched {
+            Some((watching, watch)) if *watching == pid => watch,
+            _ => &watched.insert((pid, Watched::new(pid, start_time))).1,
+        };
+        if watch.wait_gone(SLICE_MS) {
+            gone = Some(pid);
         }
     }
 }

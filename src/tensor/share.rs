@@ -18,7 +18,7 @@ use std::sync::Arc;
 use super::{relock, ExtensibleTensor, Mapping, PhysicalHandle};
 use crate::driver::{DeviceKind, Driver, ExportTypes, Exported, ImportSource};
 use crate::error::{Error, Result};
-use crate::ipc::{self, ExportRegistry, Process, RegistryView};
+use crate::ipc::{self, ExportRegistry, FdSource, RegistryView};
 use crate::plan::{self, BadRun, Geometry, HandlePolicy, Run};
 
 /// How an importer gets one handle.
@@ -147,65 +147,57 @@ pub(super) fn handles_refused(bad: BadRun) -> String {
 /// first, then one per fd handle in order.
 pub type LocalFds = Option<Vec<OwnedFd>>;
 
-/// The fds of one import: taken from the owner by number (its pidfd opened at the first),
-/// or received ones, by the number the owner had for them.
-enum FdSource {
-    Owner(u32, Option<Process>),
-    Received(BTreeMap<i32, OwnedFd>),
-}
-
-impl FdSource {
-    /// Received fds must be exactly the description's: the registry's then one per fd handle,
-    /// or none at all where it has no fd handle.
-    fn new(description: &SharedDescription, fds: LocalFds) -> Result<FdSource> {
-        let Some(fds) = fds else {
-            return Ok(FdSource::Owner(description.owner_pid, None));
-        };
-        let handle_fds: Vec<i32> = description
-            .handles
-            .iter()
-            .filter_map(|h| match h.export {
-                SharedExport::Fd { fd, .. } => Some(fd),
-                SharedExport::Fabric(_) => None,
-            })
-            .collect();
-        let registry = description.registry_fd.filter(|_| !handle_fds.is_empty());
-        let numbers: Vec<i32> = registry.into_iter().chain(handle_fds).collect();
-        if numbers.len() != fds.len() {
-            return Err(Error::invalid(format!(
-                "received {} fds, but the description names {} (its registry's, then one per \
-                 fd handle)",
-                fds.len(),
-                numbers.len()
-            )));
-        }
-        Ok(FdSource::Received(numbers.into_iter().zip(fds).collect()))
-    }
-
-    /// The fd the owner numbers `number`.
-    fn take(&mut self, number: i32) -> Result<OwnedFd> {
-        match self {
-            FdSource::Owner(pid, process) => {
-                let process = match process {
-                    Some(process) => process,
-                    None => process.insert(Process::open(*pid as i32)?),
-                };
-                process.take(number)
-            }
-            FdSource::Received(fds) => fds.remove(&number).ok_or_else(|| {
-                Error::invalid(format!("no received fd stands for the owner's fd {number}"))
-            }),
-        }
-    }
+/// The fds of one import: the registry's, then one per fd handle (received fds must be exactly
+/// those, or none at all where the description has no fd handle).
+fn fd_source(description: &SharedDescription, fds: LocalFds) -> Result<FdSource> {
+    let handle_fds: Vec<i32> = description
+        .handles
+        .iter()
+        .filter_map(|h| match h.export {
+            SharedExport::Fd { fd, .. } => Some(fd),
+            SharedExport::Fabric(_) => None,
+        })
+        .collect();
+    let registry = description.registry_fd.filter(|_| !handle_fds.is_empty());
+    let numbers: Vec<i32> = registry.into_iter().chain(handle_fds).collect();
+    FdSource::new(
+        description.owner_pid,
+        numbers,
+        fds,
+        "the description's registry's, then one per fd handle",
+    )
 }
 
 impl ExtensibleTensor {
     /// Describes this tensor's memory for other processes, exporting (once, lazily) each
     /// handle not yet exported and recording its fd in the export registry. Needs the tensor
     /// created with export types (`Options::export_types`); an importer cannot share again.
+    /// A tensor that maps borrowed handles is refused (`Error::LoanConflict`), before anything
+    /// is exported: its importers would keep mapping the lender's memory after the give-back.
+    /// Every handle described is never lent (`lend`), since importers may map it for as long
+    /// as they like.
     pub fn share(&self) -> Result<SharedDescription> {
         let state = self.lock_owned("share imported memory (share from the owner)")?;
         let kind = self.export_kind()?;
+        if let Some(mapping) = state.mappings.values().find(|m| m.handle().loan.is_some()) {
+            let slot = mapping.handle().loan.as_ref().expect("found by its loan");
+            return Err(Error::LoanConflict(format!(
+                "cannot share: granules {} to {} are a handle borrowed from loan {} of tensor \
+                 {:032x}, and importers would keep mapping the lender's memory after it is given \
+                 back; give the loans back first (borrowed_bytes is {}), or share a tensor \
+                 that borrows nothing",
+                mapping.run.first_granule,
+                mapping.run.end_granule() - 1,
+                slot.loan_id,
+                slot.tensor_id,
+                state
+                    .mappings
+                    .values()
+                    .filter(|m| m.handle().loan.is_some())
+                    .map(Mapping::num_bytes)
+                    .sum::<u64>()
+            )));
+        }
         let ctx = &self.inner.ctx;
         let owner_pid = std::process::id();
         let mut registry = relock(&ctx.registry);
@@ -444,7 +436,7 @@ impl SharedDescription {
             || shared
                 .iter()
                 .any(|h| matches!(h.export, SharedExport::Fd { .. }));
-        let mut source = FdSource::new(self, fds)?;
+        let mut source = fd_source(self, fds)?;
         let Some(registry_fd) = self.registry_fd.filter(|_| wants_fds) else {
             return Ok((None, shared.iter().map(|_| None).collect()));
         };
