@@ -771,21 +771,6 @@ def test_every_text_names_the_supported_range() -> None:
     assert "transformers 5.18 to 5.25." in " ".join((ekt.__doc__ or "").split())
 
 
-def test_a_run_for_another_version_fails_where_it_is_not_the_one_imported(
-    tf: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """scripts/test's run on the range's lower end names it (EKV_TRANSFORMERS_VERSION): a
-    PYTHONPATH that imports another version fails every test instead of testing that one."""
-    monkeypatch.setenv("EKV_TRANSFORMERS_VERSION", tf.__version__)
-    stack_env.require_transformers()
-    monkeypatch.setenv("EKV_TRANSFORMERS_VERSION", "5.18.99")
-    with pytest.raises(
-        pytest.fail.Exception,
-        match=rf"5\.18\.99 is set, but transformers {re.escape(tf.__version__)} \(",
-    ):
-        stack_env.require_transformers()
-
-
 def test_options_are_checked_before_anything_changes(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 
