@@ -914,3 +914,48 @@ fn a_second_reclaim_of_a_loan_is_refused_while_the_first_waits() {
         .reclaim(&again, false, NOW, Stream::DEFAULT)
         .unwrap();
 }
+
+#[test]
+fn a_borrower_never_re_backs_a_borrowed_handle() {
+    // A consolidation or an exact shrink replaces handles by copies of their bytes; a
+    // borrowed one so replaced went back to its lender as a copy the borrower now owns, and
+    // `give_back` then found nothing of the loan to give back.
+    for exact_shrink in [false, true] {
+        let lender = Side::new(never(Op::Map), BEFORE);
+        let borrower = Side::new(never(Op::Map), BORROWER_START);
+        fill(&lender.tensor, 10);
+        let loan = lend(&lender);
+        let t = &borrower.tensor;
+        t.borrow(&loan, None, false, Stream::DEFAULT).unwrap();
+        if exact_shrink {
+            // Into the middle of the first borrowed handle of each segment: it stays whole.
+            let exact = ShrinkOptions {
+                exact: true,
+                ..ShrinkOptions::default()
+            };
+            t.shrink_per_segment(BORROWER_START + G, exact).unwrap();
+            assert_eq!(
+                t.borrowed_bytes(),
+                2 * 2 * G,
+                "the borrowed handle was copied"
+            );
+        } else {
+            let borrowed = t.borrowed_bytes();
+            t.consolidate(Stream::DEFAULT).unwrap();
+            assert_eq!(t.borrowed_bytes(), borrowed, "a borrowed handle was copied");
+        }
+        t.check_invariants().unwrap();
+        let kept = common::read(t, 0, BORROWER_START + G);
+        assert_eq!(
+            &kept[BORROWER_START as usize..],
+            &pattern(BEFORE, 10)[KEPT as usize..(KEPT + G) as usize]
+        );
+        t.give_back(&loan, Stream::DEFAULT).unwrap();
+        assert_eq!(t.borrowed_bytes(), 0);
+        lender
+            .tensor
+            .reclaim(&loan, false, NOW, Stream::DEFAULT)
+            .unwrap();
+        assert_eq!(lender.tensor.segment_bytes(), vec![BEFORE, BEFORE]);
+    }
+}

@@ -2,7 +2,7 @@
 a borrowed handle is never lent onward; a reclaim commits only what is mapped; loans and shares
 refuse each other, across processes; a refused `pidfd_getfd` is a typed `PtraceRefusedError`;
 Ctrl-C ends a reclaim or a wait that would wait for ever, before anything changed, or says that
-the reclaim completed. Every refusal leaves the tensor as it was: its sizes, its handles, and
+the reclaim completed; a cache's reclaim that fails part-way takes the rest at its next call. Every refusal leaves the tensor as it was: its sizes, its handles, and
 this process's fds and mapping lines (`/proc/self`).
 
 The other process is a spawned child that takes commands over a pipe (as in test_lend.py);
@@ -25,10 +25,14 @@ from typing import Any
 import pytest
 import torch
 from extensible_kv import (
+    AttentionLayerSpec,
+    ExtensibleKVCache,
     ExtensibleTensor,
     HandleSizing,
+    KVCacheTensorSpec,
     Loan,
     LoanConflictError,
+    LoanTimeoutError,
     PtraceRefusedError,
     SharedTensor,
 )
@@ -455,3 +459,57 @@ def test_ctrl_c_ends_waits_for_releases_and_a_borrow_behind_them() -> None:
     )
     assert all(result["outcomes"].values()), result
     assert result["unchanged"], "an interrupted wait changed the tensor"
+
+
+# --------------------------------------------------------------------------------------------
+# a cache's reclaim, one loan per buffer
+
+
+def test_a_cache_reclaim_that_fails_part_way_takes_the_rest_next_time() -> None:
+    """The borrower gives its loans back buffer by buffer: a lender that looks in between
+    reclaims the first buffer's and times out on the second's. Its next reclaim of the same
+    loans must take back the rest, not fail on the first ("not outstanding"), which left the
+    cache short of those blocks for good. Host only: the cache's own bookkeeping."""
+    layer = AttentionLayerSpec("FLASH_ATTN", 16, 2, 32, torch.bfloat16)
+    spec = [KVCacheTensorSpec(4096, {"a": layer}), KVCacheTensorSpec(4096, {"b": layer})]
+
+    def make() -> ExtensibleKVCache:
+        cache = ExtensibleKVCache(spec, 64, "cpu", granularity=4096, export_handle_types="posix_fd")
+        return cache
+
+    with make() as lender, make() as borrower:
+        lender.commit(8)
+        lender.commit(32)
+        borrower.commit(8)
+        loans = lender.lend(8)
+        borrower.borrow(loans, zero=False)
+        borrower.buffers[0].give_back(loans[0])
+        with pytest.raises(LoanTimeoutError):
+            lender.reclaim(loans, timeout=0)
+        assert lender.buffers[0].lent_bytes == 0 and lender.buffers[1].lent_bytes > 0
+        assert lender.committed_blocks == 8
+        borrower.buffers[1].give_back(loans[1])
+        lender.reclaim(loans, timeout=10)
+        assert lender.committed_blocks == 32
+        assert all(buffer.lent_bytes == 0 for buffer in lender.buffers)
+        for buffer in lender.buffers:
+            buffer._check_invariants()
+        again = lender.lend(8)  # and the next loans start afresh
+        lender.reclaim(again, timeout=0)
+        assert lender.committed_blocks == 32
+
+
+def test_a_nan_timeout_is_refused_at_the_native_door(device: str, g: int) -> None:
+    """The facade refuses it (`_args.seconds`); the native methods made it 0, so a reclaim
+    told to wait NaN seconds took back at once a loan that was still offered."""
+    from extensible_kv import _native
+
+    lender = make(device, g, BEFORE)
+    loan = lender.lend(KEPT * g)
+    before = state(lender)
+    with pytest.raises(ValueError, match="NaN"):
+        lender._reclaim(loan._to_native(), False, float("nan"), None)
+    with pytest.raises(ValueError, match="NaN"):
+        _native.ExtensibleTensor.wait_released(lender, float("nan"))
+    assert state(lender) == before, "a NaN timeout reclaimed the loan"
+    lender.reclaim(loan, timeout=0)

@@ -38,13 +38,13 @@ from extensible_kv.layouts import (
     resolve_attention_backend,
     standard_layout,
 )
+from extensible_kv.ipc import Loan
 from extensible_kv.mamba import MambaStateSpec
 from extensible_kv.tensor import ExtensibleTensor, close_on_exit
 
 if TYPE_CHECKING:
     import torch
 
-    from extensible_kv.ipc import Loan
     from extensible_kv.sizing import CacheFootprint
 
 __all__ = [
@@ -368,6 +368,9 @@ class ExtensibleKVCache:
         self._committed_blocks = 0
         self._legacy = legacy
         self._closed = False
+        # (tensor_id, loan_id) of loans a `reclaim` took back before a later buffer's failed:
+        # the next call with those loans takes back the rest only.
+        self._reclaimed: set[tuple[int, int]] = set()
         self._buffers: list[_Buffer] = []
         self._views: dict[str, list[torch.Tensor]] = {}
         try:
@@ -641,16 +644,27 @@ class ExtensibleKVCache:
         stream: int | None = None,
     ) -> None:
         """Takes back what `lend` lent (`ExtensibleTensor.reclaim`, per buffer, each waiting
-        up to `timeout`): `committed_blocks` grows back to where it was before the lend."""
+        up to `timeout`): `committed_blocks` grows back to where it was before the lend. A
+        call that fails at one buffer (a timeout: its borrower has not given that buffer's
+        loan back yet) keeps the buffers before it reclaimed, and the next call with the same
+        loans takes back the rest: call it again until it succeeds."""
         if self._closed:
             raise ClosedError("the KV cache is closed")
         loans = tuple(loans)
         buffers = self._lending_buffers()
         if len(loans) != len(buffers):
             raise ValueError(f"{len(loans)} loans for a cache of {len(buffers)} buffers")
+        keys = [
+            (loan.tensor_id, loan.loan_id) if isinstance(loan, Loan) else None for loan in loans
+        ]
         try:
-            for (tensor, _), loan in zip(buffers, loans, strict=True):
+            for (tensor, _), loan, key in zip(buffers, loans, keys, strict=True):
+                if key in self._reclaimed:
+                    continue  # back already, by a call that failed at a later buffer
                 tensor.reclaim(loan, zero=zero, timeout=timeout, stream=stream)
+                if key is not None:
+                    self._reclaimed.add(key)
+            self._reclaimed.difference_update(keys)
         finally:
             self._committed_blocks = self._blocks_held()
 

@@ -242,8 +242,14 @@ pub struct PyExtensibleTensor {
 /// per slice, so a wait of hours costs nothing and still ends within this of a signal.
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
-/// A timeout in seconds (negative: none left), `None` for ever.
+/// A timeout in seconds (negative: none left), `None` for ever. NaN is refused: `max` would
+/// make it 0, and a reclaim told to wait a NaN would take back at once a loan never borrowed.
 fn to_timeout(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    if timeout.is_some_and(f64::is_nan) {
+        return Err(PyValueError::new_err(
+            "timeout must be a number of seconds or None, not NaN",
+        ));
+    }
     timeout
         .map(|s| Duration::try_from_secs_f64(s.max(0.0)))
         .transpose()

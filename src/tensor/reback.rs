@@ -90,7 +90,8 @@ impl ExtensibleTensor {
     /// and released; a granule shared with a neighbour's live prefix stays. With
     /// `options.exact`, each handle that straddles the new frontier is replaced by handles of
     /// just its needed granules (built at a scratch address, filled by a device copy, then
-    /// swapped in at the same address). All or nothing: on error the tensor is unchanged.
+    /// swapped in at the same address), except a borrowed one, which stays whole (it goes
+    /// back to its lender whole). All or nothing: on error the tensor is unchanged.
     pub fn shrink_per_segment(&self, bytes: impl PerSegment, options: ShrinkOptions) -> Result<()> {
         let segment_bytes = &*bytes.per_segment(self.num_segments());
         let mut state = self.lock_owned("shrink")?;
@@ -112,6 +113,9 @@ impl ExtensibleTensor {
         let mut new = Vec::new();
         if options.exact {
             for (handle, live) in plan.straddling {
+                if is_borrowed(&state, handle) {
+                    continue; // it goes back to its lender whole, never as a copy
+                }
                 old.push(handle);
                 new.extend(live);
             }
@@ -156,11 +160,20 @@ impl ExtensibleTensor {
     /// handle, and the next step's too while this one is swapped in when it fits in half the
     /// free memory (the pipeline of the
     /// module docs; the other half is left to others). Handles that hold no committed byte
-    /// (slack of a shrink) are released too.
+    /// (slack of a shrink) are released too. Borrowed handles stay as they are: they go back
+    /// to their lender whole.
     pub fn consolidate(&self, stream: Stream) -> Result<()> {
         let mut state = self.lock_owned("consolidate")?;
+        // Borrowed handles stay as they are: they go back to their lender whole (`give_back`),
+        // never as a copy this tensor would own.
+        let (own, borrowed): (Vec<&Mapping>, Vec<&Mapping>) = state
+            .mappings
+            .values()
+            .partition(|m| m.handle().loan.is_none());
+        let borrowed: Vec<Run> = borrowed.iter().map(|m| m.run).collect();
+        let mapped: Vec<Run> = own.iter().map(|m| m.run).collect();
         let needed = self.inner.geometry.needed_runs(&state.segment_bytes);
-        let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        let needed = plan::subtract(&needed, &borrowed);
         let mut steps = plan::plan_consolidate(&mapped, &needed)
             .into_iter()
             .peekable();
@@ -346,4 +359,10 @@ impl ExtensibleTensor {
             state.mappings.insert(mapping);
         }
     }
+}
+
+/// Whether the handle mapped over `run` is borrowed.
+fn is_borrowed(state: &State, run: Run) -> bool {
+    let mapping = state.mappings.get(&run.first_granule);
+    mapping.is_some_and(|m| m.handle().loan.is_some())
 }
