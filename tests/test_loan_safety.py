@@ -2,7 +2,8 @@
 a borrowed handle is never lent onward; a reclaim commits only what is mapped; loans and shares
 refuse each other, across processes; a refused `pidfd_getfd` is a typed `PtraceRefusedError`;
 Ctrl-C ends a reclaim or a wait that would wait for ever, before anything changed, or says that
-the reclaim completed; a cache's reclaim that fails part-way takes the rest at its next call. Every refusal leaves the tensor as it was: its sizes, its handles, and
+the reclaim completed; a cache's reclaim that fails part-way takes the rest at its next call; a
+NaN timeout is refused. Every refusal leaves the tensor as it was: its sizes, its handles, and
 this process's fds and mapping lines (`/proc/self`).
 
 The other process is a spawned child that takes commands over a pipe (as in test_lend.py);

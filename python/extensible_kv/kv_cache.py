@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from extensible_kv import _args, _torch
 from extensible_kv._native import ClosedError
+from extensible_kv.ipc import Loan
 from extensible_kv.layouts import (
     ATTENTION_BACKEND_PRESETS,
     STANDARD_LAYOUTS,
@@ -38,7 +39,6 @@ from extensible_kv.layouts import (
     resolve_attention_backend,
     standard_layout,
 )
-from extensible_kv.ipc import Loan
 from extensible_kv.mamba import MambaStateSpec
 from extensible_kv.tensor import ExtensibleTensor, close_on_exit
 
