@@ -5,21 +5,30 @@ outside (`/proc/<pid>/fd` and `/proc/<pid>/maps`).
 The engine "uses" its lowest blocks: each used block holds a pattern of its engine's seed and
 its index, written when it is first used and checked after every command, so a loan that
 touched a live block fails the test at once. Its free top blocks are what it does not use.
+
+`arm` makes the store fail (`Fault`: its lock held by another descriptor, `ENOSPC` on its
+writes, or garbage over the ledger) right after the cache's next memory move of a kind, until
+the command that made the move is over: its post fails, and what the command raised of it is
+the command's result, not the engine's end.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import multiprocessing as mp
 import os
 import signal
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from extensible_kv import AttentionLayerSpec, ExtensibleKVCache, KVCacheTensorSpec
-from extensible_kv.pool import Pool, PoolMember
+from extensible_kv.pool import LedgerCorruptError, Pool, PoolLockTimeout, PoolMember
+from extensible_kv.pool import store as store_module
 from extensible_kv.pool.member import PTRACE_REFUSED
 
 GRANULE = 4096
@@ -53,8 +62,10 @@ class Engine:
         limits: tuple[int, int],
         answer_timeout_s: float,
         refuse_by_pid: bool,
+        lock_timeout_s: float = 5.0,
     ) -> None:
         self.seed = seed
+        self.fault: Fault | None = None
         self.used = 0
         self.over_socket = 0  # loans borrowed with fds the lender sent on its socket
         self.cache = ExtensibleKVCache(
@@ -67,7 +78,7 @@ class Engine:
         if refuse_by_pid:
             self.cache.borrow = self.borrow_refused_by_pid  # type: ignore[method-assign]
         self.member = PoolMember(
-            Pool(pool, directory=directory),
+            Pool(pool, directory=directory, lock_timeout_s=lock_timeout_s),
             name,
             self.cache,
             min_blocks=limits[0],
@@ -79,6 +90,20 @@ class Engine:
             commit_step_blocks=STEP,
         )
         self.member.join()
+
+    def arm(self, method: str, kind: str) -> None:
+        """The store fails (`kind`) right after the cache's next `method` moved memory."""
+        fault = Fault(kind, self.member.pool)
+        original = getattr(self.cache, method)
+
+        def moved_then_fault(*args: Any, **kw: Any) -> Any:
+            result = original(*args, **kw)
+            setattr(self.cache, method, original)  # once
+            fault.start()
+            return result
+
+        setattr(self.cache, method, moved_then_fault)
+        self.fault = fault
 
     def borrow_refused_by_pid(self, loans: Any, **kw: Any) -> int:
         """The cache's borrow where this process may not take other processes' fds by pid
@@ -147,6 +172,48 @@ class Engine:
         self.member.settle(timeout_s)
 
 
+class Fault:
+    """A failure of the pool's store in this process, from `start()` to `stop()`: `lock` (its
+    lock held through another descriptor: this process's transactions time out), `enospc`
+    (its writes fail), `corrupt` (garbage over the ledger, put back as it was after)."""
+
+    def __init__(self, kind: str, pool: Pool) -> None:
+        self.kind, self.pool = kind, pool
+        self.fired = False
+        self._lock_fd: int | None = None
+        self._saved: bytes | None = None
+        self._write = store_module._write_all
+
+    def start(self) -> None:
+        self.fired = True
+        if self.kind == "lock":
+            self._lock_fd = os.open(self.pool.lock_path, os.O_RDONLY)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        elif self.kind == "enospc":
+
+            def full(fd: int, data: bytes) -> None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            store_module._write_all = full  # type: ignore[assignment]
+        else:
+            path = Path(self.pool.ledger_path)
+            self._saved = path.read_bytes()
+            path.write_bytes(b"EKVPOOL 1 5 0000\ngarbage written by a test")
+
+    def stop(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        store_module._write_all = self._write  # type: ignore[assignment]
+        if self._saved is not None:
+            Path(self.pool.ledger_path).write_bytes(self._saved)
+            self._saved = None
+
+
+# What a command's post raises while a fault is on: the command's result, not the engine's end.
+STORE_FAILURES = (PoolLockTimeout, LedgerCorruptError, OSError)
+
+
 def refused_by_pid() -> ValueError:
     """What a borrow raises where this process may not take the lender's fds by pid
     (pidfd_getfd's EPERM under Yama's ptrace_scope; src/ipc.rs's hint), stood in for."""
@@ -169,27 +236,45 @@ def _main(conn: Any, args: tuple[Any, ...]) -> None:
                 conn.send(("ok",))
                 return
             result: Any = None
-            if command == "request":
-                result = [(d.action, d.peer, d.blocks) for d in engine.member.request(rest[0])]
-            elif command == "grow":
-                result = engine.member.grow(rest[0], timeout_s=rest[1])
-            elif command == "serve":
-                engine.member.serve(busy=engine.used > 0)
-            elif command == "serve_for":
-                deadline = time.monotonic() + rest[0]
-                while time.monotonic() < deadline:
-                    engine.member.serve(busy=engine.used > 0)
-                    time.sleep(0.002)
-            elif command == "use":
-                engine.use(rest[0])
-            elif command == "settle":
-                engine.settle(rest[0])
-            elif command == "leave":
-                engine.member.leave(rest[0])
+            try:
+                result = _command(engine, command, rest)
+            except STORE_FAILURES as error:
+                if engine.fault is None or not engine.fault.fired:
+                    raise
+                result = f"failed: {type(error).__name__}: {error}"
+            finally:
+                if engine.fault is not None and engine.fault.fired:
+                    engine.fault.stop()
+                    engine.fault = None
             engine.check()
             conn.send(("ok", result, engine.numbers()))
     except BaseException as error:  # report, so the parent fails with the child's reason
         conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+def _command(engine: Engine, command: str, rest: list[Any]) -> Any:
+    """Runs one command of the parent's; its result."""
+    result: Any = None
+    if command == "request":
+        result = [(d.action, d.peer, d.blocks) for d in engine.member.request(rest[0])]
+    elif command == "grow":
+        result = engine.member.grow(rest[0], timeout_s=rest[1])
+    elif command == "serve":
+        engine.member.serve(busy=engine.used > 0)
+    elif command == "serve_for":
+        deadline = time.monotonic() + rest[0]
+        while time.monotonic() < deadline:
+            engine.member.serve(busy=engine.used > 0)
+            time.sleep(0.002)
+    elif command == "use":
+        engine.use(rest[0])
+    elif command == "settle":
+        engine.settle(rest[0])
+    elif command == "leave":
+        engine.member.leave(rest[0])
+    elif command == "arm":
+        engine.arm(rest[0], rest[1])
+    return result
 
 
 @dataclass
@@ -251,15 +336,13 @@ def start(
     limits: tuple[int, int] = (4, CAPACITY),
     answer_timeout_s: float = 1.0,
     refuse_by_pid: bool = False,
+    lock_timeout_s: float = 5.0,
 ) -> Proc:
     """Starts engine `name`; `joined` waits for it to be in the pool. With `refuse_by_pid`,
     the engine may not take others' fds by pid and borrows over their sockets."""
     parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=_main,
-        args=(child, (directory, pool, name, seed, limits, answer_timeout_s, refuse_by_pid)),
-        daemon=True,
-    )
+    args = (directory, pool, name, seed, limits, answer_timeout_s, refuse_by_pid, lock_timeout_s)
+    process = ctx.Process(target=_main, args=(child, args), daemon=True)
     process.start()
     return Proc(name, process, parent)
 

@@ -904,6 +904,14 @@ class PoolMember:
             entry = ledger.loans.get(loan_id)
             if entry is None or entry.state != "borrowed":
                 rules.took(ledger, borrowed.entry, borrowed.start_block, now)
+        # Notes of posts, not of what the cache holds: dropped once the ledger as read says
+        # so (this transaction's own write may yet fail).
+        self._gave_back = {
+            i: why for i, why in self._gave_back.items() if _state(ledger, i) == "borrowed"
+        }
+        self._released = {
+            i: n for i, n in self._released.items() if _state(ledger, i) in ("asked", "expired")
+        }
         for loan in ledger.loans_of(self.name):
             if loan.lender == self.name and loan.state in rules.HOLDING:
                 if loan.loan_id not in self._lent:
@@ -912,10 +920,8 @@ class PoolMember:
                 if loan.loan_id not in self._borrowed:
                     why = self._gave_back.get(loan.loan_id, "given back")
                     rules.returned(ledger, loan.loan_id, why, now)
-        self._gave_back.clear()
         for loan_id, blocks in self._released.items():
             rules.released(ledger, loan_id, blocks, now)
-        self._released.clear()
         held = self._held()
         if any(getattr(engine, key) != value for key, value in held.items()):
             rules.record(ledger, self.name, now, held, heartbeat=False)
@@ -1008,6 +1014,11 @@ def _uninterrupted() -> Iterator[None]:
                 previous(*caught[0])
             else:  # SIG_DFL: what the signal would have done
                 signal.raise_signal(signal.SIGINT)
+
+
+def _state(ledger: Ledger, loan_id: int) -> str | None:
+    loan = ledger.loans.get(loan_id)
+    return None if loan is None else loan.state
 
 
 def _lent_bytes(cache: PoolCache) -> int:
