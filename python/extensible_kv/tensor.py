@@ -395,8 +395,10 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             self.release_physical(stream=stream)  # all of it: every handle goes as it is
         else:
             self.shrink_per_segment_(bytes_per_segment, exact=True, stream=stream)
-        self.wait_released()
+        # Released from here on, even if the wait is interrupted (Ctrl-C): `resume` must grow
+        # back what went, and takes back whatever is still on its way.
         self._released_sizes = sizes
+        self.wait_released()
 
     def resume(self, *, zero_new: bool = True, stream: int | None = None) -> None:
         """Grows every segment back to its size at `release`, at the same addresses, zeroing
@@ -420,8 +422,8 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             self.close()
         except BufferError:
             self.release_physical()
+            self._released_sizes = None  # done with, even if the wait is interrupted
             self.wait_released()
-            self._released_sizes = None
             return False
         return True
 
