@@ -1095,6 +1095,113 @@ def _requests_holding_blocks(cache: Any) -> bool:
     return any(a.block_table for a in cache.cache_allocators.values())
 
 
+@pytest.mark.timeout(120)
+def test_a_resize_that_waited_for_another_reads_the_size_it_left(tf: Any) -> None:
+    """A resize waits for one in flight (the policy's, another thread's): it must size from
+    what that one left, not from what it read before waiting. Here the cache grows to 24
+    sectors while a resize to 12 waits: the resize shrinks to 12, and transformers' pool holds
+    exactly the 12 committed sectors."""
+    from extensible_kv import transformers as ekt
+    from extensible_kv.transformers import cache as ekc
+
+    model, own, options = resizable(tf, "llama")
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        state = cache._ekv
+        ekt.resize(manager, 8)
+        with state.resizing:  # a resize in flight
+            waiting = _start(lambda: ekt.resize(manager, state_blocks(cache, 12), timeout=30))
+            time.sleep(0.2)
+            assert waiting.is_alive()  # blocked on the lock
+            with manager.pause():
+                ekc._grow_live(cache, state, 24)
+        waiting.join(timeout=60)
+        assert not waiting.is_alive() and not waiting.errors, waiting.errors
+        assert state.final_sectors == state.committed_sectors == cache.num_sectors == 12
+        assert state.tensor.bytes_per_segment == (2 + 12) * state.bytes_per_sector
+        assert sorted(cache.pool.free_sectors) == list(range(2, 2 + 12))
+        assert run(manager) == own
+
+
+def test_release_and_resume_read_the_size_under_the_lock(tf: Any) -> None:
+    """`release(keep_blocks=...)` waiting for a resize keeps at most what that resize left,
+    and a second `resume` that waited for the first says there is nothing to resume."""
+    from extensible_kv import transformers as ekt
+
+    model, own, options = resizable(tf, "llama")
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        cache = manager.batch_processor.cache
+        state = cache._ekv
+        ekt.resize(manager, state_blocks(cache, 16))
+        with state.resizing:
+            waiting = _start(lambda: ekt.release(manager, keep_blocks=state_blocks(cache, 16)))
+            time.sleep(0.2)
+            assert waiting.is_alive()
+            with manager.pause():
+                assert ekc_take_out_and_unmap(cache, state, 4)
+        waiting.join(timeout=60)
+        assert not waiting.errors, waiting.errors
+        assert state.released and state.committed_sectors == cache.num_sectors == 4
+        assert state.tensor.bytes_per_segment == (2 + 4) * state.bytes_per_sector
+        with state.resizing:
+            first = _start(lambda: ekt.resume(manager))
+            second = _start(lambda: ekt.resume(manager))
+            time.sleep(0.2)
+        first.join(timeout=60)
+        second.join(timeout=60)
+        errors = first.errors + second.errors
+        assert len(errors) == 1 and "nothing to resume" in str(errors[0]), errors
+        assert not state.released and cache.num_sectors == state.final_sectors == 4
+        assert run(manager) == own
+
+
+def ekc_take_out_and_unmap(cache: Any, state: Any, target: int) -> bool:
+    """A shrink's two steps, as `resize` takes them under the lock."""
+    from extensible_kv.transformers import cache as ekc
+
+    if not ekc.take_out_of_pool(cache, state, target):
+        return False
+    ekc.unmap_past(cache, state, target)
+    return True
+
+
+class _Call:
+    """`call()` on a thread of its own; its exceptions in `errors`."""
+
+    def __init__(self, call: Any) -> None:
+        import threading
+
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Any) -> None:
+        try:
+            call()
+        except BaseException as error:  # handed to the test
+            self.errors.append(error)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def _start(call: Any) -> _Call:
+    return _Call(call)
+
+
 def test_resize_refuses_bad_sizes_before_anything_changes(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 

@@ -785,14 +785,14 @@ def release(manager: Any, cache: Any, keep_blocks: int) -> None:
     state = _state(cache)
     keep_blocks = _args.size(keep_blocks, "keep_blocks")
     _refuse_pooled(state, "release")
-    if state.final_sectors is None:
-        raise RuntimeError(
-            "the KV cache is not sized yet: release it after the manager's warm-up or start"
-        )
-    keep = min(state.sectors(keep_blocks), state.final_sectors)
-    with state.resizing:  # not while a resize (the policy's, say) runs
+    with state.resizing:  # not while a resize (the policy's, say) runs: read what it left
+        if state.final_sectors is None:
+            raise RuntimeError(
+                "the KV cache is not sized yet: release it after the manager's warm-up or start"
+            )
         if state.released:
             raise RuntimeError("the KV cache is already released: call resume(manager) first")
+        keep = min(state.sectors(keep_blocks), state.final_sectors)
         state.pause = _release(manager, cache, state, keep)
         _guard(manager, state)
     logger.info(
@@ -833,9 +833,9 @@ def _release(manager: Any, cache: Any, state: _State, keep: int) -> _PauseHolder
 def resume(cache: Any) -> None:
     """See `extensible_kv.transformers.resume`."""
     state = _state(cache)
-    if not state.released or state.final_sectors is None:
-        raise RuntimeError("the KV cache is not released: nothing to resume")
-    with state.resizing:
+    with state.resizing:  # a resume it waited for leaves nothing to resume
+        if not state.released or state.final_sectors is None:
+            raise RuntimeError("the KV cache is not released: nothing to resume")
         flow.refuse_while_capturing(state.device, "resume")
         state.tensor.resume()  # all or nothing: on OutOfMemoryError, still released
         state._synchronize()  # zeroed before transformers' own stream reads it
@@ -962,13 +962,14 @@ def _grow_by(cache: Any, missing: int) -> bool:
 def _auto_grow(cache: Any, state: _State, missing: int) -> bool:
     """The policy's grow by `missing` sectors (at least a step, at least doubling)."""
     auto = state.auto
-    auto_active = auto is not None and not state.released and state.final_sectors is not None
-    if not auto_active or not state.resizing.acquire(blocking=False):
+    if auto is None or not state.resizing.acquire(blocking=False):
         return False
     try:
-        assert auto is not None and state.final_sectors is not None
-        auto.last_active = time.monotonic()
+        # Under the lock: a release or resize that held it changed them.
         final = state.final_sectors
+        if state.released or final is None:
+            return False
+        auto.last_active = time.monotonic()
         target = min(auto.max_sectors, final + max(missing, auto.step_sectors, final))
         if missing <= 0 or target <= final or _capturing(state):
             return False
@@ -1043,15 +1044,16 @@ def watch_idle(manager: Any, cache: Any) -> None:
 
 def _shrink_if_idle(manager: Any, cache: Any, auto: _Auto) -> None:
     state: _State = cache._ekv
-    final = state.final_sectors
     idle = time.monotonic() - auto.last_active >= auto.idle_s
-    if state.released or final is None or final <= auto.min_sectors or not idle:
-        return
-    if not manager.is_running() or _requests_holding(cache, TRASH_SECTORS):
+    if not idle or not manager.is_running() or _requests_holding(cache, TRASH_SECTORS):
         return
     if not state.resizing.acquire(blocking=False):
         return
     try:
+        # Under the lock: a release or resize that held it changed them.
+        final = state.final_sectors
+        if state.released or final is None or final <= auto.min_sectors:
+            return
         _shrink_live(manager, cache, state, auto.min_sectors, timeout=0, move=False)
     except TimeoutError:
         return  # a request arrived meanwhile: the next idle period
@@ -1076,10 +1078,6 @@ def resize(
     num_blocks = _args.size(num_blocks, "num_blocks", minimum=1)
     _refuse_pooled(state, "resize")
     timeout = _args.seconds(timeout)
-    if state.final_sectors is None:
-        raise RuntimeError("the KV cache is not sized yet: resize it after the warm-up or start")
-    if state.released:
-        raise RuntimeError("the KV cache is released: resume(manager) before resizing it")
     capacity = state.blocks(state.capacity_sectors)
     if num_blocks > capacity:
         raise ValueError(
@@ -1088,9 +1086,17 @@ def resize(
         )
     target = min(state.sectors(num_blocks), state.capacity_sectors)
     start = time.perf_counter()
-    tensor, final = state.tensor, state.final_sectors
-    before = (state.blocks(final), tensor.physical_bytes, tensor.num_handles)
+    tensor = state.tensor
     with state.resizing:
+        # Read under the lock: a resize, release or resume it waited for changes them.
+        final = state.final_sectors
+        if final is None:
+            raise RuntimeError(
+                "the KV cache is not sized yet: resize it after the warm-up or start"
+            )
+        if state.released:
+            raise RuntimeError("the KV cache is released: resume(manager) before resizing it")
+        before = (state.blocks(final), tensor.physical_bytes, tensor.num_handles)
         if target > final:
             with _paused(manager):
                 _grow_live(cache, state, target)
