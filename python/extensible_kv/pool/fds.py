@@ -132,10 +132,15 @@ class FdServer:
             try:
                 conn.setblocking(False)
                 pid = peer_pid(conn)
-            except OSError:
+            except OSError:  # gone meanwhile
                 conn.close()
                 continue
-            if not may_ask(pid):
+            try:
+                allowed = may_ask(pid)
+            except BaseException:  # the ledger out of reach: asked again at the next call
+                conn.close()
+                raise
+            if not allowed:
                 conn.close()
                 refused(pid)
                 continue
