@@ -177,7 +177,9 @@ class PoolMember:
     loan goes back: a recalled loan goes back at once if the blocks below it can hold what
     is live in it. `via` is how it answers a request as a donor: `"loan"` lends its free top
     blocks' handles, `"driver"` gives them back to the driver for the needy engine to commit
-    (see the module's docstring)."""
+    (see the module's docstring). Every argument is checked as it is given (a `TypeError` or
+    `ValueError` naming it): the timeouts are finite seconds, more than 0 and at most
+    `_args.MAX_SECONDS`, since a deadline goes into the ledger that every engine reads."""
 
     def __init__(
         self,

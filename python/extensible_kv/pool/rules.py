@@ -10,6 +10,15 @@ re-checks what a dead writer left): an engine whose process is gone, or whose pi
 another process, leaves the pool, and its loans follow the rules below; a request its lender
 did not answer in time expires. Every change is logged with its reason, in the ledger's event
 list (for `pool status`) and to the `extensible_kv.pool` logger.
+
+A post can fail after its memory moved (the lock held too long, a full `/dev/shm`, a corrupt
+ledger). The member then posts it at its next transaction, from its own notes of what it
+moved (`PoolMember._reconcile`), through the same rules: so each rule that posts a move (`lent`
+for a lend, `took`, `returned`, `reclaimed`, `released`) changes nothing when the move is
+posted already, and `lent` returns a lend whose request ended meanwhile to its lender. What
+the member counts ahead of a move (`commit_ahead`, `lend_ahead`) its next `record` corrects.
+Every value a rule writes is one the ledger's readers accept (`check_share`, the limits'
+checks, reasons cut to `MAX_REASON`).
 """
 
 from __future__ import annotations
