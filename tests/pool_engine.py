@@ -196,7 +196,7 @@ class Fault:
 
             store_module._write_all = full  # type: ignore[assignment]
         else:
-            path = Path(self.pool.ledger_path)
+            path = Path(self.pool.path)
             self._saved = path.read_bytes()
             path.write_bytes(b"EKVPOOL 1 5 0000\ngarbage written by a test")
 
@@ -206,7 +206,7 @@ class Fault:
             self._lock_fd = None
         store_module._write_all = self._write  # type: ignore[assignment]
         if self._saved is not None:
-            Path(self.pool.ledger_path).write_bytes(self._saved)
+            Path(self.pool.path).write_bytes(self._saved)
             self._saved = None
 
 

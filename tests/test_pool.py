@@ -276,8 +276,8 @@ def test_a_write_that_fails_half_way_leaves_the_ledger_as_it_was(
     pool = world.pool(tmp_path)
     with pool.transaction() as ledger:
         rules.join(ledger, engine("a", 1), NOW)
-    before = Path(pool.ledger_path).read_bytes()
-    Path(pool.path, "ledger.tmp-dead").write_bytes(b"a torn write of a writer that died")
+    before = Path(pool.path).read_bytes()
+    Path(pool.pool_directory, "ledger.tmp-dead").write_bytes(b"a torn write of a writer that died")
 
     def crash(src: object, dst: object, **dir_fds: int) -> None:
         raise OSError("killed before the rename")
@@ -286,9 +286,10 @@ def test_a_write_that_fails_half_way_leaves_the_ledger_as_it_was(
     with pytest.raises(OSError, match="before the rename"), pool.transaction() as ledger:
         rules.join(ledger, engine("b", 2), NOW)
     monkeypatch.undo()
-    assert Path(pool.ledger_path).read_bytes() == before
+    assert Path(pool.path).read_bytes() == before
     assert set(pool.snapshot().engines) == {"a"}
-    assert sorted(os.listdir(pool.path)) == ["ledger", "lock"]  # the next writer cleaned up
+    # The next writer removed the dead one's temporary file.
+    assert sorted(os.listdir(pool.pool_directory)) == ["ledger", "lock"]
 
 
 def test_a_body_that_raises_writes_only_the_recovery(tmp_path: Path) -> None:
@@ -309,10 +310,10 @@ def test_a_body_that_raises_writes_only_the_recovery(tmp_path: Path) -> None:
 def test_a_corrupt_ledger_stops_every_transaction_until_reset(tmp_path: Path) -> None:
     pool = Pool("test", directory=tmp_path)
     pool.snapshot()
-    Path(pool.ledger_path).write_bytes(b"EKVPOOL 1 5 00\nhello")
+    Path(pool.path).write_bytes(b"EKVPOOL 1 5 00\nhello")
     with pytest.raises(LedgerCorruptError, match="is corrupt"):
         pool.snapshot()
-    Path(pool.ledger_path).write_bytes(b"")
+    Path(pool.path).write_bytes(b"")
     with pytest.raises(LedgerCorruptError, match="is empty"):
         pool.snapshot()
     pool.reset()
@@ -339,7 +340,7 @@ def test_names_and_arguments_are_checked(tmp_path: Path) -> None:
 
 def test_the_default_directory_is_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EXTENSIBLE_KV_POOL_DIR", raising=False)
-    assert Pool("x").path == "/dev/shm/extensible_kv-pool-x"
+    assert Pool("x").path == "/dev/shm/extensible_kv-pool-x/ledger"
     monkeypatch.setenv("EXTENSIBLE_KV_POOL_DIR", "/run/x")
     assert Pool("x").directory == "/run/x"
 
@@ -670,7 +671,7 @@ def test_status_limit_share_watch_and_reset(
     ]:
         code, _, err = cli(tmp_path, capsys, *args)
         assert (code, message in err) == (2, True), err
-    Path(pool.ledger_path).write_bytes(b"junk\n")
+    Path(pool.path).write_bytes(b"junk\n")
     code, _, err = cli(tmp_path, capsys, "status")
     assert code == 2 and "is corrupt: no EKVPOOL header line" in err
     assert cli(tmp_path, capsys, "reset")[0] == 0

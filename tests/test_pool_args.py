@@ -125,10 +125,10 @@ def test_the_store_never_writes_what_its_readers_refuse(
 ) -> None:
     """The general guard: whatever gets past the checks at the door (a rule, a future field),
     the write decodes what it would write first and refuses it, the file as it was."""
-    before = Path(pool.ledger_path).read_bytes()
+    before = Path(pool.path).read_bytes()
     with pytest.raises(ValueError, match=f"not written.*{message}"), pool.transaction() as ledger:
         damage(ledger)
-    assert Path(pool.ledger_path).read_bytes() == before
+    assert Path(pool.path).read_bytes() == before
     assert set(pool.snapshot().engines) == {"a"}
 
 

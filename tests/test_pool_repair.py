@@ -71,7 +71,7 @@ class Fault:
 
             self.monkeypatch.setattr(store_module, "_write_all", full)
         else:
-            path = Path(self.pool.ledger_path)
+            path = Path(self.pool.path)
             self._saved = path.read_bytes()
             path.write_bytes(b"EKVPOOL 1 5 0000\ngarbage written by a test")
 
@@ -81,7 +81,7 @@ class Fault:
             self._lock_fd = None
         self.monkeypatch.setattr(store_module, "_write_all", ORIGINAL_WRITE)
         if self._saved is not None:
-            Path(self.pool.ledger_path).write_bytes(self._saved)
+            Path(self.pool.path).write_bytes(self._saved)
             self._saved = None
 
 

@@ -104,16 +104,16 @@ def other_user(
 def test_the_pool_is_a_private_directory_of_its_own(shared_base: Path) -> None:
     pool = Pool("p", directory=shared_base)
     pool.set_share("cpu", 1 << 20)
-    st = os.lstat(pool.path)
+    st = os.lstat(pool.pool_directory)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
     assert st.st_uid == os.geteuid()
-    assert sorted(os.listdir(pool.path)) == ["ledger", "lock"]
+    assert sorted(os.listdir(pool.pool_directory)) == ["ledger", "lock"]
     for name in ("ledger", "lock"):
-        mode = stat.S_IMODE(os.lstat(os.path.join(pool.path, name)).st_mode)
+        mode = stat.S_IMODE(os.lstat(os.path.join(pool.pool_directory, name)).st_mode)
         assert mode & 0o077 == 0, (name, oct(mode))
-    assert pool.ledger_path == os.path.join(pool.path, "ledger")
+    assert pool.path == os.path.join(pool.pool_directory, "ledger")
     pool.destroy()
-    assert not os.path.exists(pool.path)
+    assert not os.path.exists(pool.pool_directory)
 
 
 def squat_fifo(path: str) -> None:
@@ -152,14 +152,15 @@ def test_the_pools_name_squatted_is_a_clear_refusal_not_a_hang(
     engine that read it, and a FIFO at its temporary file's name the first that wrote, for ever
     and holding the pool's lock."""
     pool = Pool("p", directory=shared_base)
-    for path in (pool.path, pool.path + ".lock", pool.path + ".tmp"):  # and the old names too
+    here = pool.pool_directory
+    for path in (here, here + ".lock", here + ".tmp"):  # the old names too
         if not os.path.lexists(path):
             squat(path)
     for operation in (pool.snapshot, lambda: pool.set_share("cpu", 1), pool.reset):
         with pytest.raises(PoolPermissionError) as refused:
             bounded(operation)
         message = str(refused.value)
-        assert pool.path in message and said in message, message
+        assert pool.pool_directory in message and said in message, message
         assert "uid" in message and ("rm " in message or "chmod" in message), message
 
 
@@ -221,7 +222,7 @@ def squat_symlink_to_a_file(path: str) -> None:
 def test_a_file_of_the_pool_that_is_not_the_pools_is_refused(
     pool: Pool, name: str, squat: Callable[[str], None], said: str
 ) -> None:
-    path = os.path.join(pool.path, name)
+    path = os.path.join(pool.pool_directory, name)
     replace_with(path, squat)
     with pytest.raises(PoolPermissionError) as refused:
         bounded(pool.snapshot)
@@ -239,7 +240,7 @@ def test_a_temporary_files_name_taken_is_never_opened(
     the name the write draws, squatted as it is drawn) is skipped, whatever is there, and the
     write lands on another."""
     names = iter(["squatted", "fresh"])
-    taken = os.path.join(pool.path, store_module.TEMPORARY + "squatted")
+    taken = os.path.join(pool.pool_directory, store_module.TEMPORARY + "squatted")
 
     def token_hex(num_bytes: int) -> str:
         drawn = next(names)
@@ -256,13 +257,13 @@ def test_a_temporary_files_name_taken_is_never_opened(
 
 
 def test_a_pool_directory_open_to_others_is_refused(pool: Pool) -> None:
-    os.chmod(pool.path, 0o777)
+    os.chmod(pool.pool_directory, 0o777)
     with pytest.raises(PoolPermissionError, match=r"open to other users.*chmod go-rwx"):
         bounded(pool.snapshot)
 
 
 def test_a_ledger_writable_by_others_is_refused(pool: Pool) -> None:
-    os.chmod(pool.ledger_path, 0o666)
+    os.chmod(pool.path, 0o666)
     with pytest.raises(PoolPermissionError, match="open to other users"):
         bounded(pool.snapshot)
 
@@ -319,10 +320,10 @@ def test_a_pool_with_a_group_is_shared_by_its_members(shared_base: Path) -> None
     gid = a_group()
     pool = Pool("g", directory=shared_base, group=gid)
     pool.set_share("cpu", 1 << 20)
-    st = os.lstat(pool.path)
+    st = os.lstat(pool.pool_directory)
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, 0o2770)
     for name in ("ledger", "lock"):
-        st = os.lstat(os.path.join(pool.path, name))
+        st = os.lstat(os.path.join(pool.pool_directory, name))
         assert st.st_gid == gid and st.st_mode & 0o040 and not st.st_mode & 0o002, name
     done = other_user(
         shared_base,
@@ -339,7 +340,7 @@ def test_a_pool_with_a_group_is_shared_by_its_members(shared_base: Path) -> None
     assert "another user's" in done.stdout and "same group" in done.stdout, done.stdout
     assert pool.snapshot().shares == {"cpu": 1 << 20, "cuda:0": 3 << 20}
     for name in ("ledger", "lock"):  # what the other user wrote stays the group's
-        assert os.lstat(os.path.join(pool.path, name)).st_gid == gid
+        assert os.lstat(os.path.join(pool.pool_directory, name)).st_gid == gid
     done = other_user(  # not a member of the group
         shared_base,
         "try:\n"
@@ -360,7 +361,7 @@ def test_the_group_comes_from_the_environment(
     pool = Pool("e", directory=shared_base)
     assert pool.group == os.getegid()
     pool.snapshot()
-    assert stat.S_IMODE(os.lstat(pool.path).st_mode) == 0o2770
+    assert stat.S_IMODE(os.lstat(pool.pool_directory).st_mode) == 0o2770
     monkeypatch.setenv("EXTENSIBLE_KV_POOL_GROUP", "no-such-group-here")
     with pytest.raises(ValueError, match="no group named 'no-such-group-here'"):
         Pool("e", directory=shared_base)

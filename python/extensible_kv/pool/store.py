@@ -2,11 +2,12 @@
 pool's own, under a lock that a dead holder cannot keep, the ledger replaced whole on every
 change.
 
-- **The directory** is `<base>/extensible_kv-pool-<name>` (`Pool.path`); the base is
+- **The directory** is `<base>/extensible_kv-pool-<name>` (`Pool.pool_directory`); the base is
   `$EXTENSIBLE_KV_POOL_DIR`, else `/dev/shm`, else `$XDG_RUNTIME_DIR`, else the temporary
   directory. Both are memory: the ledger does not outlive a reboot, and nothing in it should.
-  The pool's directory holds the ledger (`ledger`), its lock (`lock`) and the temporary files
-  of writes. It is created mode 0700: another user can neither read nor plant anything in it.
+  The pool's directory holds the ledger (`ledger`, `Pool.path`), its lock (`lock`) and the
+  temporary files of writes. It is created mode 0700: another user can neither read nor plant
+  anything in it.
 - **Other users.** The base is shared (`/dev/shm` is writable by every user), so a name in it
   can be squatted: the pool's directory's own name is the one predictable name, and finding it
   taken by a file, a FIFO, a symlink or another user's directory is a `PoolPermissionError`
@@ -108,8 +109,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class Pool:
-    """A node-local pool's ledger, by `name` (1 to 64 letters, digits, `.`, `_`, `-`), in its
-    own directory `path` under `directory` (see the module's docstring for the default).
+    """A node-local pool's ledger (`path`), by `name` (1 to 64 letters, digits, `.`, `_`,
+    `-`), in the pool's own directory (`pool_directory`) under `directory` (see the module's
+    docstring for the default).
 
     `group` (a group name or id; default `$EXTENSIBLE_KV_POOL_GROUP`, else none) shares the
     pool with the other members of that group: its directory and files become the group's,
@@ -134,7 +136,8 @@ class Pool:
         if directory is not None and not isinstance(directory, str | os.PathLike):
             raise TypeError(f"directory must be a path, not {type(directory).__name__}")
         self.directory = os.fspath(directory) if directory is not None else default_directory()
-        self.path = os.path.join(self.directory, PREFIX + name)
+        self.pool_directory = os.path.join(self.directory, PREFIX + name)
+        self.path = os.path.join(self.pool_directory, LEDGER)  # the ledger
         self.lock_timeout_s = _args.duration(lock_timeout_s, "lock_timeout_s")
         if group is None:
             group = os.environ.get(GROUP_ENV) or None
@@ -148,12 +151,8 @@ class Pool:
         return f"Pool({self.name!r}, directory={self.directory!r}{shared})"
 
     @property
-    def ledger_path(self) -> str:
-        return os.path.join(self.path, LEDGER)
-
-    @property
     def lock_path(self) -> str:
-        return os.path.join(self.path, LOCK)
+        return os.path.join(self.pool_directory, LOCK)
 
     @contextlib.contextmanager
     def transaction(self, repair: Callable[[Ledger], None] | None = None) -> Iterator[Ledger]:
@@ -163,7 +162,7 @@ class Pool:
         kept)."""
         with self._locked() as directory:
             raw = self._read(directory)
-            ledger = decode(raw, self.ledger_path) if raw else Ledger()
+            ledger = decode(raw, self.path) if raw else Ledger()
             rules.reap(ledger, self.clock(), self.alive)
             if repair is not None:
                 repair(ledger)
@@ -172,7 +171,7 @@ class Pool:
                 yield ledger
             except BaseException:
                 if recovered != raw:
-                    self._write(directory, decode(recovered, self.ledger_path))
+                    self._write(directory, decode(recovered, self.path))
                 raise
             if encode(ledger) != raw:
                 self._write(directory, ledger)
@@ -216,7 +215,7 @@ class Pool:
         except FileNotFoundError:
             return
         with contextlib.suppress(FileNotFoundError, OSError):
-            os.rmdir(self.path)
+            os.rmdir(self.pool_directory)
 
     # -------------------------------------------------------------------------------------
     # the lock
@@ -281,7 +280,7 @@ class Pool:
             os.close(fd)
         data = b"".join(chunks)
         if not data:
-            raise LedgerCorruptError(f"{self.ledger_path} is empty")
+            raise LedgerCorruptError(f"{self.path} is empty")
         return data
 
     def _write(self, directory: int, ledger: Ledger) -> None:
@@ -329,14 +328,14 @@ class Pool:
         self._check_base()
         flags = os.O_RDONLY | os.O_DIRECTORY | _OPEN
         try:
-            fd = os.open(self.path, flags)
+            fd = os.open(self.pool_directory, flags)
         except FileNotFoundError:
             self._make_directory()
             fd = self._open_existing_directory(flags)
         except OSError as error:
-            raise self._refusal(self.path, error, "directory") from None
+            raise self._refusal(self.pool_directory, error, "directory") from None
         try:
-            self._check(os.fstat(fd), self.path, "directory")
+            self._check(os.fstat(fd), self.pool_directory, "directory")
         except BaseException:
             os.close(fd)
             raise
@@ -344,19 +343,19 @@ class Pool:
 
     def _open_existing_directory(self, flags: int) -> int:
         try:
-            return os.open(self.path, flags)
+            return os.open(self.pool_directory, flags)
         except OSError as error:
-            raise self._refusal(self.path, error, "directory") from None
+            raise self._refusal(self.pool_directory, error, "directory") from None
 
     def _make_directory(self) -> None:
         mode = 0o700 if self.group is None else 0o2770
         try:
-            os.mkdir(self.path, mode)
+            os.mkdir(self.pool_directory, mode)
         except FileExistsError:  # made meanwhile, by another engine or not: checked on open
             return
         except OSError as error:
-            raise self._refusal(self.path, error, "directory") from None
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | _OPEN)
+            raise self._refusal(self.pool_directory, error, "directory") from None
+        fd = os.open(self.pool_directory, os.O_RDONLY | os.O_DIRECTORY | _OPEN)
         try:
             if os.fstat(fd).st_uid == os.geteuid():
                 if self.group is not None:
@@ -369,7 +368,7 @@ class Pool:
         """File `name` of the pool's directory, opened without following a link or blocking
         on a FIFO, and checked (else a `PoolPermissionError`); `FileNotFoundError` if it is
         missing and `flags` do not create it."""
-        path = os.path.join(self.path, name)
+        path = os.path.join(self.pool_directory, name)
         mode = 0o600 if self.group is None else 0o640
         try:
             fd = os.open(name, flags | _OPEN, mode, dir_fd=directory)
