@@ -416,7 +416,10 @@ pub enum BoardState {
 /// borrower sets once it has unmapped and released the handle. The state word moves by
 /// compare-and-swap only: `Offered` to `Taken` (one borrower wins; a replay finds it taken),
 /// `Taken` back to `Offered` (a failed borrow), and `Offered` or `Taken` to `Closed` (the
-/// lender's reclaim, after the give-back or the borrower's death).
+/// lender's reclaim, after the give-back or the borrower's death, from the state it saw; back
+/// to that state if its mapping fails). The lender withdraws the fd words (`withdraw`) before
+/// it closes any of the loan's fds, so that a borrower that reads a word after taking its fd
+/// knows the fd was the lent handle's.
 pub struct LoanBoard {
     fd: OwnedFd,
     words: Words,

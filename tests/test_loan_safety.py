@@ -212,11 +212,16 @@ def test_a_reclaim_grows_back_only_over_mapped_granules(device: str, g: int, bet
         t.consolidate()
     else:
         t.shrink_per_segment_(0)
+        t.wait_released()  # else the grow may take back the handles the shrink gave
         t.resize_per_segment_(kept)
     t._check_invariants()
+    # The straddling handle's tail (granule 3 of each segment) is gone: checked, not assumed.
+    mapped = {granule for first, n in t.handle_runs() for granule in range(first, first + n)}
+    tail_mapped = all(s * CAPACITY + 3 in mapped for s in range(SEGMENTS))
     t.reclaim(loan, zero=False, timeout=10)
     t._check_invariants()
     assert t.lent_bytes == 0
+    assert not tail_mapped
     assert t.segment_bytes == (kept,) * SEGMENTS, "grew back over an unmapped granule"
     t.resize_per_segment_(BEFORE * g)  # maps only the missing tail: the rest is slack
     t._check_invariants()

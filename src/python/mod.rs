@@ -668,7 +668,9 @@ impl PyExtensibleTensor {
         self.run(py, |core| core.give_back(&loan, stream))
     }
 
-    /// Takes a loan back once given back (or its borrower died), waiting up to `timeout` s.
+    /// Takes a loan back once given back (or its borrower died), waiting up to `timeout` s;
+    /// a signal (Ctrl-C) ends the wait: raised as it is when nothing changed, or as a
+    /// KeyboardInterrupt saying the reclaim completed.
     #[pyo3(signature = (loan, zero=true, timeout=None, stream=None))]
     fn _reclaim(
         &self,
@@ -778,7 +780,7 @@ impl PyExtensibleTensor {
     }
 
     /// Waits (without the GIL) until every pending release has happened, or for `timeout`
-    /// seconds: whether none is pending.
+    /// seconds: whether none is pending. A signal (Ctrl-C) ends the wait with its exception.
     #[pyo3(signature = (timeout=None))]
     fn wait_released(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let timeout = to_timeout(timeout)?;

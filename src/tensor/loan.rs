@@ -26,10 +26,20 @@
 //!    addresses free;
 //! 2. a handle is mapped by at most one owner at a time: the lender unmaps before the board is
 //!    offered, and maps back only once the borrower has marked the handle returned (after its
-//!    unmap) or is dead;
-//! 3. a borrower maps only handles the board names, as the board names them; anything else is
-//!    refused before anything is mapped;
-//! 4. a failed lend, borrow, give-back or reclaim leaves both sides as they were (a failed
+//!    unmap) or is dead, having closed the board from the state it saw (so no borrower can
+//!    claim it, nor a failed borrow offer it again, meanwhile); one reclaim of a loan at a
+//!    time;
+//! 3. only a tensor's own, unshared handles are lent: a borrowed one goes back to its lender,
+//!    never onward (nor is it copied by a consolidation or an exact shrink), and one `share`
+//!    described is never lent (its importers may map it); a tensor that maps borrowed handles
+//!    is not shared;
+//! 4. a borrower maps only handles the board names, as the board names them: every fd it
+//!    takes is checked against the board after it was taken, and the lender withdraws the
+//!    board's fds before it closes any (`Lent`'s drop), so a number reused meanwhile is
+//!    refused; anything else is refused before anything is mapped;
+//! 5. a reclaim commits only mapped granules: the segments grow back to their sizes before
+//!    the lend only where every granule up to there is mapped;
+//! 6. a failed lend, borrow, give-back or reclaim leaves both sides as they were (a failed
 //!    borrow releases what it imported, then offers the board again).
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
