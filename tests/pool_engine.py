@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from extensible_kv import AttentionLayerSpec, ExtensibleKVCache, KVCacheTensorSpec
+from extensible_kv import (
+    AttentionLayerSpec,
+    ExtensibleKVCache,
+    KVCacheTensorSpec,
+    PtraceRefusedError,
+)
 from extensible_kv.pool import LedgerCorruptError, Pool, PoolLockTimeout, PoolMember
 from extensible_kv.pool import store as store_module
-from extensible_kv.pool.member import PTRACE_REFUSED
 
 GRANULE = 4096
 # FLASH_ATTN: 2 segments (K, V) of 32 tokens x 2 heads x 32 bf16 = one granule a block.
@@ -214,12 +218,13 @@ class Fault:
 STORE_FAILURES = (PoolLockTimeout, LedgerCorruptError, OSError)
 
 
-def refused_by_pid() -> ValueError:
+def refused_by_pid() -> PtraceRefusedError:
     """What a borrow raises where this process may not take the lender's fds by pid
     (pidfd_getfd's EPERM under Yama's ptrace_scope; src/ipc.rs's hint), stood in for."""
-    return ValueError(
+    return PtraceRefusedError(
         "stale or foreign loan: cannot take fd 7 of process 1: Import failed: EPERM "
-        f"(pidfd_getfd: fd 7 of process 1; this process {PTRACE_REFUSED} (Yama ptrace_scope ...)"
+        "(pidfd_getfd: fd 7 of process 1; this process may not trace the owner (Yama "
+        "ptrace_scope ...)"
     )
 
 

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from extensible_kv import _args
-from extensible_kv._native import LoanTimeoutError, OutOfMemoryError
+from extensible_kv._native import LoanTimeoutError, OutOfMemoryError, PtraceRefusedError
 from extensible_kv.flow import ExtendableCache
 from extensible_kv.ipc import Loan, send_shared
 from extensible_kv.pool import _proc, fds, rules
@@ -725,8 +725,8 @@ class PoolMember:
         try:
             try:
                 self._borrow(entry, _loans(entry), start)
-            except (ValueError, OSError) as by_pid:
-                if PTRACE_REFUSED not in str(by_pid) or _borrowed_bytes(self.cache) > before:
+            except PtraceRefusedError as by_pid:
+                if _borrowed_bytes(self.cache) > before:
                     raise
                 self._take_over_socket(entry, by_pid, start)
         except (ValueError, OSError) as error:  # stale, foreign, or no room: the lender's again
@@ -1073,11 +1073,6 @@ def _loan_blocks(cache: PoolCache, loan: Loan) -> int:
 def _jsonable(native: tuple[Any, ...]) -> list[Any]:
     *head, handles = native
     return [*head, [list(h) for h in handles]]
-
-
-# What a borrow refused by pid says (src/ipc.rs, `PTRACE_REFUSED_HINT`): then the member asks
-# the lender for the fds over its socket.
-PTRACE_REFUSED = "may not trace the owner"
 
 
 def _loans(entry: LoanEntry) -> list[Loan]:
