@@ -171,6 +171,11 @@ def test_a_burst_borrows_from_an_idle_engine_which_gets_it_back(
     tf: Any, own: Any, tmp_path: Path, procs: list[Any]
 ) -> None:
     pool, a, b = burst_on_an_idle_donor(tmp_path, procs, own)
+    # a may have asked once more as its burst ended: that ask is answered (a loan) or lapses.
+    wait_for(
+        "a's last ask to be answered or to lapse",
+        lambda: all(loan.state == "borrowed" for loan in pool.snapshot().loans.values()),
+    )
     ledger = pool.snapshot()
     loans = list(ledger.loans.values())
     assert loans and all(
