@@ -479,3 +479,44 @@ def test_across_processes_every_failed_post_is_repaired(
     for proc in live.values():
         proc("leave", 10.0)
     assert pool.snapshot().engines == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# a cache whose own step after the move fails (transformers' pooled cache has such steps:
+# a synchronize, its pool's size): the memory moved all the same, and is noted so
+
+
+@pytest.mark.parametrize(
+    ("who", "method", "before"),
+    [
+        ("b", "borrow", ["a"]),
+        ("b", "give_back", ["a", "b", "recall"]),
+        ("a", "reclaim", ["a", "b", "recall", "b"]),
+    ],
+)
+def test_a_cache_that_fails_after_moving_memory_is_taken_at_its_word(
+    world: Callable[..., World], who: str, method: str, before: list[str]
+) -> None:
+    """The cache's method moved the memory, then raised: the member tells by the cache's own
+    bytes lent or borrowed that it moved, notes it, and posts it at its next transaction; a
+    reclaim is not tried again ('not outstanding'), a loan borrowed is not taken twice."""
+    w = world()
+    lend_to_b(w)
+    for step in before:
+        if step == "recall":
+            assert [d.action for d in w.members["a"].request(8)] == ["recall"]
+        else:
+            w.members[step].serve()
+    c = w.caches[who]
+    original = getattr(c, method)
+
+    def moved_then_failed(*args: Any, **kw: Any) -> Any:
+        original(*args, **kw)
+        setattr(c, method, original)
+        raise RuntimeError("the cache's own step after the move failed")
+
+    setattr(c, method, moved_then_failed)
+    with pytest.raises(RuntimeError, match="own step after the move"):
+        w.members[who].serve()
+    w.serve(who)  # in line at its next transaction
+    home(w)

@@ -710,7 +710,9 @@ class PoolMember:
             except LoanTimeoutError:
                 return False
             except BaseException:
-                if _lent_bytes(self.cache) < before:  # back, then the cache's own step failed
+                # All back, then the cache's own step failed: reclaimed. Some buffers back
+                # and not the rest: still lent, and the next call takes back the rest.
+                if before - _lent_bytes(self.cache) >= lent.num_bytes:
                     del self._lent[entry.loan_id]
                 raise
             del self._lent[entry.loan_id]
@@ -721,32 +723,38 @@ class PoolMember:
 
     def _take(self, entry: LoanEntry) -> None:
         start = self.cache.committed_blocks
-        before = _borrowed_bytes(self.cache)
         try:
             try:
                 self._borrow(entry, _loans(entry), start)
             except PtraceRefusedError as by_pid:
-                if _borrowed_bytes(self.cache) > before:
+                if entry.loan_id in self._borrowed:
                     raise
                 self._take_over_socket(entry, by_pid, start)
         except (ValueError, OSError) as error:  # stale, foreign, or no room: the lender's again
-            if _borrowed_bytes(self.cache) > before:
-                # Mapped, then the cache's own step after it failed: held all the same.
-                with _uninterrupted():
-                    self._borrowed[entry.loan_id] = _Borrowed(entry, start)
-                logger.warning(
-                    "pool: %s borrowed loan %d, then failed: %s", self.name, entry.loan_id, error
-                )
-            else:
+            if entry.loan_id not in self._borrowed:
                 self._could_not_take(entry, error)
                 return
+            logger.warning(
+                "pool: %s borrowed loan %d, then its cache failed: %s",
+                self.name,
+                entry.loan_id,
+                error,
+            )
         self._resized()
         with self._transaction() as ledger:  # `_reconcile` posts it borrowed
             self._record(ledger)
 
     def _borrow(self, entry: LoanEntry, loans: Sequence[Loan], start: int) -> None:
+        """Borrows `loans` and notes it; a cache whose own step after the mapping failed has
+        borrowed them all the same (its borrowed bytes say so), and that is noted too."""
+        before = _borrowed_bytes(self.cache)
         with _uninterrupted():
-            self.cache.borrow(loans, zero=self.zero, stream=self.stream)
+            try:
+                self.cache.borrow(loans, zero=self.zero, stream=self.stream)
+            except BaseException:
+                if _borrowed_bytes(self.cache) - before >= entry.num_bytes:
+                    self._borrowed[entry.loan_id] = _Borrowed(entry, start)
+                raise
             self._borrowed[entry.loan_id] = _Borrowed(entry, start)
 
     def _could_not_take(self, entry: LoanEntry, error: Exception) -> None:
@@ -853,8 +861,8 @@ class PoolMember:
             try:
                 self.cache.give_back(_loans(entry), stream=self.stream)
             except BaseException:
-                if _borrowed_bytes(self.cache) < before:  # back, then the cache's step failed
-                    self._gave(entry.loan_id, reason)
+                if before - _borrowed_bytes(self.cache) >= entry.num_bytes:  # all back, then
+                    self._gave(entry.loan_id, reason)  # the cache's own step failed
                 raise
             self._gave(entry.loan_id, reason)
         self._resized()
