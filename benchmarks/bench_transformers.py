@@ -17,7 +17,7 @@ reserved, warmed up, extended after warm-up) -- on a manager from `init_continuo
                loop does today to give the KV memory back); ours: `release` + `resume` on the
                running manager, then the prompts again.
 Outputs are compared token for token (own vs ours, ours after resume vs before). Prints a
-markdown table and writes DIR/bench_transformers.json. transformers must be 5.18 to 5.24
+markdown table and writes DIR/bench_transformers.json. transformers must be 5.18 to 5.25
 (on the GPU machine: the wheel `scripts/vendor-transformers` leaves in .vendor/transformers,
 put first on PYTHONPATH by scripts/gpu-check).
 
