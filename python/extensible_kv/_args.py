@@ -37,6 +37,17 @@ def size(value: object, name: str, *, minimum: int = 0, maximum: int | None = No
     return number
 
 
+# The lowest int `integer` takes: the core's integers are 64-bit, and one below this is a
+# `ValueError` here rather than an `OverflowError` from the conversion.
+MIN_INTEGER = -(2**63)
+
+
+def integer(value: object, name: str) -> int:
+    """`value` as a plain int, whatever its value (from `MIN_INTEGER` up): for an argument
+    whose range the callee checks itself (the core names what is wrong with it)."""
+    return size(value, name, minimum=MIN_INTEGER)
+
+
 def optional_size(
     value: object, name: str, *, minimum: int = 0, maximum: int | None = None
 ) -> int | None:
@@ -44,10 +55,11 @@ def optional_size(
 
 
 def sizes(values: object, name: str, *, minimum: int | None = 0) -> tuple[int, ...]:
-    """A sequence of ints, each at least `minimum` (any int where that is None)."""
+    """A sequence of ints, each at least `minimum` (any int, as `integer`, where that is
+    None)."""
     if isinstance(values, str | bytes) or not hasattr(type(values), "__iter__"):
         raise TypeError(f"{name} must be a sequence of ints, not {_type_name(values)}")
-    low = -(2**63) if minimum is None else minimum
+    low = MIN_INTEGER if minimum is None else minimum
     items: Iterable[object] = values  # type: ignore[assignment]
     return tuple(size(v, f"{name}[{i}]", minimum=low) for i, v in enumerate(items))
 

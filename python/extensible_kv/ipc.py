@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     import socket
 
 __all__ = [
+    "LOAN_FORMAT",
     "Loan",
     "LoanHandle",
     "SharedHandle",
@@ -71,6 +72,10 @@ __all__ = [
 ]
 
 _NAMES = {"posix_fd": EXPORT_POSIX_FD, "fabric": EXPORT_FABRIC, "none": 0}
+# The version of a loan's JSON form (`Loan.to_json`): the pool's ledger and the socket carry it.
+LOAN_FORMAT = 1
+# Every integer of a loan's JSON form is below it (tensor ids are 128 bits).
+_MAX_LOAN_INT = 2**128
 _MAX_FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
 _MAX_DESCRIPTION_BYTES = 1 << 26  # ~500,000 handles: far past any real tensor
 
@@ -81,7 +86,7 @@ def export_handle_types_bits(types: int | str | list[int | str] | tuple[int | st
     of those."""
     if isinstance(types, bool) or not isinstance(types, str | list | tuple):
         # An int, or any integer `operator.index` takes (numpy, torch scalars), as the core.
-        return _args.size(types, "export_handle_types", minimum=-(2**63))
+        return _args.integer(types, "export_handle_types")
     if isinstance(types, str):
         try:
             return _NAMES[types.lower()]
@@ -92,6 +97,40 @@ def export_handle_types_bits(types: int | str | list[int | str] | tuple[int | st
     for item in types:
         bits |= export_handle_types_bits(item)
     return bits
+
+
+class _Carrier:
+    """What a `SharedTensor` and a `Loan` have in common: a description of another process's
+    memory that may carry fds received over a socket (`received_fds`, set only by
+    `recv_shared` / `recv_loan`: this process's own fds, the registry's or board's first,
+    then one per handle). The native call that maps the memory takes them once
+    (`_take_fds`) and closes them; `close_received_fds` closes those nothing took. The fds
+    are this process's alone: never pickled, never compared."""
+
+    received_fds: tuple[int, ...] | None
+
+    def _take_fds(self) -> list[int] | None:
+        """The received fds, once: the caller closes them after the native call, which only
+        borrows (duplicates) them."""
+        fds = self.received_fds
+        if fds is None:
+            return None
+        object.__setattr__(self, "received_fds", ())
+        return list(fds)
+
+    def close_received_fds(self) -> None:
+        """Closes the received fds that no call took (a borrow or an import that never
+        happened); nothing for a description that carries none."""
+        for fd in self._take_fds() or ():
+            os.close(fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        values = tuple(
+            getattr(self, f.name)
+            for f in fields(self)  # type: ignore[arg-type]
+            if f.name != "received_fds"
+        )
+        return (type(self), values)
 
 
 @dataclass(frozen=True)
@@ -108,7 +147,7 @@ class SharedHandle:
 
 
 @dataclass(frozen=True)
-class SharedTensor:
+class SharedTensor(_Carrier):
     """What another process needs to map a tensor's memory (from `ExtensibleTensor.share`).
 
     Picklable. `tensor_id` names the owner's tensor (random, never 0); `registry_fd` is the
@@ -166,18 +205,6 @@ class SharedTensor:
             handles,
         )
 
-    def _take_fds(self) -> list[int] | None:
-        """The received fds, once: the caller closes them after the native call, which only
-        borrows (duplicates) them."""
-        fds = self.received_fds
-        if fds is None:
-            return None
-        object.__setattr__(self, "received_fds", ())
-        return list(fds)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        values = tuple(getattr(self, f.name) for f in fields(self) if f.name != "received_fds")
-        return (type(self), values)
 
 
 @dataclass(frozen=True)
@@ -192,7 +219,7 @@ class LoanHandle:
 
 
 @dataclass(frozen=True)
-class Loan:
+class Loan(_Carrier):
     """Memory one tensor lends another (from `ExtensibleTensor.lend`): borrowed at most once.
 
     Picklable. `tensor_id` names the lender's tensor, `loan_id` and `epoch` (random) this
@@ -250,26 +277,75 @@ class Loan:
             handles,
         )
 
-    def _take_fds(self) -> list[int] | None:
-        """The received fds, once (see `SharedTensor._take_fds`)."""
-        fds = self.received_fds
-        if fds is None:
-            return None
-        object.__setattr__(self, "received_fds", ())
-        return list(fds)
+    def to_json(self) -> dict[str, Any]:
+        """The loan as a JSON object, versioned (`version`: `LOAN_FORMAT`): the one form it
+        takes outside this process, in the pool's ledger and on a socket. Never its received
+        fds (they are this process's)."""
+        return {
+            "version": LOAN_FORMAT,
+            "device": self.device,
+            "granularity": self.granularity,
+            "owner_pid": self.owner_pid,
+            "tensor_id": self.tensor_id,
+            "loan_id": self.loan_id,
+            "epoch": self.epoch,
+            "board_fd": self.board_fd,
+            "handles": [[h.first_granule, h.num_granules, h.serial, h.fd] for h in self.handles],
+        }
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        values = tuple(getattr(self, f.name) for f in fields(self) if f.name != "received_fds")
-        return (type(self), values)
+    @classmethod
+    def from_json(cls, raw: object) -> Loan:
+        """The loan `raw` (a `to_json` object, maybe another process's) describes: every
+        field's type and range checked, else a `ValueError` naming it. The values themselves
+        are checked again by the borrow, against the lender's loan board, before anything is
+        mapped."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a loan is a JSON object, not {type(raw).__name__}")
+        if set(raw) != _LOAN_KEYS:
+            missing, extra = sorted(_LOAN_KEYS - set(raw)), sorted(set(raw) - _LOAN_KEYS)
+            raise ValueError(f"a loan has missing keys {missing} / unknown keys {extra}")
+        if raw["version"] != LOAN_FORMAT or isinstance(raw["version"], bool):
+            raise ValueError(
+                f"a loan of format {str(raw['version'])[:16]!r}: this library reads "
+                f"{LOAN_FORMAT}"
+            )
+        device = raw["device"]
+        if not isinstance(device, str) or not 0 < len(device) <= 32:
+            raise ValueError("a loan's device is not a short string")
+        numbers = [_loan_int(raw[key], key) for key in _LOAN_INTS]
+        handles = raw["handles"]
+        if not isinstance(handles, list):
+            raise ValueError("a loan's handles are not a list")
+        parsed = []
+        for i, handle in enumerate(handles):
+            if not isinstance(handle, list) or len(handle) != 4:
+                raise ValueError(f"a loan's handles[{i}] is not 4 integers")
+            parsed.append(LoanHandle(*(_loan_int(v, f"handles[{i}]") for v in handle)))
+        granularity, owner_pid, tensor_id, loan_id, epoch, board_fd = numbers
+        return cls(
+            device, granularity, owner_pid, tensor_id, loan_id, epoch, board_fd, tuple(parsed)
+        )
+
+
+_LOAN_INTS = ("granularity", "owner_pid", "tensor_id", "loan_id", "epoch", "board_fd")
+_LOAN_KEYS = {"version", "device", "handles", *_LOAN_INTS}
+
+
+def _loan_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"a loan's {where} is not an integer")
+    if not 0 <= value < _MAX_LOAN_INT:
+        raise ValueError(f"a loan's {where} is {value}, out of range")
+    return value
 
 
 def _to_wire(description: SharedTensor | Loan) -> bytes:
     """JSON, not pickle: the receiver must not run whatever a peer sends."""
     import json
 
-    raw = list(description._to_native())
     if isinstance(description, Loan):
-        return json.dumps({"loan": raw}).encode()
+        return json.dumps({"loan": description.to_json()}).encode()
+    raw = list(description._to_native())
     raw[-1] = [[*h[:5], None if h[5] is None else bytes(h[5]).hex()] for h in raw[-1]]
     return json.dumps(raw).encode()
 
@@ -295,7 +371,7 @@ def _loan_from_wire(payload: bytes) -> Loan:
         raw = json.loads(payload)
         if not isinstance(raw, dict) or "loan" not in raw:
             raise ValueError("it is a shared description: receive it with recv_shared")
-        return Loan._from_native(tuple(raw["loan"]))
+        return Loan.from_json(raw["loan"])
     except (ValueError, TypeError, IndexError) as error:
         raise ValueError(f"received a malformed loan: {error}") from None
 
