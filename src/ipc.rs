@@ -372,8 +372,14 @@ impl FdSource {
 const LOAN_PREFIX: &str = "extensible-kv-loan:";
 /// Words of a loan board before its handles: state, epoch, borrower's start time, count.
 const BOARD_HEADER_WORDS: usize = 4;
-/// Words per lent handle: serial, first granule, granules, fd number, returned flag.
+/// Words per lent handle: serial, first granule, granules, fd number, claim word.
 const BOARD_HANDLE_WORDS: usize = 5;
+/// A handle's claim word: no borrower has it (`FREE`), the borrowing process has unmapped and
+/// released it, or never mapped it and gave it back at once (`RETURNED`), or a tensor of the
+/// borrowing process maps it or is mapping it (`CLAIMED`).
+const FREE: u64 = 0;
+const RETURNED: u64 = 1;
+const CLAIMED: u64 = 2;
 /// An fd word once the lender let go of the loan's fds (`LoanBoard::withdraw`): no fd number.
 const WITHDRAWN: u64 = u64::MAX;
 const OFFERED: u64 = 1;
@@ -409,17 +415,55 @@ pub enum BoardState {
     Closed,
 }
 
+/// Why handles of a loan could not be claimed (`LoanBoard::claim`, `decline`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimRefused {
+    /// Another process borrowed the loan.
+    Taken {
+        /// That process's pid.
+        pid: u32,
+    },
+    /// The lender took the loan back (or let go of it).
+    Closed,
+    /// Handle `index` is claimed or returned already (or is no handle of the loan).
+    Handle {
+        /// The handle's index in the loan.
+        index: usize,
+    },
+}
+
+/// Serialises this process's claims of loan handles (`LoanBoard::claim`, `unclaim`,
+/// `decline`): a failed borrow puts the board back to `Offered` only when no handle is
+/// claimed, and no other tensor of the process may claim one between its look and its swap.
+static CLAIMS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn relock_claims() -> std::sync::MutexGuard<'static, ()> {
+    CLAIMS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The state of one loan, shared by its lender and its borrower: a memfd named after the
 /// tensor and the loan (`extensible-kv-loan:<tensor id>:<loan id>`) holding the loan's epoch
 /// (random), its state word, and per lent handle its serial, run and fd number (what the lender
-/// wrote: a borrower checks the loan it was handed against it, field by field) and a flag the
-/// borrower sets once it has unmapped and released the handle. The state word moves by
-/// compare-and-swap only: `Offered` to `Taken` (one borrower wins; a replay finds it taken),
-/// `Taken` back to `Offered` (a failed borrow), and `Offered` or `Taken` to `Closed` (the
+/// wrote: a borrower checks the loan it was handed against it, field by field) and a claim
+/// word. The state word moves by compare-and-swap only: `Offered` to `Taken` (one borrowing
+/// process wins; another finds it taken), `Taken` back to `Offered` (a failed borrow, once no
+/// handle of the loan is claimed or returned), and `Offered` or `Taken` to `Closed` (the
 /// lender's reclaim, after the give-back or the borrower's death, from the state it saw; back
-/// to that state if its mapping fails). The lender withdraws the fd words (`withdraw`) before
-/// it closes any of the loan's fds, so that a borrower that reads a word after taking its fd
-/// knows the fd was the lent handle's.
+/// to that state if its mapping fails).
+///
+/// A loan's handles may be split between several tensors of the borrowing process (one loan
+/// per lender buffer, dealt over every buffer of a cache of another model), so each handle is
+/// claimed on its own: `FREE` to `CLAIMED` by compare-and-swap, once, by the tensor that maps
+/// it (a replay, even in the same process, finds it claimed), then `RETURNED` once unmapped and
+/// released; a handle the borrower cannot use goes from `FREE` to `RETURNED` at once
+/// (`decline`). The lender maps the handles back once every one is `RETURNED`, or the borrower
+/// is gone. Claims of one process are serialised by a lock of the process (`CLAIMS`), so
+/// that a failed borrow's return to `Offered` (every claim word `FREE`) cannot race another
+/// tensor's claim. The lender withdraws the fd words (`withdraw`) before it closes any of the
+/// loan's fds, so that a borrower that reads a word after taking its fd knows the fd was the
+/// lent handle's.
 pub struct LoanBoard {
     fd: OwnedFd,
     words: Words,
@@ -546,7 +590,7 @@ impl LoanBoard {
         })
     }
 
-    fn returned_flag(&self, index: usize) -> Option<&AtomicU64> {
+    fn claim_word(&self, index: usize) -> Option<&AtomicU64> {
         (index < self.num_handles)
             .then(|| self.word(BOARD_HEADER_WORDS + BOARD_HANDLE_WORDS * index + 4))
     }
@@ -564,43 +608,104 @@ impl LoanBoard {
         }
     }
 
-    /// Claims the loan for this process: `Offered` becomes `Taken`; else the state found.
-    pub fn claim(&self) -> std::result::Result<(), BoardState> {
+    /// Claims handles `indices` for this process: the board goes from `Offered` to `Taken` by
+    /// this process (or is so already: another tensor of this process claimed some of its
+    /// handles), then each handle from `FREE` to `CLAIMED`. All or nothing: a handle claimed
+    /// or returned already, or a board taken by another process or closed, is refused, and
+    /// the claims this call made are undone.
+    pub fn claim(&self, indices: &[usize]) -> std::result::Result<(), ClaimRefused> {
+        let _serial = relock_claims();
+        self.take_for_process()?;
+        for (done, &index) in indices.iter().enumerate() {
+            let claimed = self
+                .claim_word(index)
+                .is_some_and(|w| w.compare_exchange(FREE, CLAIMED, SC, SC).is_ok());
+            if !claimed {
+                for &undo in &indices[..done] {
+                    if let Some(word) = self.claim_word(undo) {
+                        word.store(FREE, SC);
+                    }
+                }
+                self.offer_again_if_untouched();
+                return Err(ClaimRefused::Handle { index });
+            }
+        }
+        Ok(())
+    }
+
+    /// Undoes this process's `claim` of handles `indices` (a borrow that failed, having
+    /// released every handle it imported): they are `FREE` again, and the loan is offered
+    /// again once no handle of it is claimed or returned, as before the borrow.
+    pub fn unclaim(&self, indices: &[usize]) {
+        let _serial = relock_claims();
+        for &index in indices {
+            if let Some(word) = self.claim_word(index) {
+                word.store(FREE, SC);
+            }
+        }
+        self.offer_again_if_untouched();
+    }
+
+    /// Gives handles `indices` back at once, unmapped (the borrower cannot use them): each
+    /// `FREE` one becomes `RETURNED`, claiming the board for this process first if need be;
+    /// one claimed or returned already is left as it is. How many it marked.
+    pub fn decline(&self, indices: &[usize]) -> std::result::Result<usize, ClaimRefused> {
+        let _serial = relock_claims();
+        self.take_for_process()?;
+        let marked = indices
+            .iter()
+            .filter_map(|&index| self.claim_word(index))
+            .filter(|word| word.compare_exchange(FREE, RETURNED, SC, SC).is_ok())
+            .count();
+        self.offer_again_if_untouched();
+        Ok(marked)
+    }
+
+    /// `Offered` to `Taken` by this process, or `Taken` by it already (with its start time:
+    /// a dead process that had this pid is another borrower). Under `CLAIMS`.
+    fn take_for_process(&self) -> std::result::Result<(), ClaimRefused> {
         let pid = std::process::id();
+        let start_time = process_start_time(pid).unwrap_or(0);
         let taken = u64::from(pid) << 32 | TAKEN;
         match self.word(0).compare_exchange(OFFERED, taken, SC, SC) {
             Ok(_) => {
-                self.word(2).store(process_start_time(pid).unwrap_or(0), SC);
+                self.word(2).store(start_time, SC);
                 Ok(())
             }
-            Err(_) => Err(self.state()),
+            Err(now) if now == taken && self.word(2).load(SC) == start_time => Ok(()),
+            Err(_) => Err(match self.state() {
+                BoardState::Taken { pid, .. } => ClaimRefused::Taken { pid },
+                _ => ClaimRefused::Closed,
+            }),
         }
     }
 
-    /// Undoes this process's `claim` (a borrow that failed, having released every handle it
-    /// imported): the loan is offered again, as before the borrow.
-    pub fn unclaim(&self) {
-        for i in 0..self.num_handles {
-            if let Some(flag) = self.returned_flag(i) {
-                flag.store(0, SC);
-            }
+    /// Back to `Offered` if this process took the board and no handle is claimed or returned
+    /// (a failed borrow undone). Under `CLAIMS`.
+    fn offer_again_if_untouched(&self) {
+        let untouched =
+            (0..self.num_handles).all(|i| self.claim_word(i).is_some_and(|w| w.load(SC) == FREE));
+        if !untouched {
+            return;
         }
-        self.word(2).store(0, SC);
         let taken = u64::from(std::process::id()) << 32 | TAKEN;
-        let _ = self.word(0).compare_exchange(taken, OFFERED, SC, SC);
+        if self.word(0).load(SC) == taken {
+            self.word(2).store(0, SC);
+            let _ = self.word(0).compare_exchange(taken, OFFERED, SC, SC);
+        }
     }
 
     /// Records that the borrower has unmapped and released handle `index`.
     pub fn mark_returned(&self, index: usize) {
-        if let Some(flag) = self.returned_flag(index) {
-            flag.store(1, SC);
+        if let Some(word) = self.claim_word(index) {
+            word.store(RETURNED, SC);
         }
     }
 
     /// How many of the lent handles the borrower has returned.
     pub fn num_returned(&self) -> usize {
         (0..self.num_handles)
-            .filter(|&i| self.returned_flag(i).is_some_and(|f| f.load(SC) == 1))
+            .filter(|&i| self.claim_word(i).is_some_and(|w| w.load(SC) == RETURNED))
             .count()
     }
 
@@ -759,11 +864,11 @@ mod tests {
             fd: 40,
         };
         let board = LoanBoard::create(0xfeed, 1, 9, &[entry]).unwrap();
-        board.claim().unwrap();
+        board.claim(&[0]).unwrap();
         let taken = board.state();
         board.mark_returned(0); // a failed borrow releases what it imported, then unclaims
         assert!(board.close_from(taken), "the lender saw every handle back");
-        board.unclaim();
+        board.unclaim(&[0]);
         assert_eq!(
             board.state(),
             BoardState::Closed,
@@ -771,10 +876,55 @@ mod tests {
         );
         // The other order: the failed borrow offers it again first, and the lender sees that.
         board.reopen(taken);
-        board.unclaim();
+        board.unclaim(&[0]);
         assert!(!board.close_from(taken));
         assert_eq!(board.state(), BoardState::Offered);
         assert!(board.close_if_offered());
+    }
+
+    #[test]
+    fn each_handle_is_claimed_once_and_the_board_is_offered_again_only_when_untouched() {
+        let entries: Vec<LoanEntry> = (0..3)
+            .map(|i| LoanEntry {
+                serial: i,
+                run: Run::new(2 * i, 2),
+                fd: 40 + i as i32,
+            })
+            .collect();
+        let board = LoanBoard::create(0xfeed, 2, 9, &entries).unwrap();
+        // Two tensors of this process split the loan: each claims its own handles.
+        board.claim(&[0]).unwrap();
+        assert!(
+            matches!(board.state(), BoardState::Taken { pid, .. } if pid == std::process::id())
+        );
+        board.claim(&[2]).unwrap();
+        // A handle is claimed once, even within the process; a refused claim undoes its own.
+        assert_eq!(board.claim(&[1, 2]), Err(ClaimRefused::Handle { index: 2 }));
+        assert_eq!(board.claim(&[7]), Err(ClaimRefused::Handle { index: 7 }));
+        board.claim(&[1]).unwrap();
+        board.unclaim(&[1]);
+        // What nobody can use is given back at once; a claimed handle is left as it is.
+        assert_eq!(board.decline(&[0, 1]).unwrap(), 1);
+        assert_eq!(board.num_returned(), 1);
+        // Undoing the other claims leaves the returned handle: still taken, not offered.
+        board.unclaim(&[0, 2]);
+        assert!(matches!(board.state(), BoardState::Taken { .. }));
+        board.mark_returned(0);
+        board.mark_returned(2);
+        assert_eq!(board.num_returned(), 3, "the lender may map them all back");
+        // A loan untouched after a failed borrow is offered again.
+        let fresh = LoanBoard::create(0xfeed, 3, 9, &entries).unwrap();
+        fresh.claim(&[0, 1]).unwrap();
+        fresh.unclaim(&[0, 1]);
+        assert_eq!(fresh.state(), BoardState::Offered);
+        assert_eq!(fresh.decline(&[]).unwrap(), 0);
+        assert_eq!(
+            fresh.state(),
+            BoardState::Offered,
+            "declining nothing takes nothing"
+        );
+        assert!(fresh.close_if_offered());
+        assert_eq!(fresh.claim(&[0]), Err(ClaimRefused::Closed));
     }
 
     #[test]

@@ -60,6 +60,6 @@ pub use driver::{DeviceKind, Driver, Stream};
 pub use error::{Error, Op, Result, SizeOp};
 pub use plan::{Geometry, HandlePolicy, Run};
 pub use tensor::{
-    ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, LoanHandle, Options, Segments,
-    ShrinkOptions,
+    BorrowRoom, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, LoanHandle, Options,
+    PlacedHandle, Segments, ShrinkOptions,
 };

@@ -19,6 +19,7 @@ __all__ = [
     "OutOfMemoryError",
     "PtraceRefusedError",
     "UnsupportedError",
+    "_loan_decline",
     "_loan_owner_fds",
     "_owner_fds",
     "_set_stream_provider",
@@ -79,6 +80,9 @@ def extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) ->
 def host_mem_info(meminfo: str = "/proc/meminfo") -> tuple[int, int]: ...
 def _owner_fds(description: tuple[Any, ...]) -> list[int]: ...
 def _loan_owner_fds(loan: tuple[Any, ...]) -> list[int]: ...
+def _loan_decline(
+    loan: tuple[Any, ...], indices: Sequence[int], fds: list[int] | None = None
+) -> int: ...
 def _set_stream_provider(provider: Callable[[int], int] | None) -> None:
     """Registers what names the current stream of a CUDA device (`provider(index) -> int`),
     for calls given no stream; the facade registers torch's."""
@@ -151,7 +155,21 @@ class ExtensibleTensor:
         zero: bool = True,
         stream: int | None = None,
     ) -> None: ...
+    def _borrow_placed(
+        self,
+        loans: Sequence[tuple[Any, ...]],
+        fds: Sequence[list[int] | None],
+        placed: Sequence[tuple[int, int, int]],
+        segment_bytes: Sequence[int],
+        zero: bool = True,
+        stream: int | None = None,
+    ) -> None: ...
+    def _borrow_room(self) -> list[tuple[int, int, int, int]]: ...
+    def _lend_runs(self, bytes_per_segment: int | Sequence[int]) -> list[tuple[int, int]]: ...
     def _give_back(self, loan: tuple[Any, ...], stream: int | None = None) -> None: ...
+    def _give_back_loans(
+        self, loans: Sequence[tuple[Any, ...]], stream: int | None = None
+    ) -> int: ...
     def _reclaim(
         self,
         loan: tuple[Any, ...],

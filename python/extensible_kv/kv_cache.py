@@ -40,7 +40,8 @@ from extensible_kv.layouts import (
     standard_layout,
 )
 from extensible_kv.mamba import MambaStateSpec
-from extensible_kv.tensor import ExtensibleTensor, close_on_exit
+from extensible_kv.shape import BufferShape, CacheShape
+from extensible_kv.tensor import ExtensibleTensor, borrow_dealt, close_on_exit, give_back_dealt
 
 if TYPE_CHECKING:
     import torch
@@ -371,6 +372,9 @@ class ExtensibleKVCache:
         # (tensor_id, loan_id) of loans a `reclaim` took back before a later buffer's failed:
         # the next call with those loans takes back the rest only.
         self._reclaimed: set[tuple[int, int]] = set()
+        # (tensor_id, loan_id) of loans borrowed here and not given back: one whose every
+        # handle went back at once (this layout could use none of it) gives back nothing.
+        self._borrowed: set[tuple[int, int]] = set()
         self._buffers: list[_Buffer] = []
         self._views: dict[str, list[torch.Tensor]] = {}
         try:
@@ -547,7 +551,8 @@ class ExtensibleKVCache:
             buffer.consolidate()
 
     # -----------------------------------------------------------------------------------------
-    # lending whole blocks to another cache (ExtensibleTensor.lend, per buffer)
+    # lending memory to another cache (ExtensibleTensor.lend, per buffer), and borrowing
+    # another's, of any model (docs/design.md §3.10)
 
     def lend(self, num_blocks: int, *, stream: int | None = None) -> tuple[Loan, ...]:
         """Keeps the first `num_blocks` blocks and lends the memory past them to another cache
@@ -573,67 +578,83 @@ class ExtensibleKVCache:
         self._committed_blocks = num_blocks
         return tuple(loans)
 
+    def lend_sizes(self, num_blocks: int) -> list[int]:
+        """The sizes, in granules, of the handles `lend(num_blocks)` would lend now, every
+        buffer's in buffer order: what a donor weighs a cut by for a borrower of another model
+        (`extensible_kv.shape.blocks_from(borrower_shape, sizes)`), to lend only memory the
+        borrower can use. Changes nothing; raises what `lend(num_blocks)` would."""
+        num_blocks = self._check_lendable(num_blocks)
+        sizes: list[int] = []
+        for index, (tensor, block_bytes) in enumerate(self._lending_buffers()):
+            try:
+                runs = tensor._lend_runs(num_blocks * block_bytes)
+            except ValueError as error:
+                raise ValueError(f"buffer {index} cannot lend: {error}") from error
+            sizes.extend(granules for _, granules in runs)
+        return sizes
+
+    def shape(self) -> CacheShape:
+        """This cache as a borrower (`extensible_kv.shape.CacheShape`): its device, granularity
+        and, per buffer, its segments and the bytes a block adds to each."""
+        buffers = self._lending_buffers()
+        tensor = buffers[0][0]
+        return CacheShape(
+            tensor.device,
+            tensor.granularity,
+            tuple(BufferShape(t.num_segments, block_bytes) for t, block_bytes in buffers),
+        )
+
     def borrow(self, loans: Sequence[Loan], *, zero: bool = True, stream: int | None = None) -> int:
-        """Maps a lending cache's `loans` (one per buffer, as `lend` gave them) after this
-        cache's committed blocks, which grow by the loaned blocks; returns that count. The
-        caches must have the same buffer geometry (the lender's spec), and each buffer's
-        committed blocks must end at a granule boundary of every segment: K/V-split and
-        layer-per-segment layouts with blocks that are whole granules, or any layout at a block
-        count that fills whole granules. A layout that cannot take the loan (blocks smaller
-        than a granule ending inside one, a loan that is not whole blocks, buffers that would
-        grow by different block counts, too little capacity) is refused with a `ValueError`
-        before anything is mapped. `zero` as `ExtensibleTensor.borrow`."""
+        """Maps `loans` after this cache's committed blocks, which grow by the blocks that
+        memory holds in this cache's own layout; returns that count. The loans may come from a
+        cache of any model on the same device and granularity (any block bytes, segments or
+        buffers): their whole handles are dealt over every segment of every buffer
+        (`extensible_kv.shape.deal`), which all grow by the same number of blocks, each
+        counting what it already maps past its committed end. Handles this layout cannot use
+        go back to their lender at once, unmapped. A `ValueError` before anything is mapped
+        for loans of another device or granularity, or that hold no block of this cache (or
+        no room for one). `zero` as `ExtensibleTensor.borrow`. A failure after something was
+        mapped gives every handle of the loans back (their lender reclaims them)."""
         if self._closed:
             raise ClosedError("the KV cache is closed")
         loans = tuple(loans)
         buffers = self._lending_buffers()
-        if len(loans) != len(buffers):
-            raise ValueError(f"{len(loans)} loans for a cache of {len(buffers)} buffers")
-        added = {self._loaned_blocks(i, loan) for i, loan in enumerate(loans)}
-        if len(added) != 1:
-            raise ValueError(
-                f"the loans would grow the buffers by different block counts ({sorted(added)}): "
-                "they are not one cache's blocks"
-            )
-        (blocks,) = added
-        if self._committed_blocks + blocks > self._capacity_blocks:
-            raise ValueError(
-                f"cannot borrow {blocks} blocks: {self._committed_blocks} are committed and the "
-                f"capacity is {self._capacity_blocks}"
-            )
-        for index, (tensor, block_bytes) in enumerate(buffers):
-            end = self._committed_blocks * block_bytes
-            if end % tensor.granularity:
-                raise ValueError(
-                    f"buffer {index}'s {self._committed_blocks} committed blocks end inside a "
-                    f"granule ({block_bytes} bytes a block per segment, granules of "
-                    f"{tensor.granularity}): a loan maps at granule boundaries; commit or shrink "
-                    "to a block count that fills whole granules first"
-                )
-        done: list[tuple[ExtensibleTensor, Loan]] = []
-        try:
-            for (tensor, _), loan in zip(buffers, loans, strict=True):
-                tensor.borrow(loan, zero=zero, stream=stream)
-                done.append((tensor, loan))
-        except BaseException:
-            for tensor, loan in done:
-                tensor.give_back(loan, stream=stream)
-            raise
+        tensors = [tensor for tensor, _ in buffers]
+        blocks = borrow_dealt(
+            tensors,
+            [block_bytes for _, block_bytes in buffers],
+            loans,
+            zero=zero,
+            stream=stream,
+            max_blocks=self._capacity_blocks - self._committed_blocks,
+        )
+        self._borrowed.update(_key(loan) for loan in loans)
         self._committed_blocks += blocks
         return blocks
 
     def give_back(self, loans: Sequence[Loan], *, stream: int | None = None) -> None:
-        """Returns borrowed `loans` to their lender (`ExtensibleTensor.give_back`, per buffer):
-        `committed_blocks` goes back to where the loans began."""
+        """Returns borrowed `loans` to their lender, from every buffer that maps any of their
+        handles: each segment shrinks to where the loans' memory begins in it (what this cache
+        grew past it goes too), then every buffer to the blocks all of them still hold
+        (`committed_blocks`), a handle that straddles that end staying mapped past it."""
         if self._closed:
             raise ClosedError("the KV cache is closed")
         loans = tuple(loans)
         buffers = self._lending_buffers()
-        if len(loans) != len(buffers):
-            raise ValueError(f"{len(loans)} loans for a cache of {len(buffers)} buffers")
-        for (tensor, _), loan in zip(buffers, loans, strict=True):
-            tensor.give_back(loan, stream=stream)
-        self._committed_blocks = self._blocks_held()
+        given, held = give_back_dealt(
+            [tensor for tensor, _ in buffers],
+            [block_bytes for _, block_bytes in buffers],
+            loans,
+            stream=stream,
+        )
+        keys = {_key(loan) for loan in loans if isinstance(loan, Loan)}
+        if not given and not keys & self._borrowed:
+            raise ValueError(
+                "this cache holds no handle of those loans (never borrowed here, or given back "
+                "already)"
+            )
+        self._borrowed -= keys
+        self._committed_blocks = held
 
     def reclaim(
         self,
@@ -685,20 +706,6 @@ class ExtensibleKVCache:
         if self._legacy:
             raise ValueError("a legacy cache (plain torch memory) cannot lend or borrow blocks")
         return list(zip(self.buffers, self.segment_block_bytes, strict=True))
-
-    def _loaned_blocks(self, index: int, loan: Loan) -> int:
-        """The blocks `loan` adds to buffer `index` (its bytes split over the segments)."""
-        segments, block_bytes = self.num_segments[index], self.segment_block_bytes[index]
-        per_segment, uneven = divmod(loan.num_bytes, segments)
-        blocks, partial = divmod(per_segment, block_bytes)
-        if uneven or partial or not blocks:
-            raise ValueError(
-                f"loan {index} ({loan.num_bytes} bytes over {segments} segments) is not whole "
-                f"blocks of buffer {index} ({block_bytes} bytes a block per segment): lend from "
-                "a cache of the same spec, keeping a block count that ends at granule "
-                "boundaries"
-            )
-        return blocks
 
     def _blocks_held(self) -> int:
         """The blocks every buffer holds now (its smallest segment, in blocks)."""
@@ -752,3 +759,7 @@ class ExtensibleKVCache:
     ) -> None:
         """Closes; leaving on an exception never hides it (`tensor.close_on_exit`)."""
         close_on_exit(self.close, exc)
+
+
+def _key(loan: Loan) -> tuple[int, int]:
+    return (loan.tensor_id, loan.loan_id)

@@ -510,3 +510,172 @@ def close_on_exit(close: Callable[[], None], exc: BaseException | None) -> None:
             note += " (the memory is freed when the last view dies)"
         logger.warning("%s", note)
         exc.add_note(note)
+
+
+# ---------------------------------------------------------------------------------------------
+# borrowing loans of any geometry: dealt here (policy), placed and checked by the core
+# (mechanism), docs/design.md §3.10
+
+
+def borrow_dealt(
+    tensors: Sequence[ExtensibleTensor],
+    segment_block_bytes: Sequence[int],
+    loans: Sequence[Loan],
+    *,
+    zero: bool = True,
+    stream: int | None = None,
+    max_blocks: int | None = None,
+) -> int:
+    """Borrows `loans` (of any geometry, on the tensors' device and granularity) into
+    `tensors`, the buffers of one cache whose segments grow in lockstep, buffer `i` by
+    `segment_block_bytes[i]` a block: the most blocks `N` (at most `max_blocks`) that the
+    loans' whole handles hold in this layout, every segment of every buffer growing by `N`
+    blocks. Returns `N`.
+
+    The handles are dealt by `extensible_kv.shape.deal` from what each segment maps past its
+    committed end now (`_borrow_room`); each tensor then maps its handles where the dealing put
+    them, which the core checks (`ExtensibleTensor::borrow_placed`). Handles the layout cannot
+    use go back to their lender at once, unmapped, before anything is mapped, so the lender's
+    `reclaim` never waits for them. A `ValueError` before anything changes for a loan of
+    another device or granularity, of one of these tensors, or that holds no block here.
+    Where a later step fails, what was mapped goes back and so does every handle of the
+    loans (the lender reclaims them at once); where the first fails, the loans stay offered."""
+    from extensible_kv.shape import BufferShape, CacheShape, deal
+
+    zero = _args.flag(zero, "zero")
+    loans = tuple(loans)
+    tensors = tuple(tensors)
+    if not loans:
+        raise ValueError("no loan to borrow")
+    if not tensors or len(tensors) != len(segment_block_bytes):
+        raise ValueError(
+            f"{len(segment_block_bytes)} block sizes for {len(tensors)} tensors: one per tensor"
+        )
+    for loan in loans:
+        _check_loan(loan)
+    keys = [(loan.tensor_id, loan.loan_id) for loan in loans]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a loan is listed twice")
+    device, granularity = tensors[0].device, tensors[0].granularity
+    own = {t.tensor_id for t in tensors}
+    for loan in loans:
+        if loan.device != device or loan.granularity != granularity:
+            raise ValueError(
+                f"cannot borrow a loan of {loan.device} with granularity {loan.granularity} "
+                f"into a cache on {device} with granularity {granularity}: the device and "
+                "granularity must be the same"
+            )
+        if loan.tensor_id in own:
+            raise ValueError("a cache cannot borrow its own loan: reclaim it instead")
+    rooms = [t._borrow_room() for t in tensors]
+    shape = CacheShape(
+        device,
+        granularity,
+        tuple(BufferShape(len(r), bb) for r, bb in zip(rooms, segment_block_bytes, strict=True)),
+    )
+    limit = min(
+        room[3] // bb for r, bb in zip(rooms, segment_block_bytes, strict=True) for room in r
+    )
+    if max_blocks is not None:
+        limit = min(limit, max_blocks)
+    handles = [(li, hi) for li, loan in enumerate(loans) for hi in range(len(loan.handles))]
+    dealing = deal(
+        shape,
+        [[room[1] for room in r] for r in rooms],
+        [loans[li].handles[hi].num_granules for li, hi in handles],
+        room_granules=[[room[2] for room in r] for r in rooms],
+        max_blocks=max(0, limit),
+    )
+    if dealing.blocks == 0:
+        total = sum(loan.num_bytes for loan in loans)
+        raise ValueError(
+            f"the loans' {len(handles)} handles ({total} bytes) hold no block of this cache "
+            f"({shape.block_bytes()} bytes a block over {shape.num_segments} segments, room "
+            f"for {max(0, limit)} more blocks): nothing was borrowed"
+        )
+    natives = [loan._to_native() for loan in loans]
+    fds = [loan._take_fds() for loan in loans]
+    unused: dict[int, list[int]] = {}
+    for k in dealing.unused:
+        li, hi = handles[k]
+        unused.setdefault(li, []).append(hi)
+    done: list[ExtensibleTensor] = []
+    touched = False
+    try:
+        # What cannot be used first: a lender that cannot be reached fails here, before
+        # anything is mapped.
+        for li, indices in unused.items():
+            _native._loan_decline(natives[li], indices, fds[li])
+            touched = True
+        for ti, tensor in enumerate(tensors):
+            placed = []
+            for k, where in enumerate(dealing.placements):
+                if where is not None and where[0] == ti:
+                    li, hi = handles[k]
+                    placed.append((li, hi, where[1]))
+            bb = segment_block_bytes[ti]
+            sizes = [b + dealing.blocks * bb for b in tensor.segment_bytes]
+            tensor._borrow_placed(natives, fds, placed, sizes, zero, stream)
+            done.append(tensor)
+            touched = True
+    except BaseException as error:
+        if touched:
+            _give_back_whole(done, natives, fds, stream, error)
+        raise
+    finally:
+        for received in fds:
+            _close_all(received)
+    return dealing.blocks
+
+
+def _give_back_whole(
+    tensors: Sequence[ExtensibleTensor],
+    natives: Sequence[tuple[Any, ...]],
+    fds: Sequence[list[int] | None],
+    stream: int | None,
+    error: BaseException,
+) -> None:
+    """A borrow that failed after it changed something: what `tensors` mapped goes back, and
+    every other handle of the loans is returned at once, so that their lenders reclaim them
+    whole rather than wait for handles nobody holds. Best effort: what fails is noted on
+    `error` (a lender gone needs nothing back)."""
+    for tensor in tensors:
+        try:
+            tensor._give_back_loans(list(natives), stream)
+        except Exception as failed:
+            error.add_note(f"extensible_kv: giving back after the failed borrow failed: {failed}")
+    for native, received in zip(natives, fds, strict=True):
+        try:
+            _native._loan_decline(native, list(range(len(native[7]))), received)
+        except Exception as failed:
+            error.add_note(f"extensible_kv: returning a loan's handles failed: {failed}")
+
+
+def give_back_dealt(
+    tensors: Sequence[ExtensibleTensor],
+    segment_block_bytes: Sequence[int],
+    loans: Sequence[Loan],
+    *,
+    stream: int | None = None,
+    leading_blocks: int = 0,
+) -> tuple[int, int]:
+    """Gives back whatever of `loans` any of `tensors` maps (`borrow_dealt`'s buffers), each
+    tensor's segments shrinking to where a loan's handles begin in them, then every segment
+    to the blocks all of them still hold (in lockstep: a handle that straddles that end stays,
+    as slack). Returns `(bytes given back, blocks held now)`, blocks counted past
+    `leading_blocks`."""
+    loans = tuple(loans)
+    for loan in loans:
+        _check_loan(loan)
+    natives = [loan._to_native() for loan in loans]
+    given = sum(t._give_back_loans(natives, stream) for t in tensors)
+    held = min(
+        max(0, min(t.segment_bytes) // bb - leading_blocks)
+        for t, bb in zip(tensors, segment_block_bytes, strict=True)
+    )
+    for t, bb in zip(tensors, segment_block_bytes, strict=True):
+        target = (leading_blocks + held) * bb
+        sizes = t.segment_bytes
+        if max(sizes) > target:
+            t.shrink_per_segment_([min(size, target) for size in sizes], stream=stream)
+    return given, held

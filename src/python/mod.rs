@@ -22,7 +22,7 @@ use crate::driver::wrap::profile::ProfilingDriver;
 use crate::driver::{self, DeviceKind, ExportTypes, OpenOptions, Stream};
 use crate::error::Op;
 use crate::tensor::{
-    ExtensibleTensor, GrowOptions, HandleSizing, Options, Segments, ShrinkOptions,
+    ExtensibleTensor, GrowOptions, HandleSizing, Options, PlacedHandle, Segments, ShrinkOptions,
 };
 
 /// The int that `obj` stands for: an int or anything `operator.index` takes (numpy and torch
@@ -653,6 +653,95 @@ impl PyExtensibleTensor {
         self.run(py, |core| core.borrow(&loan, fds, zero, stream))
     }
 
+    /// Maps handles of `loans` where the caller's dealing placed them
+    /// (`(loan, handle, segment)` each, in order) and commits `segment_bytes`
+    /// (`ExtensibleTensor::borrow_placed`); `fds[k]`: received fds of loan k, or None.
+    #[pyo3(signature = (loans, fds, placed, segment_bytes, zero=true, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn _borrow_placed(
+        &self,
+        py: Python<'_>,
+        loans: Vec<Bound<'_, PyAny>>,
+        fds: Vec<Option<Vec<i32>>>,
+        placed: Vec<(usize, usize, usize)>,
+        segment_bytes: Vec<u64>,
+        #[pyo3(from_py_with = zero_flag)] zero: bool,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let loans = loans
+            .iter()
+            .map(loan::to_loan)
+            .collect::<PyResult<Vec<_>>>()?;
+        let fds = fds
+            .into_iter()
+            .map(share::to_fds)
+            .collect::<PyResult<Vec<_>>>()?;
+        let placed: Vec<PlacedHandle> = placed
+            .into_iter()
+            .map(|(loan, handle, segment)| PlacedHandle {
+                loan,
+                handle,
+                segment,
+            })
+            .collect();
+        let stream = self.stream_or_current(py, stream, zero)?;
+        // As `_borrow`: what shrinks gave back is released first, Ctrl-C ending the wait.
+        self.wait_released_or_signal(py, None)?;
+        self.run(py, |core| {
+            core.borrow_placed(&loans, fds, &placed, &segment_bytes, zero, stream)
+        })
+    }
+
+    /// Per segment `(start_granule, slack_bytes, room_granules, limit_bytes)`: where a
+    /// placed borrow may go now (`ExtensibleTensor::borrow_room`), once what shrinks gave back
+    /// is released (Ctrl-C ends that wait).
+    fn _borrow_room(&self, py: Python<'_>) -> PyResult<Vec<(u64, i64, u64, u64)>> {
+        self.wait_released_or_signal(py, None)?;
+        let rooms = self.run(py, |core| core.borrow_room())?;
+        Ok(rooms
+            .iter()
+            .map(|r| {
+                (
+                    r.start_granule,
+                    r.slack_bytes,
+                    r.room_granules,
+                    r.limit_bytes,
+                )
+            })
+            .collect())
+    }
+
+    /// The granule runs `(first_granule, num_granules)` a `lend(bytes_per_segment)` would
+    /// lend now, with its checks; nothing changes.
+    fn _lend_runs(
+        &self,
+        py: Python<'_>,
+        bytes_per_segment: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(u64, u64)>> {
+        let bytes = self.segment_targets(bytes_per_segment)?;
+        let runs = self.run(py, |core| core.lend_runs(&bytes[..]))?;
+        Ok(runs
+            .iter()
+            .map(|r| (r.first_granule, r.num_granules))
+            .collect())
+    }
+
+    /// Gives back the handles of any of `loans` this tensor maps: their bytes (0: none).
+    #[pyo3(signature = (loans, stream=None))]
+    fn _give_back_loans(
+        &self,
+        py: Python<'_>,
+        loans: Vec<Bound<'_, PyAny>>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let loans = loans
+            .iter()
+            .map(loan::to_loan)
+            .collect::<PyResult<Vec<_>>>()?;
+        let stream = self.stream_or_current(py, stream, true)?;
+        self.run(py, |core| core.give_back_loans(&loans, stream))
+    }
+
     /// Gives a borrowed loan's handles back to their lender.
     #[pyo3(signature = (loan, stream=None))]
     fn _give_back(
@@ -1092,6 +1181,22 @@ fn _loan_owner_fds(py: Python<'_>, loan: &Bound<'_, PyAny>) -> PyResult<Vec<i32>
     py.detach(|| loan::owner_fds(&loan))
 }
 
+/// Gives handles `indices` of `loan` back to its lender at once, unmapped (the borrower
+/// cannot use them): how many it marked returned (`LoanDescription::decline`). `fds`: the
+/// loan's received fds, or None to take them from the lender by pid.
+#[pyfunction]
+#[pyo3(signature = (loan, indices, fds=None))]
+fn _loan_decline(
+    py: Python<'_>,
+    loan: &Bound<'_, PyAny>,
+    indices: Vec<usize>,
+    fds: Option<Vec<i32>>,
+) -> PyResult<usize> {
+    let loan = loan::to_loan(loan)?;
+    let fds = share::to_fds(fds)?;
+    Ok(py.detach(|| loan.decline(fds, &indices))?)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExtensibleTensor>()?;
@@ -1101,6 +1206,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_mem_info, m)?)?;
     m.add_function(wrap_pyfunction!(_owner_fds, m)?)?;
     m.add_function(wrap_pyfunction!(_loan_owner_fds, m)?)?;
+    m.add_function(wrap_pyfunction!(_loan_decline, m)?)?;
     m.add_function(wrap_pyfunction!(host_free_bytes, m)?)?;
     errors::add_to(m)?;
     m.add_function(wrap_pyfunction!(_set_stream_provider, m)?)?;

@@ -50,7 +50,7 @@ use super::share::handles_refused;
 use super::{check_state, ExtensibleTensor, Mapping, PerSegment, PhysicalHandle, State};
 use crate::driver::{DeviceKind, ExportTypes, Exported, ImportSource, Stream};
 use crate::error::{Error, Result};
-use crate::ipc::{self, BoardState, FdSource, LoanBoard, LoanEntry, Watched};
+use crate::ipc::{self, BoardState, ClaimRefused, FdSource, LoanBoard, LoanEntry, Watched};
 use crate::plan::{self, Run};
 
 /// One lent handle, as a loan's description names it.
@@ -262,6 +262,43 @@ impl LoanDescription {
         Ok(fd)
     }
 
+    /// The error for a claim of this loan's handles that its board refused.
+    fn claim_refused(&self, why: ClaimRefused) -> Error {
+        ipc::stale_loan(match why {
+            ClaimRefused::Taken { pid } => format!(
+                "loan {} was borrowed already, by process {pid}: a loan is borrowed at most \
+                 once",
+                self.loan_id
+            ),
+            ClaimRefused::Closed => format!("loan {} was reclaimed by its lender", self.loan_id),
+            ClaimRefused::Handle { index } => format!(
+                "handle {index} of loan {} was borrowed already, or given back: a handle is \
+                 borrowed at most once",
+                self.loan_id
+            ),
+        })
+    }
+
+    /// Gives handles `indices` of the loan back at once, unmapped: the borrower's layout
+    /// cannot use them (`extensible_kv.shape.deal` left them out), and its lender must not
+    /// wait for them. Each handle no tensor claimed becomes returned on the lender's board,
+    /// which this process claims first if no tensor of it did; handles claimed or returned
+    /// already are left as they are. `fds` as `ExtensibleTensor::borrow`'s. How many it marked.
+    pub fn decline(&self, fds: Option<Vec<OwnedFd>>, indices: &[usize]) -> Result<usize> {
+        self.validate()?;
+        if let Some(index) = indices.iter().find(|&&i| i >= self.handles.len()) {
+            return Err(bad(format!(
+                "handle {index} of a loan of {} handles",
+                self.handles.len()
+            )));
+        }
+        let mut source = self.fd_source(fds)?;
+        let board = self.open_board(&mut source)?;
+        board
+            .decline(indices)
+            .map_err(|why| self.claim_refused(why))
+    }
+
     /// The lender's board, checked to be this loan's and to say what the description says.
     fn open_board(&self, source: &mut FdSource) -> Result<LoanBoard> {
         let board = LoanBoard::open(
@@ -293,11 +330,42 @@ impl LoanDescription {
     }
 }
 
-/// Where a borrower maps a loan: per handle (in the loan's order) the borrower's run, and the
-/// segment sizes after the borrow.
-struct Placement {
-    runs: Vec<Run>,
+/// One handle of a loan that a borrower maps, and the segment whose end it extends
+/// (`ExtensibleTensor::borrow_placed`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PlacedHandle {
+    /// The loan's index in the call's loans.
+    pub loan: usize,
+    /// The handle's index in that loan.
+    pub handle: usize,
+    /// The borrower's segment it goes to.
+    pub segment: usize,
+}
+
+/// Where a borrow may place handles in one segment now (`ExtensibleTensor::borrow_room`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BorrowRoom {
+    /// The granule the first handle placed in the segment goes to: right after the mapped
+    /// memory that holds (or starts at) its committed end.
+    pub start_granule: u64,
+    /// What the segment can grow into with no new memory: the bytes from its committed end to
+    /// where that mapped memory ends (within its capacity). Negative when the first handle
+    /// placed would also hold bytes before the committed end (an empty segment that starts
+    /// inside a granule nothing maps).
+    pub slack_bytes: i64,
+    /// The free granules from `start_granule` up to the segment's last one (a granule it
+    /// shares with the next segment is that one's) or the first granule mapped or lent.
+    pub room_granules: u64,
+    /// The bytes the segment may still grow: its capacity less its committed bytes.
+    pub limit_bytes: u64,
+}
+
+/// A checked placement: per placed handle its run, the sizes to commit, and the newly
+/// committed bytes outside the placed handles (`(offset, bytes)` from the reservation's start).
+struct Planned {
+    handles: Vec<(PlacedHandle, Run)>,
     segment_bytes: Vec<u64>,
+    zero_past: Vec<(u64, u64)>,
 }
 
 impl ExtensibleTensor {
@@ -310,6 +378,42 @@ impl ExtensibleTensor {
     pub fn lend(&self, bytes: impl PerSegment, stream: Stream) -> Result<LoanDescription> {
         let segment_bytes = &*bytes.per_segment(self.num_segments());
         let mut state = self.lock_owned("lend")?;
+        let dead = self.plan_lend(&state, segment_bytes)?;
+        let entries = self.export_for_loan(&state, &dead)?;
+        state.next_loan_id += 1;
+        let loan_id = state.next_loan_id;
+        let epoch = (super::random_id() as u64).max(1);
+        let board = LoanBoard::create(self.inner.tensor_id, loan_id, epoch, &entries)?;
+        // The fence: work queued on `stream` may still touch the lent memory.
+        self.inner.ctx.driver.fence(stream)?;
+        let handles = self.unmap_all(&mut state, &dead)?;
+        let lent = Lent {
+            epoch,
+            board: Arc::new(board),
+            handles,
+            kept_bytes: segment_bytes.to_vec(),
+            before_bytes: state.segment_bytes.clone(),
+            reclaiming: false,
+        };
+        let description = self.describe_loan(loan_id, &lent, &entries);
+        state.loans.insert(loan_id, lent);
+        state.segment_bytes.copy_from_slice(segment_bytes);
+        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        Ok(description)
+    }
+
+    /// The granule runs of the handles `lend(bytes)` would lend now, in address order, with
+    /// the same checks (and errors) as the lend itself, changing nothing: what a donor reads
+    /// to lend only memory its borrower can use (`extensible_kv.shape.blocks_from`).
+    pub fn lend_runs(&self, bytes: impl PerSegment) -> Result<Vec<Run>> {
+        let segment_bytes = &*bytes.per_segment(self.num_segments());
+        let state = self.lock_owned("lend")?;
+        self.plan_lend(&state, segment_bytes)
+    }
+
+    /// What a lend keeping `segment_bytes` lends: every whole handle past those sizes, each
+    /// this tensor's own to lend; refused, saying why, where nothing is.
+    fn plan_lend(&self, state: &State, segment_bytes: &[u64]) -> Result<Vec<Run>> {
         let geometry = &self.inner.geometry;
         geometry.check_request(segment_bytes)?;
         if let Some(segment) =
@@ -337,28 +441,8 @@ impl ExtensibleTensor {
                  (a handle that straddles the size kept stays with the lender)"
             )));
         }
-        self.refuse_not_own(&state, &dead)?;
-        let entries = self.export_for_loan(&state, &dead)?;
-        state.next_loan_id += 1;
-        let loan_id = state.next_loan_id;
-        let epoch = (super::random_id() as u64).max(1);
-        let board = LoanBoard::create(self.inner.tensor_id, loan_id, epoch, &entries)?;
-        // The fence: work queued on `stream` may still touch the lent memory.
-        self.inner.ctx.driver.fence(stream)?;
-        let handles = self.unmap_all(&mut state, &dead)?;
-        let lent = Lent {
-            epoch,
-            board: Arc::new(board),
-            handles,
-            kept_bytes: segment_bytes.to_vec(),
-            before_bytes: state.segment_bytes.clone(),
-            reclaiming: false,
-        };
-        let description = self.describe_loan(loan_id, &lent, &entries);
-        state.loans.insert(loan_id, lent);
-        state.segment_bytes.copy_from_slice(segment_bytes);
-        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
-        Ok(description)
+        self.refuse_not_own(state, &dead)?;
+        Ok(dead)
     }
 
     /// Exports up to `max_handles` of the handles not exported yet, the highest addresses
@@ -485,13 +569,15 @@ impl ExtensibleTensor {
     }
 
     /// Maps the handles of `loan` at the ends of this tensor's segments, growing every segment
-    /// by the same number of bytes (the loan's, split evenly). The loan must fit this tensor's
-    /// plan: the same device and granularity, segments that start and end at granule
+    /// by the same number of bytes (the loan's, split evenly, handle after handle in the
+    /// loan's order): the borrow of a loan from a tensor of the same geometry. The loan must
+    /// fit that plan: the same device and granularity, segments that start and end at granule
     /// boundaries with no memory mapped past their ends, room for the loan, and no handle
-    /// crossing a segment's end; else it is refused before anything is mapped, saying why.
-    /// With `zero`, the borrowed bytes are zeroed on `stream` (skip it only for a trusted
-    /// pair). `fds`, when given, are duplicates of fds received from the lender (its board's,
-    /// then one per handle). A loan is borrowed at most once. All or nothing.
+    /// crossing a segment's end; else it is refused before anything is mapped, saying why. A
+    /// loan of another geometry is dealt by the caller instead (`borrow_placed`). With `zero`,
+    /// the borrowed bytes are zeroed on `stream` (skip it only for a trusted pair). `fds`,
+    /// when given, are duplicates of fds received from the lender (its board's, then one per
+    /// handle). A handle is borrowed at most once. All or nothing.
     pub fn borrow(
         &self,
         loan: &LoanDescription,
@@ -505,32 +591,273 @@ impl ExtensibleTensor {
         // The loan goes past each segment's end, where a shrink's mappings may still wait for
         // their stream: let them go first.
         self.inner.releaser.settle();
-        let placement = self.place(&state, loan)?;
-        let mut source = loan.fd_source(fds)?;
-        let board = Arc::new(loan.open_board(&mut source)?);
-        match board.claim() {
-            Ok(()) => {}
-            Err(BoardState::Taken { pid, .. }) => {
-                return Err(ipc::stale_loan(format!(
-                    "loan {} was borrowed already, by process {pid}: a loan is borrowed at \
-                     most once",
-                    loan.loan_id
-                )))
-            }
-            Err(_) => {
-                return Err(ipc::stale_loan(format!(
-                    "loan {} was reclaimed by its lender",
-                    loan.loan_id
-                )))
+        let (placed, segment_bytes) = self.place(&state, loan)?;
+        let loans = std::slice::from_ref(loan);
+        let planned = self.plan_placed(&state, loans, &placed, &segment_bytes)?;
+        self.map_planned(&mut state, loans, vec![fds], planned, zero, stream)
+    }
+
+    /// Maps handles of `loans` where the caller placed them (`placed`, in order: each handle
+    /// right after the previous one placed in its segment, the first right after what the
+    /// segment maps from its committed end on, `borrow_room`), then sets every segment's
+    /// committed bytes to `segment_bytes`. The placement comes from the caller's dealing of
+    /// loans of any geometry over this tensor's segments (`extensible_kv.shape.deal`), and is
+    /// checked here, untrusted: every handle inside its segment's room (granules free up to
+    /// the segment's last, never over anything mapped or lent), each at most once, sizes no
+    /// smaller than now and within capacity, every committed granule mapped. A loan's other
+    /// handles may go to other tensors of this process: each handle is claimed on the
+    /// lender's board on its own (a replay, even here, is refused). With `zero`, the mapped
+    /// handles and the newly committed bytes are zeroed on `stream`. `fds[k]`, when given,
+    /// are duplicates of fds received from the lender of `loans[k]`. All or nothing: a
+    /// failure releases what it imported, unclaims its handles (the loan is offered again
+    /// once no handle of it is claimed or returned) and leaves this tensor as it was.
+    pub fn borrow_placed(
+        &self,
+        loans: &[LoanDescription],
+        fds: Vec<Option<Vec<OwnedFd>>>,
+        placed: &[PlacedHandle],
+        segment_bytes: &[u64],
+        zero: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        for loan in loans {
+            loan.validate()?;
+        }
+        if fds.len() > loans.len() {
+            return Err(Error::invalid(format!(
+                "{} lists of received fds for {} loans",
+                fds.len(),
+                loans.len()
+            )));
+        }
+        let mut state = self.lock_owned("borrow")?;
+        for (k, loan) in loans.iter().enumerate() {
+            self.check_borrower(loan)?;
+            let twice = loans[..k]
+                .iter()
+                .any(|l| (l.tensor_id, l.loan_id) == (loan.tensor_id, loan.loan_id));
+            if twice {
+                return Err(Error::invalid(format!(
+                    "loan {} of tensor {:032x} is listed twice",
+                    loan.loan_id, loan.tensor_id
+                )));
             }
         }
-        let mut fresh = Vec::with_capacity(loan.handles.len());
+        self.inner.releaser.settle();
+        let planned = self.plan_placed(&state, loans, placed, segment_bytes)?;
+        self.map_planned(&mut state, loans, fds, planned, zero, stream)
+    }
+
+    /// Where a borrow may place handles now, per segment (what a caller deals by). Pending
+    /// releases count as free: a borrow waits for them first.
+    pub fn borrow_room(&self) -> Result<Vec<BorrowRoom>> {
+        let state = self.lock_owned("borrow")?;
+        let lent: Vec<Run> = state.loans.values().flat_map(Lent::runs).collect();
+        Ok((0..self.num_segments())
+            .map(|i| self.room_of(&state, &lent, i))
+            .collect())
+    }
+
+    /// Segment `i`'s room: from the end of the mapped run that holds (or starts at) its
+    /// committed end, the free granules up to its last one. A granule it shares with the next
+    /// segment is that one's (its first): two segments never place into the same granule.
+    fn room_of(&self, state: &State, lent: &[Run], i: usize) -> BorrowRoom {
+        let geometry = &self.inner.geometry;
+        let g = geometry.granularity();
+        let (offset, capacity) = (
+            geometry.segment_offsets()[i],
+            geometry.segment_capacities()[i],
+        );
+        let committed = state.segment_bytes[i];
+        let (end, at) = (offset + capacity, offset + committed);
+        let last = match i + 1 < geometry.num_segments() && end % g != 0 {
+            true => end / g,
+            false => end.div_ceil(g),
+        };
+        let covering = |granule: u64| {
+            let before = state.mappings.range(..=granule).next_back();
+            before
+                .map(|(_, m)| m.run)
+                .filter(|run| run.end_granule() > granule)
+        };
+        let mut start = at / g;
+        while let Some(run) = covering(start) {
+            start = run.end_granule();
+        }
+        let next_mapped = state
+            .mappings
+            .range(start..)
+            .next()
+            .map(|(&first, _)| first);
+        let next_lent = lent
+            .iter()
+            .filter(|run| run.end_granule() > start)
+            .map(|run| run.first_granule.max(start))
+            .min();
+        let stop = [Some(last), next_mapped, next_lent]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(last);
+        let usable = (start * g).min(end);
+        let slack = i128::from(usable) - i128::from(at);
+        BorrowRoom {
+            start_granule: start,
+            slack_bytes: i64::try_from(slack).unwrap_or(i64::MAX),
+            room_granules: stop.saturating_sub(start),
+            limit_bytes: capacity - committed,
+        }
+    }
+
+    /// Checks a placement (`borrow_placed`) against this tensor and the loans: the runs the
+    /// handles take, in the order placed, and what to zero past them.
+    fn plan_placed(
+        &self,
+        state: &State,
+        loans: &[LoanDescription],
+        placed: &[PlacedHandle],
+        segment_bytes: &[u64],
+    ) -> Result<Planned> {
+        let geometry = &self.inner.geometry;
+        let g = geometry.granularity();
+        let refuse =
+            |why: String| Error::invalid(format!("this tensor cannot take the placement: {why}"));
+        geometry.check_request(segment_bytes)?;
+        let num_segments = geometry.num_segments();
+        if let Some(i) = (0..num_segments).find(|&i| segment_bytes[i] < state.segment_bytes[i]) {
+            return Err(refuse(format!(
+                "segment {i} holds {} bytes, and a borrow never shrinks it (asked {})",
+                state.segment_bytes[i], segment_bytes[i]
+            )));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(placed.len());
+        for (n, p) in placed.iter().enumerate() {
+            let Some(loan) = loans.get(p.loan) else {
+                return Err(refuse(format!(
+                    "placed[{n}] names loan {} of {}",
+                    p.loan,
+                    loans.len()
+                )));
+            };
+            if p.handle >= loan.handles.len() || p.segment >= num_segments {
+                return Err(refuse(format!(
+                    "placed[{n}] names handle {} of {} and segment {} of {num_segments}",
+                    p.handle,
+                    loan.handles.len(),
+                    p.segment
+                )));
+            }
+            if !seen.insert((p.loan, p.handle)) {
+                return Err(refuse(format!(
+                    "handle {} of loan {} is placed twice",
+                    p.handle, loan.loan_id
+                )));
+            }
+        }
+        let lent: Vec<Run> = state.loans.values().flat_map(Lent::runs).collect();
+        let rooms: Vec<BorrowRoom> = (0..num_segments)
+            .map(|i| self.room_of(state, &lent, i))
+            .collect();
+        let mut cursor: Vec<u64> = rooms.iter().map(|r| r.start_granule).collect();
+        let mut handles = Vec::with_capacity(placed.len());
+        for p in placed {
+            let granules = loans[p.loan].handles[p.handle].run.num_granules;
+            let (room, at) = (rooms[p.segment], cursor[p.segment]);
+            let taken = at - room.start_granule;
+            if granules > room.room_granules - taken {
+                return Err(refuse(format!(
+                    "segment {} has room for {} granules from granule {} (up to its end, or \
+                     to memory mapped or lent past it); the placement puts {} or more there",
+                    p.segment,
+                    room.room_granules,
+                    room.start_granule,
+                    taken + granules
+                )));
+            }
+            cursor[p.segment] = at + granules;
+            handles.push((*p, Run::new(at, granules)));
+        }
+        let mut all: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
+        all.extend(handles.iter().map(|(_, run)| *run));
+        all.sort_by_key(|run| run.first_granule);
+        let missing = plan::subtract(&geometry.needed_runs(segment_bytes), &all);
+        if let Some(run) = missing.first() {
+            return Err(refuse(format!(
+                "committing {segment_bytes:?} bytes per segment needs granules {} to {}, which \
+                 neither this tensor nor the placement maps",
+                run.first_granule,
+                run.end_granule() - 1
+            )));
+        }
+        // Newly committed bytes outside the placed handles (which are zeroed whole): the
+        // slack before them, and any mapped memory past them.
+        let mut zero_past = Vec::new();
+        for i in 0..num_segments {
+            let offset = geometry.segment_offsets()[i];
+            let (from, to) = (offset + state.segment_bytes[i], offset + segment_bytes[i]);
+            let (first, end) = (rooms[i].start_granule * g, cursor[i] * g);
+            for (a, b) in [(from, to.min(first)), (from.max(end), to)] {
+                if a < b && !(first < end && a >= first && b <= end) {
+                    zero_past.push((a, b - a));
+                }
+            }
+        }
+        zero_past.dedup();
+        Ok(Planned {
+            handles,
+            segment_bytes: segment_bytes.to_vec(),
+            zero_past,
+        })
+    }
+
+    /// Claims, imports, maps and (when asked) zeroes what `plan_placed` planned, all or
+    /// nothing, and commits the sizes.
+    fn map_planned(
+        &self,
+        state: &mut super::Locked<'_>,
+        loans: &[LoanDescription],
+        mut fds: Vec<Option<Vec<OwnedFd>>>,
+        planned: Planned,
+        zero: bool,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut used: Vec<Vec<usize>> = vec![Vec::new(); loans.len()];
+        for (p, _) in &planned.handles {
+            used[p.loan].push(p.handle);
+        }
+        fds.resize_with(loans.len(), || None);
+        // Every board first, checked against its loan, then every claim: a refusal maps
+        // nothing and leaves every board as it was.
+        let mut opened: Vec<Option<(FdSource, Arc<LoanBoard>)>> = Vec::with_capacity(loans.len());
+        for ((loan, fds), used) in loans.iter().zip(fds).zip(&used) {
+            if used.is_empty() {
+                opened.push(None);
+                continue;
+            }
+            let mut source = loan.fd_source(fds)?;
+            let board = Arc::new(loan.open_board(&mut source)?);
+            opened.push(Some((source, board)));
+        }
+        let unclaim = |opened: &[Option<(FdSource, Arc<LoanBoard>)>], upto: usize| {
+            for (k, entry) in opened.iter().enumerate().take(upto) {
+                if let Some((_, board)) = entry {
+                    board.unclaim(&used[k]);
+                }
+            }
+        };
+        for (k, entry) in opened.iter().enumerate() {
+            let Some((_, board)) = entry else { continue };
+            if let Err(why) = board.claim(&used[k]) {
+                unclaim(&opened, k);
+                return Err(loans[k].claim_refused(why));
+            }
+        }
+        let mut fresh = Vec::with_capacity(planned.handles.len());
         let mut queued = false;
         let mapped = self.map_borrowed(
-            loan,
-            &board,
-            &placement,
-            &mut source,
+            loans,
+            &mut opened,
+            &planned,
             (zero, stream, &mut queued),
             &mut fresh,
         );
@@ -539,40 +866,42 @@ impl ExtensibleTensor {
                 self.inner.ctx.defer(self.inner.ctx.driver.fence(stream));
             }
             drop(fresh); // unmaps and releases what was imported (marking it returned)
-            board.unclaim();
+            unclaim(&opened, opened.len());
             return Err(err);
         }
         for mapping in fresh {
             state.mappings.insert(mapping);
         }
-        state.segment_bytes = placement.segment_bytes;
-        debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
+        state.segment_bytes = planned.segment_bytes;
+        debug_assert_eq!(check_state(&self.inner, state), Ok(()));
         Ok(())
     }
 
-    /// Imports, maps, grants access to and (when asked) zeroes each handle of `loan` at its
-    /// place, pushing each mapping into `fresh` as soon as it exists.
+    /// Imports, maps, grants access to and (when asked) zeroes each placed handle, pushing
+    /// each mapping into `fresh` as soon as it exists, then zeroes the other newly committed
+    /// bytes.
     fn map_borrowed(
         &self,
-        loan: &LoanDescription,
-        board: &Arc<LoanBoard>,
-        placement: &Placement,
-        source: &mut FdSource,
+        loans: &[LoanDescription],
+        opened: &mut [Option<(FdSource, Arc<LoanBoard>)>],
+        planned: &Planned,
         (zero, stream, queued): (bool, Stream, &mut bool),
         fresh: &mut Vec<Mapping>,
     ) -> Result<()> {
         let ctx = &self.inner.ctx;
-        for (index, &run) in placement.runs.iter().enumerate() {
+        for &(p, run) in &planned.handles {
+            let loan = &loans[p.loan];
+            let (source, board) = opened[p.loan].as_mut().expect("opened for its handles");
             // Taken and checked one at a time, right before its import: the zeroing of the
             // handles before it is slow (~0.7 s a GiB on the host), and the lender may close
             // meanwhile.
-            let fd = loan.take_handle(source, board, index)?;
+            let fd = loan.take_handle(source, board, p.handle)?;
             let (va, num_bytes) = ctx.span(run);
             let id = ctx.driver.import(ImportSource::Fd(fd.as_fd()), num_bytes)?;
             let mut handle = PhysicalHandle::adopt(ctx, id, ctx.next_serial());
             handle.loan = Some(LoanSlot {
                 board: Arc::clone(board),
-                index,
+                index: p.handle,
                 tensor_id: loan.tensor_id,
                 loan_id: loan.loan_id,
             });
@@ -581,6 +910,13 @@ impl ExtensibleTensor {
             if zero {
                 *queued = true;
                 ctx.driver.memset_zero(va, num_bytes, stream)?;
+            }
+        }
+        if zero {
+            for &(offset, num_bytes) in &planned.zero_past {
+                *queued = true;
+                ctx.driver
+                    .memset_zero(ctx.base + offset, num_bytes, stream)?;
             }
         }
         Ok(())
@@ -606,9 +942,13 @@ impl ExtensibleTensor {
         Ok(())
     }
 
-    /// Where the loan's handles go: the granules past each segment's end, the same number
+    /// Where `borrow` maps the loan: the granules past each segment's end, the same number
     /// per segment, handle after handle in order; refused, saying why, where that cannot be.
-    fn place(&self, state: &State, loan: &LoanDescription) -> Result<Placement> {
+    fn place(
+        &self,
+        state: &State,
+        loan: &LoanDescription,
+    ) -> Result<(Vec<PlacedHandle>, Vec<u64>)> {
         let geometry = &self.inner.geometry;
         let g = geometry.granularity();
         let num_segments = geometry.num_segments() as u64;
@@ -621,13 +961,11 @@ impl ExtensibleTensor {
             )));
         }
         let per_segment = total / num_segments;
-        let mut handles = loan.handles.iter().peekable();
-        let mut placement = Placement {
-            runs: Vec::with_capacity(loan.handles.len()),
-            segment_bytes: state.segment_bytes.clone(),
-        };
+        let mut handles = loan.handles.iter().enumerate().peekable();
+        let mut placed = Vec::with_capacity(loan.handles.len());
+        let mut segment_bytes = state.segment_bytes.clone();
         let lent: Vec<Run> = state.loans.values().flat_map(Lent::runs).collect();
-        for (i, size) in placement.segment_bytes.iter_mut().enumerate() {
+        for (i, size) in segment_bytes.iter_mut().enumerate() {
             let (offset, capacity) = (
                 geometry.segment_offsets()[i],
                 geometry.segment_capacities()[i],
@@ -664,7 +1002,7 @@ impl ExtensibleTensor {
                 )));
             }
             while next < end {
-                let h = handles.next().expect("the total splits evenly");
+                let (index, h) = handles.next().expect("the total splits evenly");
                 if next + h.run.num_granules > end {
                     return Err(refuse(format!(
                         "handle of {} granules would cross the end of segment {i}: {} granules \
@@ -672,48 +1010,66 @@ impl ExtensibleTensor {
                         h.run.num_granules, per_segment
                     )));
                 }
-                placement.runs.push(Run::new(next, h.run.num_granules));
+                placed.push(PlacedHandle {
+                    loan: 0,
+                    handle: index,
+                    segment: i,
+                });
                 next += h.run.num_granules;
             }
             *size += per_segment * g;
         }
-        Ok(placement)
+        Ok((placed, segment_bytes))
     }
 
     /// Gives the handles of `loan` back to their lender: every segment shrinks to where the
     /// loan's handles begin in it (bytes past them, which this tensor grew later, are
     /// released), after a fence on `stream`. Each handle is unmapped and released, then
     /// marked returned on the lender's board. If the lender is gone, the memory goes back to
-    /// the driver. All or nothing.
+    /// the driver. A `ValueError` if this tensor maps no handle of the loan. All or nothing.
     pub fn give_back(&self, loan: &LoanDescription, stream: Stream) -> Result<()> {
-        let mut state = self.lock_owned("give back")?;
-        let geometry = &self.inner.geometry;
-        let g = geometry.granularity();
-        let mut sizes = state.segment_bytes.clone();
-        let mut found = false;
-        for mapping in state.mappings.values() {
-            let is_loans = mapping.handle().loan.as_ref().is_some_and(|slot| {
-                slot.tensor_id == loan.tensor_id && slot.loan_id == loan.loan_id
-            });
-            if !is_loans {
-                continue;
-            }
-            found = true;
-            let start = mapping.run.first_granule * g;
-            for (i, size) in sizes.iter_mut().enumerate() {
-                let offset = geometry.segment_offsets()[i];
-                let end = offset + geometry.segment_capacities()[i];
-                if (offset..end).contains(&start) {
-                    *size = (*size).min(start - offset);
-                }
-            }
-        }
-        if !found {
-            return Err(Error::invalid(format!(
+        match self.give_back_loans(std::slice::from_ref(loan), stream)? {
+            0 => Err(Error::invalid(format!(
                 "this tensor holds no handle of loan {} (never borrowed here, or given back \
                  already)",
                 loan.loan_id
-            )));
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// `give_back` of the handles of any of `loans` this tensor maps (a loan dealt over
+    /// several tensors goes back from each): every segment whose committed bytes reach one
+    /// of them shrinks to where it begins. The bytes of those handles, 0 (and nothing done)
+    /// if it maps none. All or nothing.
+    pub fn give_back_loans(&self, loans: &[LoanDescription], stream: Stream) -> Result<u64> {
+        let mut state = self.lock_owned("give back")?;
+        let geometry = &self.inner.geometry;
+        let g = geometry.granularity();
+        let theirs: Vec<Run> = state
+            .mappings
+            .values()
+            .filter(|m| {
+                m.handle().loan.as_ref().is_some_and(|slot| {
+                    loans
+                        .iter()
+                        .any(|l| (slot.tensor_id, slot.loan_id) == (l.tensor_id, l.loan_id))
+                })
+            })
+            .map(|m| m.run)
+            .collect();
+        if theirs.is_empty() {
+            return Ok(0);
+        }
+        let mut sizes = state.segment_bytes.clone();
+        for (i, size) in sizes.iter_mut().enumerate() {
+            let offset = geometry.segment_offsets()[i];
+            let committed = Run::new(offset / g, (offset + *size).div_ceil(g) - offset / g);
+            for run in &theirs {
+                if !plan::intersect_run(*run, &[committed]).is_empty() {
+                    *size = (*size).min((run.first_granule * g).saturating_sub(offset));
+                }
+            }
         }
         let needed = geometry.needed_runs(&sizes);
         let mapped: Vec<Run> = state.mappings.values().map(|m| m.run).collect();
@@ -723,7 +1079,7 @@ impl ExtensibleTensor {
         self.swap_in(&mut state, &dead, Vec::new())?;
         state.segment_bytes = sizes;
         debug_assert_eq!(check_state(&self.inner, &state), Ok(()));
-        Ok(())
+        Ok(theirs.iter().map(|run| run.num_granules * g).sum())
     }
 
     /// Takes loan `loan` back: waits (without the tensor's lock) up to `timeout` (`None`:

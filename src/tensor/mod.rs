@@ -44,7 +44,7 @@ mod release;
 mod share;
 mod view;
 
-pub use loan::{LoanDescription, LoanHandle};
+pub use loan::{BorrowRoom, LoanDescription, LoanHandle, PlacedHandle};
 pub use options::{
     GrowOptions, HandleSizing, Options, PerSegment, Segments, ShrinkOptions,
     DEFAULT_MAX_HANDLE_BYTES,
