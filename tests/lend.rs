@@ -13,8 +13,8 @@ use extensible_kv::driver::host::HostDriver;
 use extensible_kv::driver::wrap::faulty::{Fault, FaultKind, FaultyDriver};
 use extensible_kv::driver::{ExportTypes, Stream};
 use extensible_kv::{
-    Error, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, Op, Options, Run,
-    ShrinkOptions,
+    BorrowRoom, Error, ExtensibleTensor, GrowOptions, HandleSizing, LoanDescription, Op, Options,
+    PlacedHandle, Run, ShrinkOptions,
 };
 
 const G: u64 = 4096;
@@ -68,6 +68,7 @@ impl Side {
     /// Everything a failed operation must leave as it was.
     fn snapshot(&self) -> impl PartialEq + std::fmt::Debug {
         let t = &self.tensor;
+        let offsets = t.geometry().segment_offsets();
         (
             t.segment_bytes(),
             t.physical_bytes(),
@@ -75,8 +76,8 @@ impl Side {
             t.lent_bytes(),
             t.borrowed_bytes(),
             self.host.live_counts(),
-            (0..2)
-                .map(|s| common::read(t, s * CAPACITY, t.segment_bytes()[s as usize]))
+            (offsets.iter().zip(t.segment_bytes()))
+                .map(|(&offset, bytes)| common::read(t, offset, bytes))
                 .collect::<Vec<_>>(),
         )
     }
@@ -961,4 +962,478 @@ fn a_borrower_never_re_backs_a_borrowed_handle() {
             .unwrap();
         assert_eq!(lender.tensor.segment_bytes(), vec![BEFORE, BEFORE]);
     }
+}
+
+// --------------------------------------------------------------------------------------------
+// Loans of another geometry (issue 52): the caller deals a loan's handles over the borrower's
+// segments (`extensible_kv.shape.deal`); the core maps them where placed, after checking the
+// placement, and each handle is claimed once on the lender's board, whichever tensor of the
+// borrowing process maps it.
+
+fn at(handle: usize, segment: usize) -> PlacedHandle {
+    PlacedHandle {
+        loan: 0,
+        handle,
+        segment,
+    }
+}
+
+/// A borrower on its own faulty driver: segments of `capacities`, grown to `grow`.
+fn borrower(fault: Fault, capacities: Vec<u64>, grow: &[u64]) -> Side {
+    let host = Arc::new(HostDriver::new(G).unwrap());
+    let faulty = Arc::new(FaultyDriver::new(host.clone(), fault));
+    let tensor =
+        ExtensibleTensor::with_segment_capacities(faulty.clone(), capacities, options()).unwrap();
+    tensor
+        .resize_per_segment(grow, GrowOptions::zeroed())
+        .unwrap();
+    Side {
+        host,
+        faulty,
+        tensor,
+    }
+}
+
+/// The lender's bytes of loan handle `index` (its run, before the lend).
+fn lent_bytes(loan: &LoanDescription, index: usize, seed: u8) -> Vec<u8> {
+    let run = loan.handles[index].run;
+    let (start, end) = (run.first_granule * G, run.end_granule() * G);
+    let segment = start / CAPACITY;
+    let within = (start - segment * CAPACITY, end - segment * CAPACITY);
+    pattern(BEFORE, seed + segment as u8)[within.0 as usize..within.1 as usize].to_vec()
+}
+
+#[test]
+fn a_loan_of_another_geometry_maps_where_it_was_placed_slack_counted() {
+    // The lender: 2 segments, 4 handles of 2 granules lent. The borrower: one segment of
+    // another block size, 100 bytes committed (a granule mapped: 3,996 bytes of slack).
+    for zero in [false, true] {
+        let lender = Side::new(never(Op::Map), BEFORE);
+        fill(&lender.tensor, 10);
+        let loan = lend(&lender);
+        let flat = borrower(never(Op::Map), vec![16 * G], &[100]);
+        common::write(&flat.tensor, 0, &[7; 100]);
+        let room = flat.tensor.borrow_room().unwrap();
+        assert_eq!(
+            room,
+            vec![BorrowRoom {
+                start_granule: 1,
+                slack_bytes: (G - 100) as i64,
+                room_granules: 15,
+                limit_bytes: 16 * G - 100,
+            }]
+        );
+        // Handles 3, 0 and 2 (in that order: the caller's dealing), handle 1 left out.
+        let placed = [at(3, 0), at(0, 0), at(2, 0)];
+        let size = 100 + 6 * G + 1000; // into the last handle placed
+        flat.tensor
+            .borrow_placed(
+                std::slice::from_ref(&loan),
+                vec![None],
+                &placed,
+                &[size],
+                zero,
+                Stream::DEFAULT,
+            )
+            .unwrap();
+        flat.tensor.check_invariants().unwrap();
+        assert_eq!(flat.tensor.segment_bytes(), vec![size]);
+        assert_eq!(flat.tensor.borrowed_bytes(), 6 * G);
+        let got = common::read(&flat.tensor, 0, size);
+        assert_eq!(&got[..100], &[7; 100], "its own bytes are kept");
+        if zero {
+            assert!(
+                got[100..].iter().all(|&b| b == 0),
+                "slack and handles zeroed"
+            );
+        } else {
+            let lent = [3, 0, 2].map(|i| lent_bytes(&loan, i, 10)).concat();
+            assert_eq!(&got[G as usize..], &lent[..(size - G) as usize]);
+        }
+        // Handle 1 was never claimed: the lender waits for it until it is given back at
+        // once, without being mapped.
+        flat.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+        assert_eq!(
+            flat.tensor.segment_bytes(),
+            vec![G],
+            "cut where the loan began"
+        );
+        let err = lender
+            .tensor
+            .reclaim(&loan, false, NOW, Stream::DEFAULT)
+            .unwrap_err();
+        assert!(err.to_string().contains("3 of 4 handles"), "{err}");
+        assert_eq!(loan.decline(None, &[0, 1, 2, 3]).unwrap(), 1);
+        lender
+            .tensor
+            .reclaim(&loan, false, NOW, Stream::DEFAULT)
+            .unwrap();
+        assert_eq!(lender.tensor.segment_bytes(), vec![BEFORE, BEFORE]);
+        lender.tensor.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_loan_split_between_tensors_of_one_process_claims_each_handle_once() {
+    let lender = Side::new(never(Op::Map), BEFORE);
+    fill(&lender.tensor, 10);
+    let loan = lend(&lender);
+    let loans = std::slice::from_ref(&loan);
+    // Two buffers of a cache: a K/V split of 2 segments, and a flat one.
+    let kv = borrower(never(Op::Map), vec![8 * G, 8 * G], &[G, G]);
+    let flat = borrower(never(Op::Map), vec![16 * G], &[0]);
+    kv.tensor
+        .borrow_placed(
+            loans,
+            vec![None],
+            &[at(0, 0), at(1, 1)],
+            &[3 * G, 3 * G],
+            false,
+            Stream::DEFAULT,
+        )
+        .unwrap();
+    // A handle is claimed once, even by another tensor of this process.
+    let before = flat.snapshot();
+    let err = flat
+        .tensor
+        .borrow_placed(
+            loans,
+            vec![None],
+            &[at(2, 0), at(1, 0)],
+            &[4 * G],
+            false,
+            Stream::DEFAULT,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("at most once"), "{err}");
+    assert_eq!(
+        flat.snapshot(),
+        before,
+        "a refused claim changed the borrower"
+    );
+    flat.tensor
+        .borrow_placed(
+            loans,
+            vec![None],
+            &[at(2, 0), at(3, 0)],
+            &[4 * G],
+            false,
+            Stream::DEFAULT,
+        )
+        .unwrap();
+    let got = common::read(&flat.tensor, 0, 4 * G);
+    assert_eq!(got, [2, 3].map(|i| lent_bytes(&loan, i, 10)).concat());
+    // The old whole-loan borrow is refused too: its handles are taken.
+    let other = Side::new(never(Op::Map), BORROWER_START);
+    let err = other
+        .tensor
+        .borrow(&loan, None, false, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("at most once"), "{err}");
+    // Each tensor gives back what it holds; the lender waits for both.
+    assert_eq!(
+        kv.tensor.give_back_loans(loans, Stream::DEFAULT).unwrap(),
+        4 * G
+    );
+    assert_eq!(kv.tensor.segment_bytes(), vec![G, G]);
+    assert_eq!(
+        kv.tensor.give_back_loans(loans, Stream::DEFAULT).unwrap(),
+        0
+    );
+    let err = lender
+        .tensor
+        .reclaim(&loan, false, NOW, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("2 of 4 handles"), "{err}");
+    flat.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+    lender
+        .tensor
+        .reclaim(&loan, false, NOW, Stream::DEFAULT)
+        .unwrap();
+    let got = common::read(&lender.tensor, 0, BEFORE);
+    assert_eq!(got, pattern(BEFORE, 10));
+    for side in [&kv, &flat] {
+        side.tensor.check_invariants().unwrap();
+        assert_eq!(side.tensor.borrowed_bytes(), 0);
+    }
+}
+
+#[test]
+fn segments_that_share_a_granule_never_place_into_it_twice() {
+    // Two segments of 3.5 granules: granule 3 holds the end of the first and the start of
+    // the second, and is the second's to place into (it starts there).
+    let lender = Side::new(never(Op::Map), BEFORE);
+    let loan = lend(&lender);
+    let shared = borrower(never(Op::Map), vec![7 * G / 2, 7 * G / 2], &[0, 0]);
+    let room = shared.tensor.borrow_room().unwrap();
+    assert_eq!(
+        (
+            room[0].start_granule,
+            room[0].room_granules,
+            room[0].slack_bytes
+        ),
+        (0, 3, 0)
+    );
+    assert_eq!(
+        (
+            room[1].start_granule,
+            room[1].room_granules,
+            room[1].slack_bytes
+        ),
+        (3, 4, -(G as i64) / 2),
+        "its first granule holds half a granule of the first segment"
+    );
+    let loans = std::slice::from_ref(&loan);
+    let err = shared
+        .tensor
+        .borrow_placed(
+            loans,
+            vec![None],
+            &[at(0, 0), at(1, 0)],
+            &[7 * G / 2, 0],
+            false,
+            Stream::DEFAULT,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("room for 3 granules"), "{err}");
+    shared
+        .tensor
+        .borrow_placed(
+            loans,
+            vec![None],
+            &[at(0, 0), at(1, 1), at(2, 1)],
+            &[2 * G, 7 * G / 2],
+            false,
+            Stream::DEFAULT,
+        )
+        .unwrap();
+    shared.tensor.check_invariants().unwrap();
+    // The first segment may grow into the shared granule now: the second's handle maps it.
+    shared
+        .tensor
+        .resize_per_segment(&[7 * G / 2, 7 * G / 2][..], GrowOptions::zeroed())
+        .unwrap();
+    shared.tensor.check_invariants().unwrap();
+    // Giving back cuts every segment whose committed bytes reach a handle of the loan.
+    shared.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+    assert_eq!(shared.tensor.segment_bytes(), vec![0, 0]);
+    assert_eq!(shared.tensor.borrowed_bytes(), 0);
+    shared.tensor.check_invariants().unwrap();
+    assert_eq!(loan.decline(None, &[3]).unwrap(), 1);
+    lender
+        .tensor
+        .reclaim(&loan, false, NOW, Stream::DEFAULT)
+        .unwrap();
+}
+
+#[test]
+fn a_placement_is_checked_before_anything_is_mapped() {
+    let lender = Side::new(never(Op::Map), BEFORE);
+    let loan = lend(&lender);
+    let loans = std::slice::from_ref(&loan);
+    let t = borrower(never(Op::Map), vec![4 * G, 4 * G], &[G, G]);
+    // Slack of a shrink: the room starts past it, and the segment grows into it for free.
+    t.tensor
+        .resize_per_segment(&[2 * G, G][..], GrowOptions::zeroed())
+        .unwrap();
+    t.tensor
+        .shrink_per_segment(&[G + 10, G][..], ShrinkOptions::default())
+        .unwrap();
+    let room = t.tensor.borrow_room().unwrap();
+    assert_eq!(
+        (
+            room[0].start_granule,
+            room[0].slack_bytes,
+            room[0].room_granules
+        ),
+        (2, (G - 10) as i64, 2)
+    );
+    let before = t.snapshot();
+    let cases: Vec<(Vec<PlacedHandle>, Vec<u64>, &str)> = vec![
+        (
+            vec![at(0, 0), at(1, 0)],
+            vec![4 * G, G],
+            "room for 2 granules",
+        ),
+        (vec![at(0, 0), at(0, 1)], vec![4 * G, 3 * G], "placed twice"),
+        (vec![at(9, 0)], vec![G + 10, G], "handle 9 of 4"),
+        (vec![at(0, 2)], vec![G + 10, G], "segment 2 of 2"),
+        (
+            vec![PlacedHandle {
+                loan: 1,
+                handle: 0,
+                segment: 0,
+            }],
+            vec![G + 10, G],
+            "loan 1 of 1",
+        ),
+        (vec![at(0, 0)], vec![4 * G + 1, G], "exceeds the capacity"),
+        (
+            vec![at(0, 0)],
+            vec![4 * G, 2 * G],
+            "neither this tensor nor",
+        ),
+        (vec![at(0, 0)], vec![4 * G, G - 1], "never shrinks"),
+        (vec![at(0, 0)], vec![4 * G], "per-segment sizes"),
+    ];
+    for (placed, sizes, why) in cases {
+        let err = t
+            .tensor
+            .borrow_placed(loans, vec![None], &placed, &sizes, false, Stream::DEFAULT)
+            .unwrap_err();
+        assert!(err.to_string().contains(why), "{why}: {err}");
+        assert_eq!(t.snapshot(), before, "{why}");
+    }
+    // Twice the same loan, another device's granularity, one's own loan.
+    let twice = [loan.clone(), loan.clone()];
+    let err = t
+        .tensor
+        .borrow_placed(&twice, vec![], &[], &[G, G], false, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(err.to_string().contains("listed twice"), "{err}");
+    let own = lender
+        .tensor
+        .borrow_placed(loans, vec![], &[], &[KEPT, KEPT], false, Stream::DEFAULT)
+        .unwrap_err();
+    assert!(own.to_string().contains("own loan"), "{own}");
+    // Granules it lent itself are not room.
+    let lent_too = borrower(never(Op::Map), vec![4 * G, 4 * G], &[3 * G, 3 * G]);
+    let own_loan = lent_too.tensor.lend(G, Stream::DEFAULT).unwrap();
+    assert!(lent_too
+        .tensor
+        .borrow_room()
+        .unwrap()
+        .iter()
+        .all(|r| r.room_granules == 0));
+    lent_too
+        .tensor
+        .reclaim(&own_loan, false, NOW, Stream::DEFAULT)
+        .unwrap();
+    // What fits: the slack first, then the handle, zeroed past the old end.
+    t.tensor
+        .borrow_placed(
+            loans,
+            vec![None],
+            &[at(0, 0)],
+            &[4 * G, G],
+            true,
+            Stream::DEFAULT,
+        )
+        .unwrap();
+    t.tensor.check_invariants().unwrap();
+    let got = common::read(&t.tensor, G + 10, 3 * G - 10);
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "the slack newly committed is zeroed"
+    );
+    assert_eq!(loan.decline(None, &[1, 2, 3]).unwrap(), 3);
+    t.tensor.give_back(&loan, Stream::DEFAULT).unwrap();
+    assert_eq!(t.tensor.segment_bytes(), vec![2 * G, G]);
+    lender
+        .tensor
+        .reclaim(&loan, false, NOW, Stream::DEFAULT)
+        .unwrap();
+}
+
+#[test]
+fn every_failed_call_of_a_placed_borrow_leaves_both_sides_as_they_were() {
+    // A borrower of another geometry (3 segments, one with slack, the loan dealt unevenly),
+    // each driver call of the borrow and of the give-back failed in turn.
+    let placed = [at(0, 0), at(1, 1), at(2, 1), at(3, 2)];
+    let sizes = [100 + 2 * G, G + 4 * G, 2 * G];
+    let setup = |fault: Fault| {
+        let lender = Side::new(never(Op::Map), BEFORE);
+        fill(&lender.tensor, 10);
+        let loan = lend(&lender);
+        let side = borrower(fault, vec![5 * G, 5 * G, 5 * G], &[100, G, 0]);
+        common::write(&side.tensor, 0, &[9; 100]);
+        (lender, side, loan)
+    };
+    let borrow = |side: &Side, loan: &LoanDescription| {
+        side.tensor.borrow_placed(
+            std::slice::from_ref(loan),
+            vec![None],
+            &placed,
+            &sizes,
+            true,
+            Stream::DEFAULT,
+        )
+    };
+    let give_back = |side: &Side, loan: &LoanDescription| {
+        side.tensor
+            .give_back_loans(std::slice::from_ref(loan), Stream::DEFAULT)
+            .map(drop)
+    };
+    let snapshot = |side: &Side| {
+        let t = &side.tensor;
+        let bytes: Vec<Vec<u8>> = (0..3)
+            .map(|s| common::read(t, s * 5 * G, t.segment_bytes()[s as usize]))
+            .collect();
+        (
+            t.segment_bytes(),
+            t.handle_runs(),
+            t.borrowed_bytes(),
+            side.host.live_counts(),
+            bytes,
+        )
+    };
+    let mut injected = 0;
+    for (giving_back, ops) in [
+        (
+            false,
+            [Op::Import, Op::Map, Op::SetAccess, Op::Memset].as_slice(),
+        ),
+        (true, &[Op::Synchronize, Op::Unmap]),
+    ] {
+        for &op in ops {
+            let (lender, side, loan) = setup(never(op));
+            if giving_back {
+                borrow(&side, &loan).unwrap();
+            }
+            let base = side.faulty.calls(op);
+            match giving_back {
+                true => give_back(&side, &loan).unwrap(),
+                false => borrow(&side, &loan).unwrap(),
+            }
+            let calls = side.faulty.calls(op) - base;
+            assert!(calls >= 1, "{op}: no call");
+            drop((lender, side, loan));
+            for k in 1..=calls {
+                let (lender, side, loan) = setup(Fault {
+                    op,
+                    nth: base + k,
+                    kind: FaultKind::Driver,
+                });
+                if giving_back {
+                    borrow(&side, &loan).unwrap();
+                }
+                let before = (lender.snapshot(), snapshot(&side));
+                let err = match giving_back {
+                    true => give_back(&side, &loan),
+                    false => borrow(&side, &loan),
+                }
+                .unwrap_err();
+                assert!(
+                    matches!(&err, Error::Driver { op: failed, code, .. } if *failed == op && code == "INJECTED_FAULT"),
+                    "{op} call {k}: {err:?}"
+                );
+                assert_eq!(
+                    (lender.snapshot(), snapshot(&side)),
+                    before,
+                    "{op} call {k} changed a side"
+                );
+                side.tensor.check_invariants().unwrap();
+                assert!(side.tensor.take_deferred_errors().is_empty());
+                // The loan is as before the call: offered again (the reclaim takes it back
+                // at once), or still borrowed (the give-back goes through now).
+                match giving_back {
+                    true => give_back(&side, &loan).unwrap(),
+                    false => borrow(&side, &loan).unwrap(),
+                }
+                side.tensor.check_invariants().unwrap();
+                injected += 1;
+            }
+        }
+    }
+    assert!(injected >= 10, "only {injected} faults injected");
 }

@@ -38,6 +38,7 @@ from extensible_kv.kv_cache import (
 )
 from extensible_kv.layouts import ATTENTION_BACKEND_PRESETS, STANDARD_LAYOUTS
 from extensible_kv.mamba import MambaStateSpec, gated_delta_net_state_spec, mamba2_state_spec
+from extensible_kv.shape import BufferShape, CacheShape, Dealing, blocks_from, deal
 from extensible_kv.sizing import (
     blocks_within,
     capacity_blocks_for,
@@ -50,7 +51,10 @@ __all__ = [
     "ATTENTION_BACKEND_PRESETS",
     "STANDARD_LAYOUTS",
     "AttentionLayerSpec",
+    "BufferShape",
+    "CacheShape",
     "ClosedError",
+    "Dealing",
     "DriverError",
     "ExtendReport",
     "ExtensibleKVCache",
@@ -71,8 +75,10 @@ __all__ = [
     "SharedTensor",
     "StandardLayerSpec",
     "UnsupportedError",
+    "blocks_from",
     "blocks_within",
     "capacity_blocks_for",
+    "deal",
     "gated_delta_net_state_spec",
     "host_free_bytes",
     "mamba2_state_spec",

@@ -39,7 +39,8 @@ from typing import Any
 from extensible_kv import flow
 from extensible_kv.ipc import Loan
 from extensible_kv.pool.member import PoolMember
-from extensible_kv.tensor import ExtensibleTensor
+from extensible_kv.shape import BufferShape, CacheShape
+from extensible_kv.tensor import ExtensibleTensor, borrow_dealt, give_back_dealt
 from extensible_kv.transformers import cache as _cache
 from extensible_kv.transformers.cache import TRASH_SECTORS
 
@@ -166,45 +167,80 @@ class SectorCache(_cache._Sectors):
         self._resized()
         return (loan,)
 
-    def borrow(self, loans: Sequence[Loan], *, zero: bool = True, stream: int | None = None) -> int:
-        """Maps a lender's loan past the committed sectors, which grow by its sectors (it
-        must be whole sectors), and hands them to transformers' pool."""
-        (loan,) = self._one(loans)
+    def lend_sizes(self, num_blocks: int) -> list[int]:
+        """The sizes, in granules, of the handles `lend(num_blocks)` would lend now (changes
+        nothing; raises what the lend would, but for the sectors' being free)."""
         state = self._state
-        blocks, partial = divmod(loan.num_bytes, state.bytes_per_sector)
-        if partial or not blocks:
+        if not 0 <= num_blocks < state.committed_sectors:
             raise ValueError(
-                f"a loan of {loan.num_bytes} bytes is not whole sectors of "
-                f"{state.bytes_per_sector} bytes: lend from a cache of the same geometry"
+                f"cannot keep {num_blocks} sectors and lend the rest: "
+                f"{state.committed_sectors} are committed"
             )
+        return [granules for _, granules in state.tensor._lend_runs(self._bytes(num_blocks))]
+
+    def shape(self) -> CacheShape:
+        """The cache as a borrower: one buffer of one segment, a block per data sector, the
+        trash sectors below block 0."""
+        tensor = self._state.tensor
+        return CacheShape(
+            tensor.device,
+            tensor.granularity,
+            (BufferShape(1, self._state.bytes_per_sector),),
+            TRASH_SECTORS,
+        )
+
+    def borrow(self, loans: Sequence[Loan], *, zero: bool = True, stream: int | None = None) -> int:
+        """Maps loans of a cache of any model (same device and granularity) past the
+        committed sectors, which grow by the sectors that memory holds (what the tensor maps
+        past them already counts), and hands them to transformers' pool. Handles it cannot
+        use go back to their lender at once."""
+        loans = tuple(loans)
+        state = self._state
         start = state.committed_sectors
-        if start + blocks > state.capacity_sectors:
-            raise ValueError(
-                f"cannot borrow {blocks} sectors: {start} are committed and the capacity is "
-                f"{state.capacity_sectors}"
-            )
-        state.tensor.borrow(loan, zero=zero, stream=stream)
+        blocks = borrow_dealt(
+            (state.tensor,),
+            (state.bytes_per_sector,),
+            loans,
+            zero=zero,
+            stream=stream,
+            max_blocks=state.capacity_sectors - start,
+        )
         state._synchronize()  # zeroed before transformers' own stream uses it
-        self._borrowed_at[_key(loan)] = start
+        for loan in loans:
+            self._borrowed_at[_key(loan)] = start
         self._resized()
         return blocks
 
     def give_back(self, loans: Sequence[Loan], *, stream: int | None = None) -> None:
-        """Returns a borrowed loan: the sectors from where it began must be free."""
-        (loan,) = self._one(loans)
-        start = self._borrowed_at.get(_key(loan))
-        if start is None:
+        """Returns borrowed loans: the sectors from where the first of them began must be
+        free. The tensor shrinks to where their memory begins; the sectors below it stay
+        transformers'."""
+        loans = tuple(loans)
+        starts = [self._borrowed_at.get(_key(loan)) for loan in loans]
+        if not loans or None in starts:
             raise ValueError("this cache did not borrow that loan")
+        start = min(s for s in starts if s is not None)
         self._take_out(start, "give back")
         state = self._state
         try:
             state._synchronize()
-            state.tensor.give_back(loan, stream=stream)
+            _, held = give_back_dealt(
+                (state.tensor,),
+                (state.bytes_per_sector,),
+                loans,
+                stream=stream,
+                leading_blocks=TRASH_SECTORS,
+            )
         except BaseException:
             _cache.put_back_in_pool(self._cache, state, start)
             raise
-        del self._borrowed_at[_key(loan)]
-        self._resized()
+        for loan in loans:
+            del self._borrowed_at[_key(loan)]
+        # The pool holds the sectors below `start` (the rest left it above); those the
+        # tensor still holds past `start` (slack the loans' memory began after) go back in.
+        state.final_sectors = start
+        state.committed_sectors = held
+        _cache.set_pool_size(self._cache, state, held)
 
     def reclaim(
         self,
