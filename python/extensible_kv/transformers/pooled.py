@@ -216,6 +216,8 @@ class SectorCache(_cache._Sectors):
         free. The tensor shrinks to where their memory begins; the sectors below it stay
         transformers'."""
         loans = tuple(loans)
+        if len({_key(loan) for loan in loans}) != len(loans):
+            raise ValueError(f"{len(loans)} loans, one of them listed twice")
         starts = [self._borrowed_at.get(_key(loan)) for loan in loans]
         if not loans or None in starts:
             raise ValueError("this cache did not borrow that loan")
