@@ -312,18 +312,20 @@ class ExtensibleTensor(_native.ExtensibleTensor):
 
     def borrow(self, loan: Loan, *, zero: bool = True, stream: int | None = None) -> None:
         """Maps `loan`'s memory at the ends of this tensor's segments, each growing by the
-        loan's bytes split evenly. The loan must fit: the same device and granularity,
-        segments that end at a granule boundary with nothing mapped past it, room for the
-        loan, and no handle crossing a segment's end; else a `ValueError` says why, before
-        anything is mapped. A tampered, stale or replayed loan is a `ValueError` too (a loan
-        is borrowed at most once), and so is a loan whose lender closed its tensor, even while
-        this call runs: every fd taken is checked against the lender's board after it is
-        taken. Where this process may not take the lender's fds by pid, `PtraceRefusedError`
-        (a `PermissionError`): have the lender `send_shared` the loan, and `recv_loan` it
-        here. With `zero` (the default) the borrowed bytes are zeroed on `stream`;
-        `zero=False` keeps the lender's bytes, for a trusted pair. All or nothing. A borrow
-        waits first for what shrinks gave back to be released; Ctrl-C ends that wait, with
-        nothing borrowed."""
+        loan's bytes split evenly: a loan from a tensor of the same geometry. The loan must
+        fit: the same device and granularity, segments that end at a granule boundary with
+        nothing mapped past it, room for the loan, and no handle crossing a segment's end;
+        else a `ValueError` says why, before anything is mapped. A loan of another geometry
+        (another model's cache) is dealt over the segments instead: `borrow_dealt`, or the
+        caches' `borrow`. A tampered, stale or replayed loan is a `ValueError` too (each
+        handle is borrowed at most once), and so is a loan whose lender closed its tensor,
+        even while this call runs: every fd taken is checked against the lender's board after
+        it is taken. Where this process may not take the lender's fds by pid,
+        `PtraceRefusedError` (a `PermissionError`): have the lender `send_shared` the loan,
+        and `recv_loan` it here. With `zero` (the default) the borrowed bytes are zeroed on
+        `stream`; `zero=False` keeps the lender's bytes, for a trusted pair. All or nothing. A
+        borrow waits first for what shrinks gave back to be released; Ctrl-C ends that wait,
+        with nothing borrowed."""
         _check_loan(loan)
         _args.flag(zero, "zero")
         fds = loan._take_fds()

@@ -8,16 +8,26 @@
 //! lender. The lender's addresses stay reserved. The loan's description names exactly those
 //! handles, with the number of a **loan board** (`crate::ipc::LoanBoard`): a memfd named
 //! after the tensor and the loan, holding the loan's random epoch, its state word and, per
-//! handle, what the lender lent (serial, run, fd number). `borrow` validates the description
-//! field by field, then against the board, claims the board by compare-and-swap (a loan is
-//! borrowed at most once: a replay finds it taken, a stale loan finds no board or a closed
-//! one), imports the handles and maps them at the ends of the borrower's segments, growing
-//! them in lockstep, all or nothing. Each borrowed handle carries a slot of the board
-//! (`LoanSlot`): however the borrower lets go of it (`give_back`, a shrink, a release, a
-//! close, process exit), it is unmapped and released first and then marked returned.
-//! `reclaim` waits, without the tensor's lock, until every handle is returned, or the
-//! borrower is gone (a pidfd, checked against the borrower's start time), or the loan was
-//! never borrowed, then maps the handles back at their addresses.
+//! handle, what the lender lent (serial, run, fd number) and a claim word.
+//!
+//! A loan is memory, not the lender's blocks: a borrower of another layout (other block
+//! bytes, segments, buffers) turns its handles into blocks of its own. Where each handle goes
+//! is policy, decided by the caller (`extensible_kv.shape.deal`, from `borrow_room`);
+//! `borrow_placed` is the mechanism: it checks the placement as untrusted (each handle inside
+//! its segment's room, right after what the segment maps past its committed end, never over
+//! anything mapped or lent; committed sizes only over mapped granules), validates the loans
+//! field by field and against their boards, claims each handle on its board by
+//! compare-and-swap (a handle is borrowed at most once, even within the process: a loan's
+//! handles may be split between several tensors of it; a replay finds them claimed, a stale
+//! loan finds no board or a closed one), imports and maps them, all or nothing. Handles the
+//! borrower cannot use are given back at once, unmapped (`LoanDescription::decline`), so that
+//! the lender's reclaim never waits for them. `borrow`, for a loan of the same geometry,
+//! places the handles evenly over the segments and takes the same path. Each borrowed handle
+//! carries a slot of the board (`LoanSlot`): however the borrower lets go of it (`give_back`,
+//! a shrink, a release, a close, process exit), it is unmapped and released first and then
+//! marked returned. `reclaim` waits, without the tensor's lock, until every handle is
+//! returned, or the borrower is gone (a pidfd, checked against the borrower's start time), or
+//! the loan was never borrowed, then maps the handles back at their addresses.
 //!
 //! Invariants, on top of the owner's (`mod.rs`):
 //! 1. a lent handle is held by exactly one `Lent` record of its lender, never mapped by it,
@@ -33,14 +43,16 @@
 //!    never onward (nor is it copied by a consolidation or an exact shrink), and one `share`
 //!    described is never lent (its importers may map it); a tensor that maps borrowed handles
 //!    is not shared;
-//! 4. a borrower maps only handles the board names, as the board names them: every fd it
-//!    takes is checked against the board after it was taken, and the lender withdraws the
-//!    board's fds before it closes any (`Lent`'s drop), so a number reused meanwhile is
-//!    refused; anything else is refused before anything is mapped;
+//! 4. a borrower maps only handles the board names, as the board names them, each once (its
+//!    claim word), wherever the placement puts it within the room past a segment's end:
+//!    every fd it takes is checked against the board after it was taken, and the lender
+//!    withdraws the board's fds before it closes any (`Lent`'s drop), so a number reused
+//!    meanwhile is refused; anything else is refused before anything is mapped;
 //! 5. a reclaim commits only mapped granules: the segments grow back to their sizes before
 //!    the lend only where every granule up to there is mapped;
 //! 6. a failed lend, borrow, give-back or reclaim leaves both sides as they were (a failed
-//!    borrow releases what it imported, then offers the board again).
+//!    borrow releases what it imported and unclaims its handles; the board is offered again
+//!    once no handle of it is claimed or returned).
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
