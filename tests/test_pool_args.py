@@ -38,8 +38,9 @@ def pool(tmp_path: Path) -> Pool:
 def _engine() -> Any:
     """Engine a, of this process (so that the recovery step keeps it)."""
     from extensible_kv.pool import Engine, _proc
+    from support.pool_ledgers import shape
 
-    return Engine("a", os.getpid(), _proc.own_start_time(), "cpu", "L", 8192, 0, 8, 16)
+    return Engine("a", os.getpid(), _proc.own_start_time(), shape(8192), 0, 8, 16)
 
 
 def readable(pool: Pool) -> Ledger:
@@ -48,7 +49,7 @@ def readable(pool: Pool) -> Ledger:
 
 
 # ---------------------------------------------------------------------------------------------
-# shares and limits
+# caps and limits
 
 
 @pytest.mark.parametrize(
@@ -66,17 +67,17 @@ def readable(pool: Pool) -> Ledger:
         ("cpu", "1GiB", TypeError, "must be an int, not str"),
     ],
 )
-def test_a_share_the_readers_would_refuse_is_refused(
+def test_a_cap_the_readers_would_refuse_is_refused(
     pool: Pool, device: Any, num_bytes: Any, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        pool.set_share(device, num_bytes)
-    assert readable(pool).shares == {}
+        pool.set_cap(device, num_bytes)
+    assert readable(pool).caps == {}
 
 
-def test_the_largest_share_the_readers_take_is_taken(pool: Pool) -> None:
-    pool.set_share("cuda:999", MAX_INT - 1)
-    assert readable(pool).shares == {"cuda:999": MAX_INT - 1}
+def test_the_largest_cap_the_readers_take_is_taken(pool: Pool) -> None:
+    pool.set_cap("cuda:999", MAX_INT - 1)
+    assert readable(pool).caps == {"cuda:999": MAX_INT - 1}
 
 
 @pytest.mark.parametrize(
@@ -105,18 +106,19 @@ def test_the_rules_check_what_they_write_too(pool: Pool) -> None:
     with pytest.raises(TypeError), pool.transaction() as ledger:
         rules.set_limits(ledger, "a", 0.0, 1.5, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError), pool.transaction() as ledger:
-        rules.set_share(ledger, "cuda", 5, 0.0)
-    assert readable(pool).shares == {}
+        rules.set_cap(ledger, "cuda", 5, 0.0)
+    assert readable(pool).caps == {}
 
 
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda ledger: ledger.shares.update(cpu=1.5), "shares"),
-        (lambda ledger: ledger.shares.update(cuda=5), "a share's device"),
+        (lambda ledger: ledger.caps.update(cpu=1.5), "caps"),
+        (lambda ledger: ledger.caps.update(cuda=5), "a cap's device"),
         (lambda ledger: setattr(ledger.engines["a"], "min_blocks", True), "min_blocks"),
         (lambda ledger: setattr(ledger.engines["a"], "heartbeat", NAN), "heartbeat"),
-        (lambda ledger: setattr(ledger.engines["a"], "layout", "x" * 300), "layout"),
+        (lambda ledger: setattr(ledger.engines["a"], "capacity_blocks", 2), "capacity"),
+        (lambda ledger: setattr(ledger.engines["a"], "lendable_blocks", -1), "lendable_blocks"),
         (lambda ledger: setattr(ledger, "next_loan_id", 2**130), "next_loan_id"),
     ],
 )
@@ -212,7 +214,7 @@ def test_a_waits_timeout_is_a_finite_number_of_seconds(
     """`grow(timeout_s=nan)` looped for ever when no memory came (NaN is never past a
     deadline), and None was a bare TypeError: each is refused, naming the argument, before
     anything is asked. Run on a thread with a bound, so that a loop for ever fails the test."""
-    pool.set_share("cpu", 0)  # no memory will come
+    pool.set_cap("cpu", 0)  # no memory will come
     used = {"m": 0}
     outcome: list[BaseException | None] = []
     with cache() as c:
@@ -240,7 +242,7 @@ def test_a_waits_timeout_is_a_finite_number_of_seconds(
 
 
 def test_a_wait_of_zero_seconds_is_one_round(pool: Pool) -> None:
-    pool.set_share("cpu", 0)
+    pool.set_cap("cpu", 0)
     used = {"m": 0}
     with cache() as c:
         m = member(pool, "m", c, used)
@@ -262,6 +264,9 @@ def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> t
     return code, capsys.readouterr().err
 
 
+NOT_A_LIMIT = "must be a number of blocks (an integer >= 0) or a size like 2GiB"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -273,16 +278,20 @@ def run_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> t
         (("status", "--bogus"), "unrecognized arguments: --bogus"),
         (("nothing",), "invalid choice: 'nothing'"),
         (("limit", "a b", "--max", "3"), "engine name 'a b'"),
-        (("limit", "a", "--min", "x"), "argument --min: must be an integer >= 0"),
-        (("limit", "a", "--max", "-1"), "argument --max: must be an integer >= 0"),
-        (("limit", "a", "--max", "1.5"), "argument --max: must be an integer >= 0"),
-        (("limit", "a", "--max", "9" * 50), "argument --max: must be an integer >= 0"),
-        (("share", "cpu", "1e39"), "a size like 40GiB"),
-        (("share", "cpu", "9" * 40), "more bytes than a share can say"),
-        (("share", "cpu", "1" + "0" * 36 + "TiB"), "more bytes than a share can say"),
+        (("limit", "a", "--min", "x"), f"argument --min: {NOT_A_LIMIT}"),
+        (("limit", "a", "--max", "-1"), f"argument --max: {NOT_A_LIMIT}"),
+        (("limit", "a", "--max", "1.5"), f"argument --max: {NOT_A_LIMIT}"),
+        (("limit", "a", "--max", "9" * 50), f"argument --max: {NOT_A_LIMIT}"),
+        (("cap", "cpu", "1e39"), "a size like 40GiB"),
+        (("cap", "cpu", "9" * 40), "more bytes than the pool counts"),
+        (("cap", "cpu", "1" + "0" * 36 + "TiB"), "more bytes than the pool counts"),
+        (("cap", "cpu", "lots"), "a size like 40GiB"),
+        (("cap", "cuda", "1"), "cpu or cuda:N"),
+        (("cap", "cuda:1000", "1"), "cpu or cuda:N"),
         (("share", "cpu", "lots"), "a size like 40GiB"),
-        (("share", "cuda", "1"), "cpu or cuda:N"),
-        (("share", "cuda:1000", "1"), "cpu or cuda:N"),
+        (("limit", "a", "--min", "2.5"), "or a size like 2GiB, got '2.5'"),
+        (("limit", "a", "--min", "1e3GiB"), "or a size like 2GiB, got '1e3GiB'"),
+        (("limit", "a", "--max", "9" * 40 + "TiB"), "more bytes than the pool counts"),
         (("watch", "--interval", "inf", "--count", "2"), "argument --interval"),
         (("watch", "--interval", "nan", "--count", "2"), "argument --interval"),
         (("watch", "--interval", "0", "--count", "2"), "argument --interval"),
@@ -314,9 +323,9 @@ def test_a_directory_that_cannot_be_used_is_one_line_and_exit_2(
 def test_sizes_are_exact_and_a_good_command_line_works(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_cli(tmp_path, capsys, "share", "cpu", "1.5GiB")[0] == 0
-    assert readable(Pool("default", directory=tmp_path)).shares == {"cpu": 3 << 29}
-    assert run_cli(tmp_path, capsys, "share", "cpu", "0.1B")[0] == 0  # a tenth of a byte: 0
+    assert run_cli(tmp_path, capsys, "cap", "cpu", "1.5GiB")[0] == 0
+    assert readable(Pool("default", directory=tmp_path)).caps == {"cpu": 3 << 29}
+    assert run_cli(tmp_path, capsys, "cap", "cpu", "0.1B")[0] == 0  # a tenth of a byte: 0
     assert run_cli(tmp_path, capsys, "watch", "--interval", "0.001", "--count", "2")[0] == 0
 
 

@@ -118,7 +118,7 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
     rng = random.Random(seed)
     pool = Pool(POOL, directory=tmp_path)
     share = 96 * BLOCK_BYTES  # 32 blocks an engine on average: they must borrow to grow
-    pool.set_share("cpu", share)
+    pool.set_cap("cpu", share)
     live: dict[str, Proc] = {}
     numbers: dict[str, dict[str, int]] = {}
     fds_after_join: dict[str, int] = {}
@@ -218,7 +218,7 @@ def test_a_stopped_donor_is_passed_over_within_the_bound(
     from the other donor. Once resumed, it heartbeats and is a donor again."""
     bound = 0.3
     pool = Pool(POOL, directory=tmp_path)
-    pool.set_share("cpu", 72 * BLOCK_BYTES)
+    pool.set_cap("cpu", 72 * BLOCK_BYTES)
     stuck, other, needy = (
         start(ctx, str(tmp_path), POOL, n, i, answer_timeout_s=bound)
         for i, n in enumerate(["stuck", "other", "needy"])
@@ -277,7 +277,7 @@ def test_limits_changed_from_the_command_line_while_engines_run(
     tmp_path: Path, ctx: Any, procs: list[Proc]
 ) -> None:
     pool = Pool(POOL, directory=tmp_path)
-    pool.set_share("cpu", 64 * BLOCK_BYTES)
+    pool.set_cap("cpu", 64 * BLOCK_BYTES)
     a, b = (start(ctx, str(tmp_path), POOL, n, i) for i, n in enumerate(["a", "b"]))
     procs.extend([a, b])
     for proc in procs:

@@ -38,7 +38,7 @@ def pair(
     tmp_path: Path,
 ) -> Iterator[tuple[Pool, dict[str, ExtensibleKVCache], dict[str, PoolMember], dict[str, int]]]:
     pool = Pool("test", directory=tmp_path)
-    pool.set_share("cpu", 48 * BLOCK_BYTES)
+    pool.set_cap("cpu", 48 * BLOCK_BYTES)
     caches = {"a": cache(), "b": cache()}
     used = {"a": 0, "b": 0}
     members = {n: member(pool, n, c, used) for n, c in caches.items()}
@@ -149,7 +149,7 @@ import sys, time
 from extensible_kv.pool import Pool, rules
 from support.pool_members import cache, member
 pool = Pool("t", directory=sys.argv[1])
-pool.set_share("cpu", 0)  # no memory will come, and there is no donor
+pool.set_cap("cpu", 0)  # no memory will come, and there is no donor
 m = member(pool, "m", cache(), {"m": 0})
 m.join()
 print("waiting", flush=True)
@@ -242,7 +242,7 @@ print("left", flush=True)
 
 def test_a_ctrl_c_ends_a_settle_waiting_for_a_borrower(tmp_path: Path) -> None:
     pool = Pool("t", directory=tmp_path)
-    pool.set_share("cpu", 48 * BLOCK_BYTES)
+    pool.set_cap("cpu", 48 * BLOCK_BYTES)
     with start(SETTLE, str(tmp_path), str(WAIT_S)) as process:
         settle_interrupted(pool, process)
     assert pool.snapshot().engines == {}

@@ -103,7 +103,7 @@ def other_user(
 
 def test_the_pool_is_a_private_directory_of_its_own(shared_base: Path) -> None:
     pool = Pool("p", directory=shared_base)
-    pool.set_share("cpu", 1 << 20)
+    pool.set_cap("cpu", 1 << 20)
     st = os.lstat(pool.pool_directory)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
     assert st.st_uid == os.geteuid()
@@ -156,7 +156,7 @@ def test_the_pools_name_squatted_is_a_clear_refusal_not_a_hang(
     for path in (here, here + ".lock", here + ".tmp"):  # the old names too
         if not os.path.lexists(path):
             squat(path)
-    for operation in (pool.snapshot, lambda: pool.set_share("cpu", 1), pool.reset):
+    for operation in (pool.snapshot, lambda: pool.set_cap("cpu", 1), pool.reset):
         with pytest.raises(PoolPermissionError) as refused:
             bounded(operation)
         message = str(refused.value)
@@ -191,7 +191,7 @@ def test_a_base_of_another_user_is_refused(tmp_path: Path) -> None:
 @pytest.fixture
 def pool(shared_base: Path) -> Pool:
     p = Pool("p", directory=shared_base)
-    p.set_share("cpu", 1 << 20)
+    p.set_cap("cpu", 1 << 20)
     return p
 
 
@@ -229,7 +229,7 @@ def test_a_file_of_the_pool_that_is_not_the_pools_is_refused(
     assert path in str(refused.value) and said in str(refused.value), refused.value
     if name == "ledger":  # `pool reset` removes whatever is at the ledger's name
         bounded(pool.reset)
-        assert bounded(pool.snapshot).shares == {}
+        assert bounded(pool.snapshot).caps == {}
 
 
 @pytest.mark.parametrize("squat", [squat_fifo, squat_symlink_to_a_file])
@@ -249,9 +249,9 @@ def test_a_temporary_files_name_taken_is_never_opened(
         return drawn
 
     monkeypatch.setattr(store_module.secrets, "token_hex", token_hex)
-    bounded(lambda: pool.set_share("cpu", 2 << 20))
+    bounded(lambda: pool.set_cap("cpu", 2 << 20))
     monkeypatch.undo()
-    assert bounded(pool.snapshot).shares == {"cpu": 2 << 20}
+    assert bounded(pool.snapshot).caps == {"cpu": 2 << 20}
     assert os.path.lexists(taken)  # never followed or opened: the next writer removes it
     assert Path("/etc/hostname").exists()
 
@@ -319,7 +319,7 @@ def test_a_pool_with_a_group_is_shared_by_its_members(shared_base: Path) -> None
     it giving the same group; without the group, or not a member, it is refused, saying so."""
     gid = a_group()
     pool = Pool("g", directory=shared_base, group=gid)
-    pool.set_share("cpu", 1 << 20)
+    pool.set_cap("cpu", 1 << 20)
     st = os.lstat(pool.pool_directory)
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (gid, 0o2770)
     for name in ("ledger", "lock"):
@@ -328,8 +328,8 @@ def test_a_pool_with_a_group_is_shared_by_its_members(shared_base: Path) -> None
     done = other_user(
         shared_base,
         f"pool = Pool('g', directory=pool_dir, group={gid})\n"
-        "assert pool.snapshot().shares == {'cpu': 1 << 20}\n"
-        "pool.set_share('cuda:0', 3 << 20)\n"
+        "assert pool.snapshot().caps == {'cpu': 1 << 20}\n"
+        "pool.set_cap('cuda:0', 3 << 20)\n"
         "try:\n"
         "    Pool('g', directory=pool_dir).snapshot()\n"
         "except PoolPermissionError as e:\n"
@@ -338,7 +338,7 @@ def test_a_pool_with_a_group_is_shared_by_its_members(shared_base: Path) -> None
     )
     assert done.returncode == 0, done.stderr
     assert "another user's" in done.stdout and "same group" in done.stdout, done.stdout
-    assert pool.snapshot().shares == {"cpu": 1 << 20, "cuda:0": 3 << 20}
+    assert pool.snapshot().caps == {"cpu": 1 << 20, "cuda:0": 3 << 20}
     for name in ("ledger", "lock"):  # what the other user wrote stays the group's
         assert os.lstat(os.path.join(pool.pool_directory, name)).st_gid == gid
     done = other_user(  # not a member of the group
@@ -442,7 +442,7 @@ def test_silent_connections_cost_a_lenders_serve_no_wait(tmp_path: Path, peer: s
     what it takes with none. Before, each such connection cost 20 ms of waiting (8 of them,
     ~165 ms a serve). Timed against the same serves without them, in this test."""
     pool = Pool("test", directory=tmp_path)
-    pool.set_share("cpu", 48 * 2 * 4096)
+    pool.set_cap("cpu", 48 * 2 * 4096)
     used = {"a": 0, "b": 0}
     with cache() as ca, cache() as cb:
         a, b = member(pool, "a", ca, used), member(pool, "b", cb, used)

@@ -140,7 +140,7 @@ def hold_nothing_free(pool: Any, device: str = "cpu") -> None:
     """The pool's share is what its engines hold now: a burst must borrow."""
     from extensible_kv.pool import rules
 
-    pool.set_share(device, rules.used_bytes(pool.snapshot(), device))
+    pool.set_cap(device, rules.used_bytes(pool.snapshot(), device))
 
 
 def burst_on_an_idle_donor(tmp_path: Path, procs: list[Any], own: Any, **options: Any) -> Any:
@@ -149,7 +149,7 @@ def burst_on_an_idle_donor(tmp_path: Path, procs: list[Any], own: Any, **options
     from extensible_kv.pool import Pool
 
     pool = Pool(POOL, directory=tmp_path)
-    pool.set_share("cpu", 64 * 8192)
+    pool.set_cap("cpu", 64 * 8192)
     a, b = engines(tmp_path, procs, ["a", "b"], **options)
     tokens, numbers = b("burst")
     assert tokens == own
@@ -346,7 +346,7 @@ def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_
     follows each (its free sectors, its size); sectors a request holds are never lent."""
     import test_transformers as tt
     from extensible_kv import transformers as ekt
-    from extensible_kv.pool.member import _lend_points
+    from extensible_kv.pool.caches import lend_points
     from extensible_kv.transformers.cache import TRASH_SECTORS
     from extensible_kv.transformers.pooled import SectorCache
 
@@ -361,12 +361,18 @@ def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_
     assert state.pool_plan.min_sectors == 2 and state.committed_sectors == 2  # min_blocks
     assert a.footprint().leading_blocks == TRASH_SECTORS == 2
     assert (a.num_segments, a.segment_block_bytes, a.capacity_blocks) == ((1,), (sector,), 48)
+    assert a.shape().to_json() == {
+        "device": "cpu",
+        "granularity": 4096,
+        "buffers": [[1, sector]],
+        "leading_blocks": TRASH_SECTORS,
+    }
     a.commit(6)
     a.commit(10)
     pool = caches[0].pool
     assert sorted(pool.free_sectors) == list(range(2, 12)) and pool.num_sectors == 10
     # Handles begin at the trash's end and at each commit's: blocks 0, 2 and 6.
-    assert _lend_points(a) == {0, 2, 6}
+    assert lend_points(a) == {0, 2, 6}
     assert a.free_tail_blocks() == 10
     # A request holding sector 8 (block 6): only the 3 sectors above it are free at the top.
     allocator = next(iter(caches[0].cache_allocators.values()))
@@ -387,7 +393,7 @@ def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_
     assert b.committed_blocks == other.num_sectors == 6
     assert sorted(other.free_sectors) == list(range(2, 8))
     assert caches[1]._ekv.tensor.borrowed_bytes == 4 * sector
-    with pytest.raises(ValueError, match="2 loans for a cache of one buffer"):
+    with pytest.raises(ValueError, match="2 loans, one of them listed twice"):
         b.give_back([loan, loan])
     b.give_back([loan])
     assert b.committed_blocks == other.num_sectors == 2
@@ -522,7 +528,7 @@ def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
     pool = Pool(POOL, directory=tmp_path)
     options = in_process_options(pool, device, tmp_path, pool_move=True)
     if device == "cpu":
-        pool.set_share("cpu", 64 * 8192)
+        pool.set_cap("cpu", 64 * 8192)
     caplog.set_level(logging.INFO, logger="extensible_kv")
     long = tt.prompts()[:3]
     with contextlib.ExitStack() as stack:

@@ -206,7 +206,6 @@ class SharedTensor(_Carrier):
         )
 
 
-
 @dataclass(frozen=True)
 class LoanHandle:
     """One lent handle: the lender's granules `[first_granule, +num_granules)`, its `serial`
@@ -306,8 +305,7 @@ class Loan(_Carrier):
             raise ValueError(f"a loan has missing keys {missing} / unknown keys {extra}")
         if raw["version"] != LOAN_FORMAT or isinstance(raw["version"], bool):
             raise ValueError(
-                f"a loan of format {str(raw['version'])[:16]!r}: this library reads "
-                f"{LOAN_FORMAT}"
+                f"a loan of format {str(raw['version'])[:16]!r}: this library reads {LOAN_FORMAT}"
             )
         device = raw["device"]
         if not isinstance(device, str) or not 0 < len(device) <= 32:

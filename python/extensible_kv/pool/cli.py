@@ -1,6 +1,11 @@
-"""`python -m extensible_kv pool status|limit|share|watch|reset`: read and change a pool's ledger
+"""`python -m extensible_kv pool status|limit|cap|watch|reset`: read and change a pool's ledger
 while its engines run. Errors (a bad flag, a corrupt ledger, an unknown engine, a lock held too
-long, another user's pool) are one line on stderr and exit status 2."""
+long, another user's pool) are one line on stderr and exit status 2.
+
+`status` counts in bytes across engines (what each holds, lends, borrows, its limits, the
+loans), with each engine's own blocks beside them; `limit` takes blocks (a bare number) or
+bytes (a size with a unit: `--min 2GiB`); `cap DEVICE SIZE` caps the bytes the pool may hold
+on a device (`share`, its old name, is deprecated and says so)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any
 
 from extensible_kv import _args
 from extensible_kv.pool import rules
-from extensible_kv.pool.ledger import Ledger, check_device, check_name
+from extensible_kv.pool.ledger import Ledger, LoanState, check_device, check_name
 from extensible_kv.pool.policy import unresponsive
 from extensible_kv.pool.store import GROUP_ENV, Pool, PoolLockTimeout
 
@@ -26,7 +31,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     """Adds `pool` and its subcommands to the subcommands of `python -m extensible_kv`."""
     pool = commands.add_parser(
         "pool",
-        help="show and change a node-local memory pool: engines, limits, loans",
+        help="show and change a node-local memory pool: engines, limits, loans, caps",
         description="Shows and changes a node-local memory pool's ledger (extensible_kv.pool) "
         "while its engines run.",
     )
@@ -51,12 +56,23 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--json", action="store_true", dest="as_json", help="the whole ledger, as JSON"
     )
     status.set_defaults(pool_run=_status)
-    limit = actions.add_parser("limit", help="change an engine's min/max blocks while it runs")
+    limit = actions.add_parser(
+        "limit",
+        help="change an engine's minimum and maximum while it runs, in its blocks or in bytes",
+    )
     limit.add_argument("engine", type=_checked(check_name, "an engine name"))
-    limit.add_argument("--min", type=_blocks, dest="min_blocks", help="blocks it never lends")
-    limit.add_argument("--max", type=_blocks, dest="max_blocks", help="blocks it never passes")
+    limit.add_argument(
+        "--min", type=_limit_value, dest="low", help="its blocks (N) or bytes (2GiB) never lent"
+    )
+    limit.add_argument(
+        "--max", type=_limit_value, dest="high", help="its blocks (N) or bytes (10GiB) at most"
+    )
     limit.set_defaults(pool_run=_limit)
-    share = actions.add_parser("share", help="cap the bytes the pool may hold on a device")
+    cap = actions.add_parser("cap", help="cap the bytes the pool may hold on a device")
+    cap.add_argument("device", type=_checked(check_device, "a device"), help="cpu or cuda:N")
+    cap.add_argument("size", type=_size, help="bytes (units B, KiB, MiB, GiB, TiB) or none")
+    cap.set_defaults(pool_run=_cap)
+    share = actions.add_parser("share", help="deprecated: `pool cap` (the same command)")
     share.add_argument("device", type=_checked(check_device, "a device"), help="cpu or cuda:N")
     share.add_argument("size", type=_size, help="bytes (units B, KiB, MiB, GiB, TiB) or none")
     share.set_defaults(pool_run=_share)
@@ -90,6 +106,19 @@ def _blocks(text: str) -> int:
     return value
 
 
+def _limit_value(text: str) -> tuple[str, int]:
+    """A limit: the engine's blocks (a bare integer) or bytes (a size with a unit: 2GiB)."""
+    if re.fullmatch(r"\s*\d{1,40}\s*", text) and int(text) <= rules.MAX_BLOCKS:
+        return ("blocks", int(text))
+    if re.fullmatch(r"\s*\d{1,40}(\.\d{1,40})?\s*[a-zA-Z]+\s*", text):
+        size = _size(text)
+        if size is not None:
+            return ("bytes", size)
+    raise argparse.ArgumentTypeError(
+        f"must be a number of blocks (an integer >= 0) or a size like 2GiB, got {text!r}"
+    )
+
+
 def _interval(text: str) -> float:
     try:
         value = float(text)
@@ -114,7 +143,7 @@ def _size(text: str) -> int | None:
     unit = _UNITS[match.group(3).lower()]
     num_bytes: int = (int(whole + fraction) * unit) // 10 ** len(fraction)
     if num_bytes > rules.MAX_BLOCKS:
-        raise argparse.ArgumentTypeError(f"{text!r} is more bytes than a share can say")
+        raise argparse.ArgumentTypeError(f"{text!r} is more bytes than the pool counts")
     return num_bytes
 
 
@@ -136,18 +165,30 @@ def _status(pool: Pool, as_json: bool) -> int:
     return 0
 
 
-def _limit(pool: Pool, engine: str, min_blocks: int | None, max_blocks: int | None) -> int:
-    if min_blocks is None and max_blocks is None:
+def _limit(
+    pool: Pool, engine: str, low: tuple[str, int] | None, high: tuple[str, int] | None
+) -> int:
+    if low is None and high is None:
         raise ValueError("give --min, --max or both")
-    pool.set_limits(engine, min_blocks=min_blocks, max_blocks=max_blocks)
-    engine_now = pool.snapshot().engines[engine]
-    print(f"{engine}: {engine_now.min_blocks}..{engine_now.max_blocks} blocks")
+    limits = {f"min_{low[0]}": low[1]} if low else {}
+    limits |= {f"max_{high[0]}": high[1]} if high else {}
+    pool.set_limits(engine, **limits)
+    e = pool.snapshot().engines[engine]
+    print(
+        f"{engine}: {e.min_blocks}..{e.max_blocks} blocks "
+        f"({_bytes(e.min_bytes)}..{_bytes(e.max_bytes)})"
+    )
+    return 0
+
+
+def _cap(pool: Pool, device: str, size: int | None) -> int:
+    pool.set_cap(device, size)
     return 0
 
 
 def _share(pool: Pool, device: str, size: int | None) -> int:
-    pool.set_share(device, size)
-    return 0
+    print("pool share is deprecated: use pool cap (the same command)", file=sys.stderr)
+    return _cap(pool, device, size)
 
 
 def _watch(pool: Pool, interval: float, count: int | None) -> int:
@@ -172,18 +213,14 @@ def _reset(pool: Pool) -> int:
 
 
 def _as_json(ledger: Ledger) -> str:
-    return json.dumps(
-        {
-            "generation": ledger.generation,
-            "shares": ledger.shares,
-            "engines": [vars(e) for e in ledger.engines.values()],
-            "loans": [
-                {k: v for k, v in vars(x).items() if k != "loans"} for x in ledger.loans.values()
-            ],
-            "events": [vars(e) for e in ledger.events],
-        },
-        indent=1,
-    )
+    """The ledger as JSON, its loans without their handles."""
+    body = ledger.to_json()
+    del body["next_loan_id"], body["stale_after_s"]
+    for engine, raw in zip(ledger.engines.values(), body["engines"], strict=True):
+        raw["block_bytes"] = engine.block_bytes
+    for raw in body["loans"]:
+        del raw["loans"]
+    return json.dumps(body, indent=1)
 
 
 def _bytes(num_bytes: int) -> str:
@@ -204,13 +241,13 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
-    """The text `pool status` prints."""
+    """The text `pool status` prints: bytes across engines, each engine's own blocks beside."""
     lines = [f"pool {pool.name} ({pool.path}), generation {ledger.generation}"]
-    devices = sorted({e.device for e in ledger.engines.values()} | set(ledger.shares))
+    devices = sorted({e.device for e in ledger.engines.values()} | set(ledger.caps))
     for device in devices:
-        share = ledger.shares.get(device)
-        cap = "no share (its free memory)" if share is None else f"share {_bytes(share)}"
-        lines.append(f"{device}: {cap}, held {_bytes(rules.used_bytes(ledger, device))}")
+        cap = ledger.caps.get(device)
+        said = "no cap (its free memory)" if cap is None else f"cap {_bytes(cap)}"
+        lines.append(f"{device}: {said}, held {_bytes(rules.used_bytes(ledger, device))}")
     if ledger.engines:
         rows = [
             [
@@ -218,9 +255,10 @@ def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
                 "PID",
                 "DEVICE",
                 "STATE",
-                "BLOCKS",
-                "MIN..MAX",
                 "HELD",
+                "BLOCKS",
+                "BLOCK",
+                "MIN..MAX",
                 "LENT",
                 "BORROWED",
                 "LENDABLE",
@@ -237,12 +275,14 @@ def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
                     str(e.pid),
                     e.device,
                     state,
-                    str(e.committed_blocks),
-                    f"{e.min_blocks}..{e.max_blocks}",
                     _bytes(e.physical_bytes),
+                    str(e.committed_blocks),
+                    _bytes(e.block_bytes),
+                    f"{_bytes(e.min_bytes)}..{_bytes(e.max_bytes)} "
+                    f"({e.min_blocks}..{e.max_blocks})",
                     _bytes(e.lent_bytes),
                     _bytes(e.borrowed_bytes),
-                    str(e.lendable_blocks),
+                    f"{_bytes(e.lendable_bytes)} ({e.lendable_blocks})",
                     f"{max(now - e.heartbeat, 0):.1f} s ago",
                 ]
             )
@@ -250,21 +290,22 @@ def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
     else:
         lines += ["", "no engines"]
     if ledger.loans:
-        rows = [["LOAN", "LENDER", "BORROWER", "STATE", "BLOCKS", "BYTES", "NOTE"]]
+        rows = [["LOAN", "LENDER", "BORROWER", "STATE", "BYTES", "BLOCKS", "NOTE"]]
         for x in sorted(ledger.loans.values(), key=lambda x: x.loan_id):
             note = x.reason
-            if x.state in ("asked", "offered"):
+            if x.state in (LoanState.ASKED, LoanState.OFFERED):
                 note = f"due in {x.deadline - now:.2f} s"
             if x.recall:
                 note = f"recalled; {note}" if note else "recalled"
+            lent = f"{x.lent_blocks}" if x.lent_blocks else "-"
             rows.append(
                 [
                     str(x.loan_id),
                     x.lender or "(died)",
                     x.borrower or "(gone)",
                     x.state,
-                    str(x.blocks),
-                    _bytes(x.num_bytes),
+                    _bytes(x.num_bytes or x.asked_bytes),
+                    f"{lent}->{x.blocks}",
                     note,
                 ]
             )

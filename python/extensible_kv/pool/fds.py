@@ -26,7 +26,6 @@ the lender before it waits for an answer: another process could have taken the n
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 import struct
 import time
@@ -211,5 +210,4 @@ def fetch(
 def close_received(loans: list[Loan]) -> None:
     """Closes the fds `loans` still carry (those a borrow did not take)."""
     for loan in loans:
-        for fd in loan._take_fds() or ():
-            os.close(fd)
+        loan.close_received_fds()

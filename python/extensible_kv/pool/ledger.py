@@ -3,7 +3,7 @@
 The ledger is one JSON document behind a header line that carries a magic word, the format
 version, the body's length and its SHA-256:
 
-    EKVPOOL 1 <length> <sha256 hex>\\n<JSON body>
+    EKVPOOL 2 <length> <sha256 hex>\\n<JSON body>
 
 Another process wrote it, maybe one that died half-way through something (though never half-way
 through the file: writes go to a new file renamed over the old one), or something else entirely
@@ -11,31 +11,48 @@ did. So `decode` checks everything: the header, the checksum, then every field's
 and the references between records. Anything wrong is a `LedgerCorruptError` naming the field,
 never a crash further on.
 
+**Format 2** counts in bytes across engines: engines of different models (different block
+bytes, segments, buffers) share a device, so what the pool holds, its cap per device, what a
+loan moves and what a request asks for are bytes; each engine's own numbers (its limits, what
+it committed, where a loan lies in its cache) stay in its own blocks, beside them. An engine's
+entry carries its cache's shape (`extensible_kv.shape.CacheShape`: device, granularity, and
+per buffer its segments and their block bytes), from which its block bytes follow; a loan's
+memory is its `Loan`s in their JSON form (`Loan.to_json`). A ledger of format 1 (an older
+library's) is refused with a `LedgerVersionError` that says to `pool reset` it: its
+engines' layouts cannot be read as shapes, and the engines that wrote it cannot read format 2.
+
 Times are `time.monotonic()` seconds: CLOCK_MONOTONIC is one clock for every process of the
 machine since boot, and the ledger lives in memory that a reboot clears.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from extensible_kv.ipc import Loan
+from extensible_kv.shape import CacheShape
 
 __all__ = [
     "DEVICE",
     "ENGINE_NAME",
     "LOAN_STATES",
     "MAX_INT",
-    "MAX_LAYOUT",
     "MAX_REASON",
     "MAX_TIME",
+    "VERSION",
     "Engine",
     "Event",
     "Ledger",
     "LedgerCorruptError",
-    "LoanEntry",
+    "LedgerVersionError",
+    "LoanState",
+    "PoolLoan",
     "check_device",
     "check_name",
     "decode",
@@ -44,24 +61,69 @@ __all__ = [
 ]
 
 MAGIC = "EKVPOOL"
-VERSION = 1
+VERSION = 2
 MAX_LEDGER_BYTES = 1 << 24  # a ledger of thousands of loans is well under a MiB
 MAX_EVENTS = 64
+MAX_BUFFERS = 4096  # of an engine's shape: a cache of a buffer a layer is far below it
 ENGINE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEVICE = re.compile(r"^(cpu|cuda:\d{1,3})$")
 MAX_INT = 2**128  # every integer read is below it: tensor ids are 128 bits, nothing else comes near
 MAX_TIME = 1e12  # every time read is below it (seconds of CLOCK_MONOTONIC: ~31,700 years)
 MAX_REASON = 1024  # characters of a loan's reason
-MAX_LAYOUT = 256  # characters of an engine's layout
-# asked: the borrower asked the lender for `blocks`; the lender answers by `deadline`.
-# offered: the lender lent what lay past its block `kept_blocks`; `loans` describe the
-# memory; the borrower takes it by `deadline`.
-# borrowed: the borrower maps it, from its block `start_block`.
-# returned: the borrower gave it back, or died: the lender reclaims it, then removes the entry.
-# refused / expired: the lender said no (`reason`) / did not answer in time; the borrower
-# removes the entry once it has read it.
-LOAN_STATES = ("asked", "offered", "borrowed", "returned", "refused", "expired")
-_LOAN_FIELDS = 8  # of an `extensible_kv.ipc.Loan`'s native tuple
+
+
+class LoanState(enum.StrEnum):
+    """A loan's state, and what holds while a loan is in it. `rules.py` opens with the table
+    of the transitions between them, each made by one function there.
+
+    - `ASKED`: the borrower asked the lender for `blocks` of its own blocks (`asked_bytes`).
+      No memory moved: `loans` is empty and `num_bytes` 0. The lender answers by `deadline`,
+      else the request expires.
+    - `OFFERED`: the lender lent the whole handles past its block `kept_blocks`
+      (`lent_blocks` of its blocks, `num_bytes`), which `loans` describe; they give the
+      borrower `blocks` of its blocks. Unmapped by the lender, mapped by no one: the memory
+      is the lender's process's, counted in the pool. The borrower takes it by `deadline`,
+      else the lender takes it back.
+    - `BORROWED`: the borrower maps it from its block `start_block`; only the borrower ends
+      it (a give-back, or its death). An empty `lender`: the lender died, and giving the loan
+      back frees the memory (an orphan).
+    - `RETURNED`: the borrower gave it back, could not take it, or died (an empty `borrower`
+      then): mapped by no one, the lender's to reclaim, and the entry goes with the reclaim.
+    - `REFUSED`: the lender said no (`reason`). No memory moved; the borrower reads it and
+      withdraws it.
+    - `EXPIRED`: the lender did not answer by the deadline, and is `stuck` until its next
+      heartbeat. No memory moved; the borrower withdraws it.
+    - `RELEASED`: the lender answered through the driver (`via="driver"`): it gave
+      `lent_blocks` of its blocks back to the device for the borrower to commit. No memory
+      changes owner; the borrower reads it and withdraws it.
+
+    The lender's memory is out (`memory_out`: lent and not reclaimed) exactly while offered,
+    borrowed or returned; the request has ended with no memory (`ended`) when refused,
+    expired or released."""
+
+    ASKED = "asked"
+    OFFERED = "offered"
+    BORROWED = "borrowed"
+    RETURNED = "returned"
+    REFUSED = "refused"
+    EXPIRED = "expired"
+    RELEASED = "released"
+
+    @property
+    def memory_out(self) -> bool:
+        """The lender's memory is out: lent, and not reclaimed yet."""
+        return self in _MEMORY_OUT
+
+    @property
+    def ended(self) -> bool:
+        """A request answered with no memory (refused, expired, released): the borrower's to
+        read and withdraw."""
+        return self in _ENDED
+
+
+_MEMORY_OUT = frozenset({LoanState.OFFERED, LoanState.BORROWED, LoanState.RETURNED})
+_ENDED = frozenset({LoanState.REFUSED, LoanState.EXPIRED, LoanState.RELEASED})
+LOAN_STATES = tuple(state.value for state in LoanState)
 
 
 def check_name(value: object, what: str) -> str:
@@ -93,20 +155,26 @@ class LedgerCorruptError(ValueError):
     wrong and where; `python -m extensible_kv pool reset` starts a new one."""
 
 
+class LedgerVersionError(LedgerCorruptError):
+    """The ledger is of another format version (an older or newer library's): this library
+    cannot read it, and the engines that wrote it cannot read this one's. The message says
+    which; once those engines are gone, `python -m extensible_kv pool reset` starts a new
+    one."""
+
+
 @dataclass
 class Engine:
     """One engine of the pool. `pid` and `start_time` (the process's start, in clock ticks
     after boot, from `/proc/<pid>/stat`) identify its process even after the pid is reused.
-    Limits and holdings are in blocks of `block_bytes` (all of its cache's buffers). Engines
-    lend only to engines of the same `layout` (a loan is whole blocks of one geometry) on the
-    same `device`."""
+    `shape` is its cache's (the device, the granularity, the buffers' segments and block
+    bytes): a loan moves between engines of one device and granularity, whatever their
+    shapes. Its limits and holdings in blocks are its own blocks, of `block_bytes` (all of
+    its cache's buffers); the bytes are the pool's common unit."""
 
     name: str
     pid: int
     start_time: int
-    device: str
-    layout: str
-    block_bytes: int
+    shape: CacheShape
     min_blocks: int
     max_blocks: int
     capacity_blocks: int = 0  # its cache's: no limit goes past it
@@ -120,27 +188,78 @@ class Engine:
     busy: bool = False
     stuck: bool = False  # a request to it expired since its last heartbeat
 
+    @property
+    def device(self) -> str:
+        return self.shape.device
+
+    @property
+    def block_bytes(self) -> int:
+        """The bytes of one of its blocks, in every buffer together."""
+        return self.shape.block_bytes()
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.committed_blocks * self.block_bytes
+
+    @property
+    def min_bytes(self) -> int:
+        return self.min_blocks * self.block_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_blocks * self.block_bytes
+
+    @property
+    def lendable_bytes(self) -> int:
+        return self.lendable_blocks * self.block_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        raw = dict(vars(self))
+        raw["shape"] = self.shape.to_json()
+        return raw
+
 
 @dataclass
-class LoanEntry:
-    """A loan in flight, from the request to the reclaim (see `LOAN_STATES`). `lender` is
-    empty once the lender died while the borrower held the memory: the borrower's give-back
-    then returns it to the driver. `borrower` is empty once a returned loan's borrower is
-    gone. `loans` are the native tuples of the `Loan`s, one per
-    buffer of the lender's cache."""
+class PoolLoan:
+    """A loan of the pool, from the request to the reclaim (its `state`: see `LoanState`).
+    `lender` is empty once the lender died while the borrower held the memory: the
+    borrower's give-back then returns it to the driver. `borrower` is empty once a returned
+    loan's borrower is gone.
+
+    In the borrower's blocks: `blocks` (asked for, then what the loan gives it) and
+    `start_block` (where it lies in the borrower). In the lender's: `lent_blocks` (lent, or
+    released to the driver) and `kept_blocks` (what it kept below the loan). In bytes:
+    `asked_bytes` (the request), `num_bytes` (the memory lent) and `mapped_bytes` (what the
+    borrower maps of it while it is borrowed: handles its layout cannot use go back to the
+    lender at once, unmapped, and stay the lender's until the reclaim). `loans` are the
+    lender's `Loan`s, one per buffer of its cache."""
 
     loan_id: int
     lender: str
     borrower: str
     blocks: int
-    state: str
+    state: LoanState
     deadline: float
     num_bytes: int = 0
     start_block: int = 0
     kept_blocks: int = 0
     recall: bool = False
     reason: str = ""
-    loans: list[list[Any]] = field(default_factory=list)
+    loans: tuple[Loan, ...] = ()
+    asked_bytes: int = 0
+    lent_blocks: int = 0
+    mapped_bytes: int = 0
+
+    @property
+    def memory_out(self) -> bool:
+        """The lender's memory is out (offered, borrowed or returned: `LoanState`)."""
+        return LoanState(self.state).memory_out
+
+    def to_json(self) -> dict[str, Any]:
+        raw = dict(vars(self))
+        raw["state"] = str(self.state)
+        raw["loans"] = [loan.to_json() for loan in self.loans]
+        return raw
 
 
 @dataclass
@@ -151,50 +270,78 @@ class Event:
 
 @dataclass
 class Ledger:
-    """The whole ledger. `shares` caps, per device, the bytes the pool's engines may hold in
-    all (a device without one is capped by its free memory alone). `stale_after_s`: an engine
+    """The whole ledger. `caps` caps, per device, the bytes the pool's engines may hold in all
+    (a device without one is capped by its free memory alone). `stale_after_s`: an engine
     whose heartbeat is older is unresponsive and not asked for memory."""
 
     generation: int = 0
     next_loan_id: int = 1
     stale_after_s: float = 5.0
-    shares: dict[str, int] = field(default_factory=dict)
+    caps: dict[str, int] = field(default_factory=dict)
     engines: dict[str, Engine] = field(default_factory=dict)
-    loans: dict[int, LoanEntry] = field(default_factory=dict)
+    loans: dict[int, PoolLoan] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
+
+    @property
+    def shares(self) -> dict[str, int]:
+        """Deprecated: `caps`."""
+        warnings.warn("Ledger.shares is deprecated: use Ledger.caps", DeprecationWarning, 2)
+        return self.caps
 
     def log(self, now: float, text: str) -> None:
         """Keeps the last `MAX_EVENTS` events, for `pool status`."""
         self.events.append(Event(now, text))
         del self.events[:-MAX_EVENTS]
 
-    def loans_of(self, name: str) -> list[LoanEntry]:
+    def loans_of(self, name: str) -> list[PoolLoan]:
         return [loan for loan in self.loans.values() if name in (loan.lender, loan.borrower)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The body of the ledger's file."""
+        return {
+            "generation": self.generation,
+            "next_loan_id": self.next_loan_id,
+            "stale_after_s": self.stale_after_s,
+            "caps": self.caps,
+            "engines": [e.to_json() for e in self.engines.values()],
+            "loans": [loan.to_json() for loan in self.loans.values()],
+            "events": [vars(e) for e in self.events],
+        }
+
+
+def deprecated_name(module: str, name: str, stacklevel: int = 3) -> Any:
+    """What a deprecated name of `module` stands for, with a `DeprecationWarning` to the code
+    that used it; an `AttributeError` for any other name."""
+    if name == "LoanEntry":  # the name of format 1's days
+        warnings.warn(
+            f"{module}.LoanEntry is deprecated: it is PoolLoan", DeprecationWarning, stacklevel
+        )
+        return PoolLoan
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_name(__name__, name)
 
 
 def encode(ledger: Ledger) -> bytes:
-    body = json.dumps(
-        {
-            "generation": ledger.generation,
-            "next_loan_id": ledger.next_loan_id,
-            "stale_after_s": ledger.stale_after_s,
-            "shares": ledger.shares,
-            # vars, not dataclasses.asdict: the fields are flat, and asdict's deep copy made
-            # encoding most of a transaction's time.
-            "engines": [vars(e) for e in ledger.engines.values()],
-            "loans": [vars(loan) for loan in ledger.loans.values()],
-            "events": [vars(e) for e in ledger.events],
-        },
-        separators=(",", ":"),
-    ).encode()
+    body = json.dumps(ledger.to_json(), separators=(",", ":")).encode()
     digest = hashlib.sha256(body).hexdigest()
     return f"{MAGIC} {VERSION} {len(body)} {digest}\n".encode() + body
 
 
 def decode(data: bytes, where: str = "the ledger") -> Ledger:
-    """The ledger `data` holds, every field checked; else a `LedgerCorruptError`."""
+    """The ledger `data` holds, every field checked; else a `LedgerCorruptError` (a
+    `LedgerVersionError` for a ledger of another format)."""
     try:
         return _decode(data)
+    except _OtherVersion as other:
+        raise LedgerVersionError(
+            f"{where} is of format {other}, and this library reads format {VERSION} (a ledger "
+            "counted in bytes across models): an engine of another version of extensible_kv "
+            "wrote it; once no such engine uses the pool, `python -m extensible_kv pool "
+            "reset` starts a new one"
+        ) from None
     except _Bad as bad:
         raise LedgerCorruptError(
             f"{where} is corrupt: {bad}; if no engine uses the pool any more, "
@@ -207,12 +354,16 @@ def refusal(data: bytes) -> str | None:
     so that the ledger never holds a value its readers refuse."""
     try:
         _decode(data)
-    except _Bad as bad:
+    except (_Bad, _OtherVersion) as bad:
         return str(bad)
     return None
 
 
 class _Bad(Exception):
+    pass
+
+
+class _OtherVersion(Exception):
     pass
 
 
@@ -224,6 +375,8 @@ def _decode(data: bytes) -> Ledger:
     if not newline or len(parts) != 4 or parts[0] != MAGIC.encode():
         raise _Bad("no EKVPOOL header line")
     if parts[1] != str(VERSION).encode():
+        if re.fullmatch(rb"[0-9]{1,6}", parts[1]):
+            raise _OtherVersion(parts[1].decode())
         raise _Bad(f"format version {parts[1][:16]!r}, this library reads {VERSION}")
     if parts[2] != str(len(body)).encode():
         raise _Bad(f"the header says {parts[2][:24]!r} bytes of body, the file has {len(body)}")
@@ -239,11 +392,11 @@ def _decode(data: bytes) -> Ledger:
         next_loan_id=_int(top["next_loan_id"], "next_loan_id", minimum=1),
         stale_after_s=_float(top["stale_after_s"], "stale_after_s"),
     )
-    shares = top["shares"]
-    if not isinstance(shares, dict):
-        raise _Bad("shares is not an object")
-    for device, num_bytes in shares.items():
-        ledger.shares[_device(device, "a share's device")] = _int(num_bytes, f"shares[{device}]")
+    caps = top["caps"]
+    if not isinstance(caps, dict):
+        raise _Bad("caps is not an object")
+    for device, num_bytes in caps.items():
+        ledger.caps[_device(device, "a cap's device")] = _int(num_bytes, f"caps[{device}]")
     for i, item in enumerate(_list(top["engines"], "engines")):
         engine = _engine(item, f"engines[{i}]")
         if engine.name in ledger.engines:
@@ -264,7 +417,7 @@ _TOP = {
     "generation": int,
     "next_loan_id": int,
     "stale_after_s": float,
-    "shares": dict,
+    "caps": dict,
     "engines": list,
     "loans": list,
     "events": list,
@@ -273,9 +426,7 @@ _ENGINE = {
     "name": str,
     "pid": int,
     "start_time": int,
-    "device": str,
-    "layout": str,
-    "block_bytes": int,
+    "shape": dict,
     "min_blocks": int,
     "max_blocks": int,
     "capacity_blocks": int,
@@ -302,6 +453,9 @@ _LOAN = {
     "recall": bool,
     "reason": str,
     "loans": list,
+    "asked_bytes": int,
+    "lent_blocks": int,
+    "mapped_bytes": int,
 }
 
 
@@ -358,22 +512,43 @@ def _device(value: object, where: str) -> str:
     return value
 
 
+def _shape(raw: dict[str, Any], where: str) -> CacheShape:
+    """The engine's cache shape, as `CacheShape.from_json` reads it, within the ledger's
+    ranges."""
+    try:
+        shape = CacheShape.from_json(raw)
+    except (ValueError, TypeError, KeyError) as error:
+        raise _Bad(f"{where} is not a cache shape ({str(error)[:200]})") from None
+    _device(shape.device, f"{where}.device")
+    _int(shape.granularity, f"{where}.granularity", minimum=1)
+    _int(shape.leading_blocks, f"{where}.leading_blocks")
+    if not 0 < len(shape.buffers) <= MAX_BUFFERS:
+        raise _Bad(f"{where} has {len(shape.buffers)} buffers, not 1 to {MAX_BUFFERS}")
+    for i, buffer in enumerate(shape.buffers):
+        _int(buffer.num_segments, f"{where}.buffers[{i}].num_segments", minimum=1)
+        _int(buffer.segment_block_bytes, f"{where}.buffers[{i}].segment_block_bytes", minimum=1)
+    _int(shape.block_bytes(), f"{where}'s block bytes", minimum=1)
+    return shape
+
+
 def _engine(raw: object, where: str) -> Engine:
-    fields_ = _obj(raw, where, _ENGINE)
+    fields_ = dict(_obj(raw, where, _ENGINE))
+    fields_["shape"] = _shape(fields_["shape"], f"{where}.shape")
     engine = Engine(**fields_)
     _name(engine.name, f"{where}.name")
     _int(engine.pid, f"{where}.pid", minimum=1)
-    _device(engine.device, f"{where}.device")
-    if len(engine.layout) > MAX_LAYOUT:
-        raise _Bad(f"{where}.layout is too long")
-    for key in ("start_time", "committed_blocks", "physical_bytes", "lent_bytes"):
+    for key in (
+        "start_time",
+        "committed_blocks",
+        "physical_bytes",
+        "lent_bytes",
+        "borrowed_bytes",
+        "lendable_blocks",
+        "free_top_blocks",
+        "min_blocks",
+        "max_blocks",
+    ):
         _int(getattr(engine, key), f"{where}.{key}")
-    _int(engine.borrowed_bytes, f"{where}.borrowed_bytes")
-    _int(engine.lendable_blocks, f"{where}.lendable_blocks")
-    _int(engine.free_top_blocks, f"{where}.free_top_blocks")
-    _int(engine.block_bytes, f"{where}.block_bytes", minimum=1)
-    _int(engine.min_blocks, f"{where}.min_blocks")
-    _int(engine.max_blocks, f"{where}.max_blocks")
     if engine.min_blocks > engine.max_blocks:
         raise _Bad(f"{where}: min_blocks {engine.min_blocks} > max_blocks {engine.max_blocks}")
     if engine.max_blocks > _int(engine.capacity_blocks, f"{where}.capacity_blocks"):
@@ -382,13 +557,23 @@ def _engine(raw: object, where: str) -> Engine:
     return engine
 
 
-def _loan(raw: object, where: str, ledger: Ledger) -> LoanEntry:
-    loan = LoanEntry(**_obj(raw, where, _LOAN))
+def _loan(raw: object, where: str, ledger: Ledger) -> PoolLoan:
+    fields_ = dict(_obj(raw, where, _LOAN))
+    try:
+        fields_["state"] = LoanState(fields_["state"])
+    except ValueError:
+        raise _Bad(f"{where}.state {fields_['state'][:32]!r} is not one of {LOAN_STATES}") from None
+    loans = []
+    for i, item in enumerate(fields_["loans"]):
+        try:
+            loans.append(Loan.from_json(item))
+        except ValueError as error:
+            raise _Bad(f"{where}.loans[{i}]: {error}") from None
+    fields_["loans"] = tuple(loans)
+    loan = PoolLoan(**fields_)
     _int(loan.loan_id, f"{where}.loan_id", minimum=1)
     if loan.loan_id >= ledger.next_loan_id:
         raise _Bad(f"{where}.loan_id {loan.loan_id} was never handed out")
-    if loan.state not in LOAN_STATES:
-        raise _Bad(f"{where}.state {loan.state[:32]!r} is not one of {LOAN_STATES}")
     for role in ("lender", "borrower"):
         name = getattr(loan, role)
         if name == "" and loan.state == ("borrowed" if role == "lender" else "returned"):
@@ -398,32 +583,26 @@ def _loan(raw: object, where: str, ledger: Ledger) -> LoanEntry:
     if loan.lender == loan.borrower:
         raise _Bad(f"{where} lends from {loan.lender!r} to itself")
     _int(loan.blocks, f"{where}.blocks", minimum=1)
-    _int(loan.num_bytes, f"{where}.num_bytes")
-    _int(loan.start_block, f"{where}.start_block")
-    _int(loan.kept_blocks, f"{where}.kept_blocks")
+    for key in (
+        "num_bytes",
+        "start_block",
+        "kept_blocks",
+        "asked_bytes",
+        "lent_blocks",
+        "mapped_bytes",
+    ):
+        _int(getattr(loan, key), f"{where}.{key}")
     loan.deadline = _float(loan.deadline, f"{where}.deadline")
     if len(loan.reason) > MAX_REASON:
         raise _Bad(f"{where}.reason is too long")
-    has_memory = loan.state in ("offered", "borrowed", "returned")
-    if has_memory != bool(loan.loans) or has_memory != bool(loan.num_bytes):
+    if loan.memory_out != bool(loan.loans) or loan.memory_out != bool(loan.num_bytes):
         raise _Bad(f"{where}: a loan {loan.state} must describe memory exactly when it has some")
-    for i, native in enumerate(loan.loans):
-        _native_loan(native, f"{where}.loans[{i}]")
+    if loan.num_bytes != sum(x.num_bytes for x in loan.loans):
+        raise _Bad(f"{where}.num_bytes {loan.num_bytes} is not what its loans describe")
+    mapped = loan.state == LoanState.BORROWED
+    if mapped != bool(loan.mapped_bytes) or loan.mapped_bytes > loan.num_bytes:
+        raise _Bad(
+            f"{where}.mapped_bytes {loan.mapped_bytes}: a loan {loan.state} maps some of its "
+            f"{loan.num_bytes} B exactly when borrowed"
+        )
     return loan
-
-
-def _native_loan(raw: object, where: str) -> None:
-    """The shape of a `Loan`'s native tuple; the core checks the values again, against the
-    lender's loan board, before anything is mapped."""
-    fields_ = _list(raw, where)
-    if len(fields_) != _LOAN_FIELDS:
-        raise _Bad(f"{where} has {len(fields_)} fields, not {_LOAN_FIELDS}")
-    if not isinstance(fields_[0], str) or len(fields_[0]) > 32:
-        raise _Bad(f"{where}: the device is not a short string")
-    for i in range(1, _LOAN_FIELDS - 1):
-        _int(fields_[i], f"{where}[{i}]")
-    for j, handle in enumerate(_list(fields_[-1], f"{where}.handles")):
-        if not isinstance(handle, list) or len(handle) != 4:
-            raise _Bad(f"{where}.handles[{j}] is not 4 integers")
-        for value in handle:
-            _int(value, f"{where}.handles[{j}]")

@@ -1,7 +1,7 @@
 """The pool's policy: pure functions from a ledger snapshot to decisions, each with its reason.
 
 - `plan_grow`: an engine that needs blocks takes the device's free memory first (within the
-  pool's share), then borrows from engines above their minimum, idle ones first. An engine
+  pool's cap), then borrows from engines above their minimum, idle ones first. An engine
   that has lent blocks recalls them instead: its cache cannot grow over lent blocks until it
   reclaims them. A lender whose newest loans others hold free (an idle engine, or free top
   blocks of a busy one) is not asked: the needy engine recalls them for it, and borrows from
@@ -17,35 +17,65 @@
   what it holds past its maximum (limits change at run time), each once its blocks are free
   (for a member that moves live blocks down, once as many blocks are free anywhere).
 
+Engines of different models share a device: what a needy engine needs is its own blocks, what
+a donor can lend is its own blocks, and the two meet in bytes. A donor may lend to any engine
+of its device and granularity; the needy engine counts a donor's surplus in its own blocks
+(the bytes, in whole blocks of its own), and the donor's answer picks the cut whose handles
+give the borrower the most blocks of the borrower's shape it asked for (`cuts`: the engine
+says what each of its cuts gives).
+
+A burst gets what its queue needs in one move: `plan_grow` takes what the engine asks for
+(the need of its waiting requests, up to its maximum), commits the device's free memory and
+asks every donor for the rest in the same round, idle donors first.
+
 An unresponsive donor (stale heartbeat, or a request to it expired) is never asked; the rules
 (`extensible_kv.pool.rules.reap`) expire what it did not answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import enum
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from extensible_kv.pool.ledger import Engine, Ledger, LoanEntry
+from extensible_kv.pool.ledger import Engine, Ledger, LoanState, PoolLoan
 from extensible_kv.pool.rules import used_bytes
 
-__all__ = ["Decision", "plan_answer", "plan_grow", "plan_release", "unresponsive"]
+__all__ = ["Action", "Decision", "plan_answer", "plan_grow", "plan_release", "unresponsive"]
+
+
+class Action(enum.StrEnum):
+    """What a `Decision` says to do. A needy engine's plan (`plan_grow`): `COMMIT` blocks of
+    free memory, `ASK` a donor, `RECALL` a loan, `WAIT`. A donor's answer (`plan_answer`):
+    `LEND`, or `RELEASE` to the driver (`via="driver"`), or `REFUSE`. What an engine gives
+    back on its own (`plan_release`): `GIVE_BACK` a loan, `SHRINK`."""
+
+    COMMIT = "commit"
+    ASK = "ask"
+    RECALL = "recall"
+    WAIT = "wait"
+    LEND = "lend"
+    RELEASE = "release"
+    REFUSE = "refuse"
+    GIVE_BACK = "give_back"
+    SHRINK = "shrink"
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What `engine` should do: `commit` blocks of free memory; `ask` `peer` to lend it
-    blocks; `recall` loan `loan_id` it lent to `peer`; `lend` blocks for loan `loan_id`
-    (`release` them to the driver instead, for a member that moves memory `via="driver"`);
-    `refuse` it; `give_back` loan `loan_id`; `shrink` by blocks; `wait` (nothing to do now).
-    `reason` says why, for the log."""
+    """What `engine` should do (`action`), with `blocks` of its own blocks: commit them; ask
+    `peer` to lend them; recall loan `loan_id` (that `peer` holds); lend them for loan
+    `loan_id` (which gives the borrower `peer_blocks` of its blocks), or release them to the
+    driver; refuse it; give back loan `loan_id`; shrink by them; wait. `reason` says why,
+    for the log."""
 
-    action: str
+    action: Action
     engine: str
     blocks: int
     reason: str
     peer: str = ""
     loan_id: int = 0
+    peer_blocks: int = 0
 
 
 def unresponsive(engine: Engine, ledger: Ledger, now: float) -> bool:
@@ -53,11 +83,11 @@ def unresponsive(engine: Engine, ledger: Ledger, now: float) -> bool:
 
 
 def incoming_blocks(ledger: Ledger, name: str) -> int:
-    """Blocks already asked for or offered to `name`: not asked again."""
+    """Blocks (of `name`'s) already asked for or offered to `name`: not asked again."""
     return sum(
         loan.blocks
         for loan in ledger.loans.values()
-        if loan.borrower == name and loan.state in ("asked", "offered")
+        if loan.borrower == name and loan.state in (LoanState.ASKED, LoanState.OFFERED)
     )
 
 
@@ -70,24 +100,21 @@ def plan_grow(
     now: float,
     exclude: Collection[str] = (),
 ) -> list[Decision]:
-    """How engine `name` gets `blocks` more blocks; `free_bytes` is its device's free memory
-    now (the engine measures it: the ledger cannot). Donors in `exclude` (ones that refused
-    it lately) are not asked."""
+    """How engine `name` gets `blocks` more of its blocks (what its waiting requests need):
+    the device's free memory first, then every donor, idle ones first, all in this one plan;
+    `free_bytes` is its device's free memory now (the engine measures it: the ledger cannot).
+    Donors in `exclude` (ones that refused it lately) are not asked."""
     engine = ledger.engines[name]
     pending = incoming_blocks(ledger, name)
     room = engine.max_blocks - engine.committed_blocks - pending
     if room <= 0:
         why = f"at its maximum ({engine.max_blocks} blocks, {pending} of them on their way)"
-        return [Decision("wait", name, 0, why)]
+        return [Decision(Action.WAIT, name, 0, why)]
     want = min(blocks - pending, room)
     if want <= 0:
-        return [Decision("wait", name, 0, f"{pending} blocks are on their way already")]
+        return [Decision(Action.WAIT, name, 0, f"{pending} blocks are on their way already")]
     capped = f" (capped by its maximum, {engine.max_blocks})" if want < blocks - pending else ""
-    lent = [
-        loan
-        for loan in ledger.loans.values()
-        if loan.lender == name and loan.state in ("offered", "borrowed", "returned")
-    ]
+    lent = [loan for loan in ledger.loans.values() if loan.lender == name and loan.memory_out]
     if lent:
         return _recall(name, want, lent)
     decisions = []
@@ -95,7 +122,7 @@ def plan_grow(
     if free > 0:
         take = min(want, free)
         why = f"the device has {free} blocks free for the pool{capped}"
-        decisions.append(Decision("commit", name, take, why))
+        decisions.append(Decision(Action.COMMIT, name, take, why))
         want -= take
     # A lender whose newest loans others hold free (an idle engine, or one whose load shrank)
     # gets them back first and lends them again: once this engine borrowed its lower blocks,
@@ -109,46 +136,48 @@ def plan_grow(
         take = min(want, surplus)
         state = "busy" if donor.busy else "idle"
         why = f"{donor.name} is {state} and can lend {surplus} blocks"
-        decisions.append(Decision("ask", name, take, why, peer=donor.name))
+        if donor.block_bytes != engine.block_bytes:
+            why += f" of its ({donor.lendable_bytes} B)"
+        decisions.append(Decision(Action.ASK, name, take, why, peer=donor.name))
         want -= take
     for lender, loans in sorted(back.items()):
         if want <= 0:
             break
         coming = recalled = 0
         for loan in loans:  # newest first
-            coming += loan.blocks
-            if loan.state == "borrowed" and not loan.recall:
+            coming += loan.num_bytes // engine.block_bytes
+            if loan.state == LoanState.BORROWED and not loan.recall:
                 recalled += 1
                 why = (
-                    f"{loan.borrower} holds {loan.blocks} of {lender}'s blocks free: "
+                    f"{loan.borrower} holds {loan.lent_blocks} of {lender}'s blocks free: "
                     f"back to {lender}, to lend again"
                 )
-                decisions.append(
-                    Decision(
-                        "recall", name, loan.blocks, why, peer=loan.borrower, loan_id=loan.loan_id
-                    )
+                recall = Decision(
+                    Action.RECALL, name, loan.blocks, why, loan.borrower, loan.loan_id
                 )
+                decisions.append(recall)
         if not recalled:
             why = f"{coming} blocks are on their way back to {lender}, to lend again"
-            decisions.append(Decision("wait", name, min(want, coming), why))
+            decisions.append(Decision(Action.WAIT, name, min(want, coming), why))
         want -= coming
     if want > 0:
-        decisions.append(Decision("wait", name, want, "no free memory and no donor for the rest"))
+        why = "no free memory and no donor for the rest"
+        decisions.append(Decision(Action.WAIT, name, want, why))
     return decisions
 
 
-def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[LoanEntry]]:
+def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[PoolLoan]]:
     """Per lender other than `needy`: its loans out that can come back to it now without
     `needy`, newest first (the order it takes them back in, so only up to the first that
     cannot): each given back or recalled already, or held by a responsive engine other than
     `needy` whose blocks from the loan's start up are free (all of an idle engine's are)."""
-    out: dict[str, list[LoanEntry]] = {}
+    out: dict[str, list[PoolLoan]] = {}
     for loan in ledger.loans.values():
-        if loan.lender and loan.state in ("offered", "borrowed", "returned"):
+        if loan.lender and loan.memory_out:
             out.setdefault(loan.lender, []).append(loan)
 
-    def comes_back(loan: LoanEntry) -> bool:
-        if loan.state == "returned":
+    def comes_back(loan: PoolLoan) -> bool:
+        if loan.state == LoanState.RETURNED:
             return True
         if loan.borrower == needy:  # what it must give back itself first
             return False
@@ -156,7 +185,7 @@ def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[LoanE
             return True
         borrower = ledger.engines.get(loan.borrower)
         return (
-            loan.state == "borrowed"
+            loan.state == LoanState.BORROWED
             and borrower is not None
             and not unresponsive(borrower, ledger, now)
             and (
@@ -165,7 +194,7 @@ def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[LoanE
             )
         )
 
-    back: dict[str, list[LoanEntry]] = {}
+    back: dict[str, list[PoolLoan]] = {}
     for lender, loans in out.items():
         if lender == needy:
             continue
@@ -179,55 +208,52 @@ def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[LoanE
     return back
 
 
-def _recall(name: str, want: int, lent: list[LoanEntry]) -> list[Decision]:
+def _recall(name: str, want: int, lent: list[PoolLoan]) -> list[Decision]:
     """The newest loan (the fewest blocks kept) lies right above what the lender kept: its
     cache grows back contiguously only newest first, so that is the order of the reclaims."""
     decisions = []
     for loan in sorted(lent, key=lambda loan: loan.kept_blocks):
         if want <= 0:
             break
-        if loan.state == "returned":
-            decisions.append(
-                Decision(
-                    "wait",
-                    name,
-                    loan.blocks,
-                    "it was given back: reclaim",
-                    peer=loan.borrower,
-                    loan_id=loan.loan_id,
-                )
-            )
+        blocks, peer, loan_id = loan.lent_blocks, loan.borrower, loan.loan_id
+        if loan.state == LoanState.RETURNED:
+            why = "it was given back: reclaim"
+            decisions.append(Decision(Action.WAIT, name, blocks, why, peer, loan_id))
         elif not loan.recall:
             why = "its cache grows only once its lent blocks are back"
-            decisions.append(
-                Decision("recall", name, loan.blocks, why, peer=loan.borrower, loan_id=loan.loan_id)
-            )
-        want -= loan.blocks
-    return decisions or [Decision("wait", name, 0, "its loans are recalled already")]
+            decisions.append(Decision(Action.RECALL, name, blocks, why, peer, loan_id))
+        want -= blocks
+    return decisions or [Decision(Action.WAIT, name, 0, "its loans are recalled already")]
 
 
 def _free_blocks(ledger: Ledger, engine: Engine, free_bytes: int) -> int:
     free = free_bytes
-    share = ledger.shares.get(engine.device)
-    if share is not None:
-        free = min(free, share - used_bytes(ledger, engine.device))
+    cap = ledger.caps.get(engine.device)
+    if cap is not None:
+        free = min(free, cap - used_bytes(ledger, engine.device))
     return max(free, 0) // engine.block_bytes
 
 
+def can_lend_to(donor: Engine, needy: Engine) -> bool:
+    """A loan is memory: it moves between engines of one device and granularity, whatever
+    their models (the borrower maps the lender's whole handles at its own blocks)."""
+    return donor.device == needy.device and donor.shape.granularity == needy.shape.granularity
+
+
 def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int]]:
-    """Engines that may lend to `needy`, with the blocks each can lend (less what was asked of
-    it already), idle ones first, then the largest surplus."""
-    asked: dict[str, int] = {}
+    """Engines that may lend to `needy`, with what each can lend in `needy`'s blocks (its
+    surplus in bytes, less what others asked of it already, in whole blocks of `needy`'s),
+    idle ones first, then the largest surplus."""
+    asked: dict[str, int] = {}  # bytes
     for loan in ledger.loans.values():
-        if loan.state == "asked":
-            asked[loan.lender] = asked.get(loan.lender, 0) + loan.blocks
+        if loan.state == LoanState.ASKED:
+            asked[loan.lender] = asked.get(loan.lender, 0) + loan.asked_bytes
     asking = borrowers(ledger)
     donors = []
     for donor in ledger.engines.values():
         if (
             donor.name == needy.name
-            or donor.device != needy.device
-            or donor.layout != needy.layout
+            or not can_lend_to(donor, needy)
             or donor.borrowed_bytes
             or donor.name in asking
             or unresponsive(donor, ledger, now)
@@ -236,7 +262,8 @@ def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int
         # What it said it could lend at once (free top blocks at handle boundaries), never
         # below its minimum, less what others asked of it already.
         above_min = donor.committed_blocks - donor.min_blocks
-        surplus = min(above_min, donor.lendable_blocks) - asked.get(donor.name, 0)
+        surplus_bytes = min(above_min, donor.lendable_blocks) * donor.block_bytes
+        surplus = (surplus_bytes - asked.get(donor.name, 0)) // needy.block_bytes
         if surplus > 0:
             donors.append((donor, surplus))
     donors.sort(key=lambda pair: (pair[0].busy, -pair[1], pair[0].name))
@@ -250,7 +277,7 @@ def borrowers(ledger: Ledger) -> set[str]:
     return {
         loan.borrower
         for loan in ledger.loans.values()
-        if loan.state in ("asked", "offered", "borrowed")
+        if loan.state in (LoanState.ASKED, LoanState.OFFERED, LoanState.BORROWED)
     }
 
 
@@ -260,7 +287,7 @@ def plan_answer(
     loan_id: int,
     *,
     free_tail_blocks: int,
-    lend_points: Collection[int] | None = None,
+    cuts: Mapping[int, int] | None = None,
     free_blocks: int | None = None,
 ) -> Decision:
     """Donor `name`'s answer to request `loan_id`: lend at most its free top blocks
@@ -268,55 +295,63 @@ def plan_answer(
     moves live blocks down before it lends gives `free_blocks` too (all its free blocks, the
     top ones among them): it may lend that many, its live blocks then fitting below the cut.
 
-    `lend_points` (what only the engine knows too: the block counts it may keep, where a
-    handle starts in every segment) makes the loan whole handles: the most it asked for that
-    ends at one; or, when no handle starts within that many top blocks, the fewest whole
-    handles that cover the ask, if they are free and the borrower has room under its maximum
-    (a donor of handles larger than the ask would otherwise refuse every small request)."""
+    `cuts` (what only the engine knows too) maps each number of its top blocks it may lend
+    (a lend point: a handle starts there in every segment, since a loan is whole handles) to
+    the blocks those handles give the borrower, in the borrower's own shape
+    (`extensible_kv.shape.blocks_from`). The loan is the cut that gives the most of what was
+    asked, lending the least for it (nothing the borrower cannot use); or, when no cut within
+    the ask gives any, the fewest that cover the ask, if they are free and the borrower has
+    room for them under its maximum (a donor of handles larger than the ask would otherwise
+    refuse every small request). Without `cuts`, any number of blocks is a cut, giving the
+    borrower what their bytes hold of its blocks."""
     engine, loan = ledger.engines[name], ledger.loans[loan_id]
+    borrower = ledger.engines.get(loan.borrower)
+
+    def refuse(why: str) -> Decision:
+        return Decision(Action.REFUSE, name, 0, why, loan.borrower, loan_id)
+
     if engine.borrowed_bytes or name in borrowers(ledger):
-        why = "it holds borrowed blocks or waits for memory itself"
-        return Decision("refuse", name, 0, why, loan.borrower, loan_id)
+        return refuse("it holds borrowed blocks or waits for memory itself")
     above_min = engine.committed_blocks - engine.min_blocks
     moves = free_blocks is not None
     free = max(free_tail_blocks, free_blocks or 0)
     lendable = min(free, above_min)
     if lendable <= 0:
         if above_min <= 0:
-            why = f"at its minimum ({engine.min_blocks} blocks)"
-        elif moves:
-            why = f"all {engine.committed_blocks} of its blocks are live"
-        else:
-            why = (
-                f"its top {above_min} blocks above its minimum are live, and it does not move "
-                "live blocks down (move=False)"
-            )
-        return Decision("refuse", name, 0, why, loan.borrower, loan_id)
-    blocks = min(loan.blocks, lendable)
+            return refuse(f"at its minimum ({engine.min_blocks} blocks)")
+        if moves:
+            return refuse(f"all {engine.committed_blocks} of its blocks are live")
+        return refuse(
+            f"its top {above_min} blocks above its minimum are live, and it does not move "
+            "live blocks down (move=False)"
+        )
     where = "" if moves else " at its top"
     why = f"{lendable} free blocks{where} above its minimum"
-    if lend_points is not None:
-        sizes = [engine.committed_blocks - k for k in lend_points]
-        sizes = [n for n in sizes if 0 < n <= lendable]
-        borrower = ledger.engines.get(loan.borrower)
-        room = borrower.max_blocks - borrower.committed_blocks if borrower else 0
-        fits = [n for n in sizes if n <= blocks]
-        covers = [n for n in sizes if blocks < n <= room]
-        if fits:
-            blocks = max(fits)
-        elif covers:
-            blocks = min(covers)
-            why += f"; {blocks} blocks, the fewest whole handles that cover the ask"
-        else:
-            why = (
-                f"no handle starts within its {blocks} free top blocks, and the whole "
-                f"handles past them are more than are free or than {loan.borrower} has room "
-                "for (a loan is whole handles)"
-            )
-            return Decision("refuse", name, 0, why, loan.borrower, loan_id)
+    wanted = loan.blocks  # the borrower's blocks
+    if cuts is None:
+        ratio = (engine.block_bytes, borrower.block_bytes if borrower else engine.block_bytes)
+        cuts = {n: n * ratio[0] // ratio[1] for n in range(1, lendable + 1)}
+    gains = sorted((n, g) for n, g in cuts.items() if 0 < n <= lendable and g > 0)
+    room = borrower.max_blocks - borrower.committed_blocks if borrower else 0
+    fits = [(g, -n) for n, g in gains if g <= wanted]
+    covers = [(g, n) for n, g in gains if wanted < g <= room]
+    if fits:
+        gain, blocks = max(fits)
+        blocks = -blocks
+    elif covers:
+        gain, blocks = min(covers)
+        why += f"; {blocks} blocks, the fewest whole handles that cover the ask"
+    else:
+        return refuse(
+            f"no whole handles within its {lendable} free blocks give {loan.borrower} up to "
+            f"the {wanted} blocks asked, and those that cover the ask are more than are free "
+            f"or than {loan.borrower} has room for (a loan is whole handles)"
+        )
+    if borrower is not None and borrower.block_bytes != engine.block_bytes:
+        why += f"; {gain} of {loan.borrower}'s blocks"
     if blocks > free_tail_blocks:
         why += f"; its live blocks past the {blocks} lent move down first"
-    return Decision("lend", name, blocks, why, loan.borrower, loan_id)
+    return Decision(Action.LEND, name, blocks, why, loan.borrower, loan_id, gain)
 
 
 def plan_release(ledger: Ledger, name: str, *, free_tail_blocks: int) -> list[Decision]:
@@ -331,7 +366,7 @@ def plan_release(ledger: Ledger, name: str, *, free_tail_blocks: int) -> list[De
         (
             loan
             for loan in ledger.loans.values()
-            if loan.borrower == name and loan.state == "borrowed"
+            if loan.borrower == name and loan.state == LoanState.BORROWED
         ),
         key=lambda loan: -loan.start_block,
     )
@@ -346,21 +381,20 @@ def plan_release(ledger: Ledger, name: str, *, free_tail_blocks: int) -> list[De
             break  # a loan below this one cannot go back before it
         if loan.start_block < used_top:
             break  # live blocks: once they are free
-        decisions.append(Decision("give_back", name, loan.blocks, why, loan.lender, loan.loan_id))
+        decisions.append(
+            Decision(Action.GIVE_BACK, name, loan.blocks, why, loan.lender, loan.loan_id)
+        )
         top = loan.start_block
     given = {d.loan_id for d in decisions}
     kept_top = max(
         (loan.start_block + loan.blocks for loan in borrowed if loan.loan_id not in given),
         default=0,
     )
-    lends = any(
-        loan.lender == name and loan.state in ("offered", "borrowed", "returned")
-        for loan in ledger.loans.values()
-    )
+    lends = any(loan.lender == name and loan.memory_out for loan in ledger.loans.values())
     # A shrink past a borrowed block would give it back behind the ledger's back, and one
     # below lent blocks is no shrink at all: neither is planned.
     keep = max(engine.max_blocks, used_top, kept_top)
     if top > keep and not lends:
         why = f"past its maximum ({engine.max_blocks} blocks)"
-        decisions.append(Decision("shrink", name, top - keep, why))
+        decisions.append(Decision(Action.SHRINK, name, top - keep, why))
     return decisions

@@ -53,6 +53,7 @@ import stat
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 from extensible_kv import _args
@@ -181,21 +182,46 @@ class Pool:
         with self.transaction() as ledger:
             return ledger
 
-    def set_limits(self, engine: str, *, min_blocks: int | None, max_blocks: int | None) -> None:
-        """Changes engine `engine`'s limits while it runs; its member acts on them at its next
-        `serve` (giving back what lies past a lowered maximum, once free)."""
+    def set_limits(
+        self,
+        engine: str,
+        *,
+        min_blocks: int | None = None,
+        max_blocks: int | None = None,
+        min_bytes: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """Changes engine `engine`'s limits while it runs, in its own blocks or in bytes (a
+        minimum in bytes: the fewest of its blocks that hold it; a maximum: the most that fit
+        in it); its member acts on them at its next `serve` (giving back what lies past a
+        lowered maximum, once free)."""
         check_name(engine, "engine")
-        low = _args.optional_size(min_blocks, "min_blocks", maximum=rules.MAX_BLOCKS)
-        high = _args.optional_size(max_blocks, "max_blocks", maximum=rules.MAX_BLOCKS)
+        limits = {"min_blocks": min_blocks, "max_blocks": max_blocks}
+        limits |= {"min_bytes": min_bytes, "max_bytes": max_bytes}
+        for what, value in limits.items():
+            _args.optional_size(value, what, maximum=rules.MAX_BLOCKS)
         with self.transaction() as ledger:
-            rules.set_limits(ledger, engine, self.clock(), low, high)
+            rules.set_limits(
+                ledger,
+                engine,
+                self.clock(),
+                min_blocks,
+                max_blocks,
+                min_bytes=min_bytes,
+                max_bytes=max_bytes,
+            )
 
-    def set_share(self, device: str, num_bytes: int | None) -> None:
+    def set_cap(self, device: str, num_bytes: int | None) -> None:
         """Caps the bytes the pool's engines may hold on `device` (`cpu`, `cuda:N`) in all
         (None: no cap)."""
-        rules.check_share(device, num_bytes)
+        rules.check_cap(device, num_bytes)
         with self.transaction() as ledger:
-            rules.set_share(ledger, device, num_bytes, self.clock())
+            rules.set_cap(ledger, device, num_bytes, self.clock())
+
+    def set_share(self, device: str, num_bytes: int | None) -> None:
+        """Deprecated: `set_cap`."""
+        warnings.warn("Pool.set_share is deprecated: use Pool.set_cap", DeprecationWarning, 2)
+        self.set_cap(device, num_bytes)
 
     def reset(self) -> None:
         """Removes the ledger (a corrupt one too, or whatever else is in its place): the next

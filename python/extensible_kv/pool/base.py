@@ -1,0 +1,201 @@
+"""What every side of a pool member shares (`MemberBase`): its settings and state, its
+transactions (each starting by bringing the ledger in line with its notes), the numbers it
+posts, and the steps both its donor side and its borrower side take.
+
+`PoolMember` (`extensible_kv.pool.member`) is this plus its donor side
+(`extensible_kv.pool.donor`: answering requests, lending, reclaiming, the fd socket) and its
+borrower side (`extensible_kv.pool.borrower`: taking loans, giving them back, shrinking);
+each side is a mixin over this base, so that no module imports another side's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+from extensible_kv import _args
+from extensible_kv.pool import fds, rules
+from extensible_kv.pool.asks import AskLog
+from extensible_kv.pool.caches import (
+    MovingCache,
+    PoolCache,
+    borrowed_bytes,
+    lend_points,
+    lent_bytes,
+)
+from extensible_kv.pool.ledger import Ledger, LedgerCorruptError
+from extensible_kv.pool.notes import Notes
+from extensible_kv.pool.policy import Decision
+from extensible_kv.pool.store import Pool, PoolLockTimeout
+
+logger = logging.getLogger("extensible_kv.pool")
+
+__all__ = ["MemberBase", "PostFailed"]
+
+# How long a shrink through the driver waits for its memory to be the driver's, in slices
+# that a Ctrl-C ends, before it posts anyway (the release thread is late, not lost).
+RELEASE_WAIT_S = 10.0
+# What failing to use the ledger raises: the lock held too long, the file system (a full
+# /dev/shm, a file in the wrong hands), the ledger unreadable.
+STORE_FAILURES = (PoolLockTimeout, LedgerCorruptError, OSError)
+
+
+class PostFailed(Exception):
+    """Inside `serve()`: the ledger could not be used; what moved is posted later."""
+
+
+class MemberBase:
+    """The state `PoolMember.__init__` sets, and the steps its sides share."""
+
+    pool: Pool
+    name: str
+    cache: PoolCache
+    via: str
+    move: bool
+    min_blocks: int
+    max_blocks: int
+    free_tail_blocks: Callable[[], int]
+    on_resize: Callable[[int], None] | None
+    free_bytes: Callable[[], int]
+    zero: bool
+    answer_timeout_s: float
+    take_timeout_s: float
+    commit_step_blocks: int | None
+    stream: int | None
+    busy: bool
+    _notes: Notes
+    _asks: AskLog
+    _serving: int  # serve() calls in progress: a failed post is logged there
+    _post_failure: str | None  # the last failed post's error, while failing
+    _refusals: int  # socket peers refused so far
+    _last_plan: list[tuple[str, str, int]]
+    _refused: dict[str, float]  # donor -> when it may be asked again
+    _warned: set[str]  # lenders whose loan this engine could not borrow
+    _exported_at: int  # the committed blocks when every handle was last exported
+    _settling: bool
+    _fd_server: fds.FdServer | None  # where borrowers refused by pid ask
+
+    # ---------------------------------------------------------------------------------------
+    # the ledger, in line with the cache
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Ledger]:
+        """A transaction of the pool whose recovery step also reconciles this engine's entries
+        with its cache (`Notes.reconcile`). Inside `serve()`, a failure to use the ledger (not
+        one of the body's) is a `PostFailed`, which `serve` logs."""
+        body_failed = False
+        try:
+            with self.pool.transaction(repair=self._reconcile) as ledger:
+                try:
+                    yield ledger
+                except BaseException:
+                    body_failed = True
+                    raise
+        except STORE_FAILURES as error:
+            if body_failed or not self._serving:
+                raise
+            raise PostFailed(str(error)) from error
+
+    def _reconcile(self, ledger: Ledger) -> None:
+        self._notes.reconcile(
+            ledger, self.name, self.pool.clock(), self.take_timeout_s, self._held()
+        )
+
+    def _held(self) -> dict[str, int]:
+        cache = self.cache
+        return {
+            "committed_blocks": cache.committed_blocks,
+            "physical_bytes": cache.physical_bytes,
+            "lent_bytes": lent_bytes(cache),
+            "borrowed_bytes": borrowed_bytes(cache),
+        }
+
+    def _record(self, ledger: Ledger) -> None:
+        """Posts what the cache holds, what it could lend at once and its free top blocks, and
+        the heartbeat."""
+        cache = self.cache
+        lendable = 0
+        committed, free = cache.committed_blocks, self._free_top_blocks()
+        if not borrowed_bytes(cache):  # a borrower lends nothing
+            fits = [committed - k for k in lend_points(cache) if committed - k <= free]
+            lendable = max(fits, default=0)
+        numbers: dict[str, Any] = {
+            **self._held(),
+            "lendable_blocks": lendable,
+            "free_top_blocks": free,
+            "busy": self.busy,
+        }
+        rules.record(ledger, self.name, self.pool.clock(), numbers)
+
+    # ---------------------------------------------------------------------------------------
+    # the cache's free blocks, as the engine says
+
+    def _unused_top_blocks(self) -> int:
+        """The top committed blocks no request uses now (the engine's `free_tail_blocks()`)."""
+        free = _args.size(self.free_tail_blocks(), "free_tail_blocks()")
+        return min(free, self.cache.committed_blocks)
+
+    def _free_blocks(self) -> int | None:
+        """With `move=True`, the free blocks wherever they lie (the cache's `free_blocks()`);
+        None without."""
+        if not self.move:
+            return None
+        free = _args.size(cast(MovingCache, self.cache).free_blocks(), "free_blocks()")
+        return min(free, self.cache.committed_blocks)
+
+    def _free_top_blocks(self) -> int:
+        """The top blocks that could go at once (what the ledger calls `free_top_blocks`): the
+        unused ones at the top, or with `move=True` as many as are free anywhere (the live
+        ones above them move down first)."""
+        return max(self._unused_top_blocks(), self._free_blocks() or 0)
+
+    # ---------------------------------------------------------------------------------------
+    # steps both sides take
+
+    def _clear_past(self, keep: int) -> None:
+        """With `move=True`, moves the live blocks at or past `keep` down, if any: before a
+        lend or a release, and before a borrowed loan goes back (so that a recalled loan goes
+        back at once, however busy the borrower is, if it has free blocks enough below)."""
+        if self.move and self._unused_top_blocks() < self.cache.committed_blocks - keep:
+            cast(MovingCache, self.cache).move_below(keep)
+
+    def _released_to_driver(self) -> None:
+        """Waits until what a shrink gave back is the driver's: before the ledger says so, or
+        another engine could count on memory the device still holds. In slices, so that a
+        Ctrl-C ends it; past `RELEASE_WAIT_S`, posted anyway (the memory is on its way)."""
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while not self.cache.wait_released(timeout=0.01):
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "pool: %s: the driver has not released its shrink after %.0f s",
+                    self.name,
+                    RELEASE_WAIT_S,
+                )
+                break
+        self._resized()
+
+    def _resized(self) -> None:
+        if self.on_resize is not None:
+            self.on_resize(self.cache.committed_blocks)
+
+    def _log(self, decision: Decision) -> None:
+        peer = f" {decision.peer}" if decision.peer else ""
+        logger.info(
+            "pool: %s: %s%s %d blocks: %s",
+            self.name,
+            decision.action,
+            peer,
+            decision.blocks,
+            decision.reason,
+        )
+
+    def _log_plan(self, decisions: list[Decision]) -> None:
+        """Logs a plan when it differs from the last: `grow` plans again every round."""
+        plan = [(str(d.action), d.peer, d.blocks) for d in decisions]
+        if plan != self._last_plan:
+            for decision in decisions:
+                self._log(decision)
+        self._last_plan = plan
