@@ -103,11 +103,13 @@ class DonorSide(MemberBase):
         rules.refuse(ledger, loan.loan_id, decision.reason, self.pool.clock())
 
     def _lend(self, decision: Decision) -> None:
-        """Makes a planned answer: a lend (`_lend_loans`) or a release to the driver."""
-        if decision.action == Action.RELEASE:
-            self._release_for(decision)
-        else:
-            self._lend_loans(decision)
+        """Makes a planned answer: a lend (`_lend_loans`) or a release to the driver
+        (`_release_for`)."""
+        answers: dict[Action, Callable[[Decision], None]] = {
+            Action.LEND: self._lend_loans,
+            Action.RELEASE: self._release_for,
+        }
+        answers[decision.action](decision)
 
     def _lend_loans(self, decision: Decision) -> None:
         before = self.cache.committed_blocks
