@@ -54,7 +54,7 @@ def test_status_limit_cap_watch_and_reset(
     ]
     assert "0 B..1.5 MiB (0..64)" in row
     loan_row = next(line for line in out.splitlines() if line.startswith("1 "))
-    assert loan_row.split()[:7] == ["1", "a", "b", "asked", "96.0", "KiB", "-->4"]
+    assert loan_row.split()[:8] == ["1", "a", "b", "asked", "96.0", "KiB", "4", "asked"]
     assert "loan 1: b asks a for 4 blocks (98304 B): test" in out
     code, out, _ = cli(tmp_path, capsys, "limit", "a", "--min", "2", "--max", "30")
     assert (code, out) == (0, "a: 2..30 blocks (16.0 KiB..240.0 KiB)\n")

@@ -297,7 +297,8 @@ def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
                 note = f"due in {x.deadline - now:.2f} s"
             if x.recall:
                 note = f"recalled; {note}" if note else "recalled"
-            lent = f"{x.lent_blocks}" if x.lent_blocks else "-"
+            # The lender's blocks lent, and what they give the borrower in its own.
+            blocks = f"{x.lent_blocks}->{x.blocks}" if x.lent_blocks else f"{x.blocks} asked"
             rows.append(
                 [
                     str(x.loan_id),
@@ -305,7 +306,7 @@ def format_status(pool: Pool, ledger: Ledger, now: float) -> str:
                     x.borrower or "(gone)",
                     x.state,
                     _bytes(x.num_bytes or x.asked_bytes),
-                    f"{lent}->{x.blocks}",
+                    blocks,
                     note,
                 ]
             )
