@@ -63,7 +63,8 @@ class DonorSide(MemberBase):
                 rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
                 continue
             borrower = ledger.engines.get(loan.borrower)
-            cuts = self._cuts(points, borrower, me.committed_blocks)
+            most = min(max(unused_top, free or 0), me.committed_blocks - me.min_blocks)
+            cuts = self._cuts(points, borrower, me.committed_blocks, most, loan.blocks)
             decision = plan_answer(
                 ledger,
                 self.name,
@@ -84,16 +85,21 @@ class DonorSide(MemberBase):
                     free -= made.blocks
         return planned
 
-    def _cuts(self, points: set[int], borrower: Engine | None, top: int) -> dict[int, int] | None:
-        """What each of this cache's cuts below `top` gives `borrower` (None: a borrower gone,
-        whose request the plan refuses anyway)."""
+    def _cuts(
+        self, points: set[int], borrower: Engine | None, top: int, most: int, wanted: int
+    ) -> dict[int, int] | None:
+        """What this cache's cuts below `top` of at most `most` blocks give `borrower`, which
+        asked for `wanted` blocks of its own (None: a borrower gone, whose request the plan
+        refuses anyway)."""
         if borrower is None:
             return None
         if self.via == "driver":  # the borrower commits the bytes: whole blocks of its own
             bb, theirs = self.cache.shape().block_bytes(), borrower.block_bytes
             return {top - k: (top - k) * bb // theirs for k in points if k < top}
         room = max(0, borrower.max_blocks - borrower.committed_blocks)
-        return gains(self.cache, points, borrower.shape, top, room)
+        return gains(
+            self.cache, points, borrower.shape, top, room, most=max(most, 0), wanted=wanted
+        )
 
     def _plan_lend(self, ledger: Ledger, loan: PoolLoan, decision: Decision) -> Decision:
         rules.lend_ahead(ledger, self.name, decision.blocks)  # what the next answer sees
