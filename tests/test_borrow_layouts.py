@@ -423,3 +423,38 @@ def test_cycles_leave_fds_and_mappings_as_they_were(device: str, g: int, child: 
         assert counts() == warm
         assert child_after == child_warm
         assert lender.committed_blocks == (KEEP + 40) * u
+
+
+@pytest.mark.parametrize("failing", [0, 2], ids=["first buffer", "third buffer"])
+def test_a_borrow_that_fails_part_way_leaves_the_borrower_as_it_was(
+    device: str, g: int, failing: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failure at the first buffer changed nothing: the loans stay offered, and borrow
+    # elsewhere. One after buffers that mapped: those give back, and every handle of the loans
+    # is returned, so that the lender reclaims them at once rather than wait.
+    lender = make("kv2", device, g, CAPACITY)
+    borrower = make("buffers4", device, g, CAPACITY)
+    other = make("flat6k", device, g, CAPACITY)
+    with lender, borrower, other:
+        u, v = unit("kv2", g), unit("buffers4", g)
+        commit_in_steps(lender, "kv2", g, list(range(KEEP, KEEP + STEPS + 1)))
+        borrower.commit(START * v)
+        before = state(borrower)
+        loans = lender.lend(KEEP * u)
+        tensor = borrower.buffers[failing]
+
+        def fail(*args: Any) -> None:
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(tensor, "_borrow_placed", fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            borrower.borrow(loans, zero=False)
+        monkeypatch.undo()
+        assert state(borrower) == before
+        for t in borrower.buffers:
+            t._check_invariants()
+        if failing == 0:
+            assert other.borrow(loans) > 0, "the loans stayed offered"
+            other.give_back(loans)
+        lender.reclaim(loans, timeout=0)  # every handle back: no wait
+        assert lender.committed_blocks == (KEEP + STEPS) * u

@@ -537,11 +537,12 @@ def borrow_dealt(
     The handles are dealt by `extensible_kv.shape.deal` from what each segment maps past its
     committed end now (`_borrow_room`); each tensor then maps its handles where the dealing put
     them, which the core checks (`ExtensibleTensor::borrow_placed`). Handles the layout cannot
-    use go back to their lender at once, unmapped, before anything is mapped, so the lender's
-    `reclaim` never waits for them. A `ValueError` before anything changes for a loan of
-    another device or granularity, of one of these tensors, or that holds no block here.
-    Where a later step fails, what was mapped goes back and so does every handle of the
-    loans (the lender reclaims them at once); where the first fails, the loans stay offered."""
+    use go back to their lender at once, unmapped, so the lender's `reclaim` never waits for
+    them. A `ValueError` before anything changes for a loan of another device or granularity,
+    of one of these tensors, or that holds no block here. Where the first tensor's borrow
+    fails, nothing changed and the loans stay offered; where a later step fails, what was
+    mapped goes back and so does every other handle of the loans (their lender reclaims them
+    at once)."""
     from extensible_kv.shape import BufferShape, CacheShape, deal
 
     zero = _args.flag(zero, "zero")
@@ -604,11 +605,6 @@ def borrow_dealt(
     done: list[ExtensibleTensor] = []
     touched = False
     try:
-        # What cannot be used first: a lender that cannot be reached fails here, before
-        # anything is mapped.
-        for li, indices in unused.items():
-            _native._loan_decline(natives[li], indices, fds[li])
-            touched = True
         for ti, tensor in enumerate(tensors):
             placed = []
             for k, where in enumerate(dealing.placements):
@@ -620,6 +616,10 @@ def borrow_dealt(
             tensor._borrow_placed(natives, fds, placed, sizes, zero, stream)
             done.append(tensor)
             touched = True
+        # What this layout cannot use goes back last: a borrow that fails at its first
+        # tensor has changed nothing, and its loans stay offered.
+        for li, indices in unused.items():
+            _native._loan_decline(natives[li], indices, fds[li])
     except BaseException as error:
         if touched:
             _give_back_whole(done, natives, fds, stream, error)
