@@ -1006,7 +1006,7 @@ def run_setup(
     if name in VIAS:
         pool = Pool(f"bench-pool-{os.getpid()}-{name}")
         pool.destroy()
-        pool.set_share(args.device, sizes["share_bytes"])
+        pool.set_cap(args.device, sizes["share_bytes"])
         sizes = {**sizes, "pool": pool.name}
         watcher = LedgerWatcher(pool)
     try:

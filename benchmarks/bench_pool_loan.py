@@ -212,7 +212,7 @@ def one_repetition(args: argparse.Namespace, via: str, blocks: dict[str, int]) -
     with tempfile.TemporaryDirectory(prefix="ekv-pool-loan-") as directory:
         pool = Pool("bench-pool-loan", directory=directory)
         _, block_bytes = _spec(unit == MIB)
-        pool.set_share(args.device, (blocks["donor"] + blocks["min"]) * block_bytes)
+        pool.set_cap(args.device, (blocks["donor"] + blocks["min"]) * block_bytes)
         config = {
             "device": args.device,
             "via": via,

@@ -244,8 +244,10 @@ def test_bench_pool_reads_each_request_for_memory_from_the_ledger(tmp_path: Path
     borrow; a release to the driver's is ask to the first sample of the needy engine's memory
     that grew after it; a refusal moves nothing. A read that finds only new events, the
     ledger full, counts as maybe lost."""
+    from extensible_kv.ipc import Loan, LoanHandle
     from extensible_kv.pool import Engine, Pool, rules
     from extensible_kv.pool.ledger import MAX_EVENTS
+    from extensible_kv.shape import BufferShape, CacheShape
 
     bench = bench_scripts.load("bench_pool")
     clock = [100.0]
@@ -259,13 +261,24 @@ def test_bench_pool_reads_each_request_for_memory_from_the_ledger(tmp_path: Path
 
     for name, pid, block in (("a", 11, 4096), ("b", 12, 8192), ("c", 13, 4096)):
         with at(100.0) as ledger:
-            rules.join(ledger, Engine(name, pid, 1, "cpu", "x", block, 1, 64, 64), 100.0)
-    native = ["cpu", 1, 2, 3, 4, 5, 6, [[0, 1, 2, 3]]]
+            shape = CacheShape("cpu", 4096, (BufferShape(1, block),))
+            rules.join(ledger, Engine(name, pid, 1, shape, 1, 64, 64), 100.0)
+    memory = (Loan("cpu", 4096, 1, 2, 3, 4, 5, (LoanHandle(0, 8, 2, 3),)),)  # 8 of a's blocks
     with at(100.010) as ledger:
         lent = rules.ask(ledger, "b", "a", 8, 101.0, 100.010, "a burst")
     watcher._read()
     with at(100.025) as ledger:
-        rules.offer(ledger, lent, 56, 8, 8 * 4096, [native], 101.0, 100.025)
+        rules.lent(
+            ledger,
+            lent,
+            "a",
+            kept_blocks=56,
+            lent_blocks=8,
+            blocks=4,  # b's blocks are twice a's
+            loans=memory,
+            deadline=101.0,
+            now=100.025,
+        )
     with at(100.0355) as ledger:
         rules.took(ledger, ledger.loans[lent], 64, 100.0355)
     watcher._read()
