@@ -203,6 +203,7 @@ def _cases() -> list[Case]:
     add("cache", "num_blocks", BAD_INT, TypeError, lambda c, v: c.shrink_to(v))
     add("cache", "blocks", [-1], ValueError, lambda c, v: c.shrink_to(v))
     add("cache", "exact", BAD_FLAG, TypeError, lambda c, v: c.shrink_to(1, exact=v))
+    add("cache", "num_blocks", BAD_INT, TypeError, lambda c, v: c.lend_sizes(v))
     add("cache", "block_size", [1.5, "16"], TypeError,
         lambda c, v: AttentionLayerSpec("FLASH_ATTN", v, 2, 32, torch.bfloat16))  # fmt: skip
     add("cache", "block_size", [0, -16], ValueError,
