@@ -3,8 +3,18 @@
 outside (`/proc/<pid>/fd` and `/proc/<pid>/maps`).
 
 The engine "uses" its lowest blocks: each used block holds a pattern of its engine's seed and
-its index, written when it is first used and checked after every command, so a loan that
-touched a live block fails the test at once. Its free top blocks are what it does not use.
+its index (a byte, in every segment of every buffer), written when it is first used and
+checked after every command, so a loan that touched a live block fails the test at once. Its
+free top blocks are what it does not use.
+
+Its cache is one of three tiny models' (`LAYOUTS`, issue 52): `kv2` (a K/V split: 2 segments
+of 4,096 bytes a block, 8,192 in all), `flat` (one block-major segment of 12,288 bytes a block,
+as transformers' flat cache), `layers6` (6 layers, a segment each, 4,096 bytes a block each,
+24,576 in all). Block bytes and segment counts differ, so a loan between two of them is memory
+dealt to the borrower's own segments (`extensible_kv.shape`), and what a borrower's layout
+cannot use stays with the lender. A segment's block is whole granules in each, so that a
+commit of any block count maps exactly what the pool counts (a block that ends inside a
+granule maps the rest of it too, past the pool's cap: `test_pool_models.py`'s xfail).
 
 `arm` makes the store fail (`Fault`: its lock held by another descriptor, `ENOSPC` on its
 writes, or garbage over the ledger) right after the cache's next memory move of a kind, until
@@ -31,6 +41,7 @@ from extensible_kv import (
     ExtensibleKVCache,
     KVCacheTensorSpec,
     PtraceRefusedError,
+    StandardLayerSpec,
 )
 from extensible_kv.pool import LedgerCorruptError, Pool, PoolLockTimeout, PoolMember
 from extensible_kv.pool import store as store_module
@@ -43,15 +54,41 @@ SPEC = (
     ),
 )
 BLOCK_BYTES = 2 * GRANULE
+# The three tiny models' caches: spec and block bytes (every segment's block bytes summed).
+LAYOUTS: dict[str, tuple[tuple[KVCacheTensorSpec, ...], int]] = {
+    "kv2": (SPEC, BLOCK_BYTES),
+    # FLASHINFER is block-major: one segment of 16 tokens x 6 heads x 32 x K/V x bf16.
+    "flat": (
+        (
+            KVCacheTensorSpec(
+                3 * GRANULE, {"attn": AttentionLayerSpec("FLASHINFER", 16, 6, 32, torch.bfloat16)}
+            ),
+        ),
+        3 * GRANULE,
+    ),
+    # [L, B, H, N, C]: a segment per layer, 16 tokens x 2 heads x 32 x K/V x bf16 each.
+    "layers6": (
+        (
+            KVCacheTensorSpec(
+                6 * GRANULE,
+                {
+                    f"l{i}": StandardLayerSpec("LBHNC", 6, i, 16, 2, 32, torch.bfloat16)
+                    for i in range(6)
+                },
+            ),
+        ),
+        6 * GRANULE,
+    ),
+}
 CAPACITY = 96
-STEP = 4  # blocks a commit step: the unit a donor lends in
+STEP = 4  # blocks a commit step: the unit a donor lends in (whole granules in every layout)
 TIMEOUT_S = 60
 MEMFD = "/memfd:extensible-kv:"
 BOARD = "/memfd:extensible-kv-loan:"
 
 
-def block_value(seed: int, block: int) -> float:
-    return float((seed * 31 + block * 7) % 200 + 1)  # small integers: exact in bf16
+def block_value(seed: int, block: int) -> int:
+    return (seed * 31 + block * 7) % 200 + 1  # a byte, never 0 (what a zeroed block holds)
 
 
 class Engine:
@@ -67,17 +104,18 @@ class Engine:
         answer_timeout_s: float,
         refuse_by_pid: bool,
         lock_timeout_s: float = 5.0,
+        layout: str = "kv2",
     ) -> None:
         self.seed = seed
+        self.layout = layout
         self.fault: Fault | None = None
         self.used = 0
         self.over_socket = 0  # loans borrowed with fds the lender sent on its socket
+        spec, block_bytes = LAYOUTS[layout]
         self.cache = ExtensibleKVCache(
-            SPEC, CAPACITY, "cpu", granularity=GRANULE, export_handle_types="posix_fd"
+            spec, CAPACITY, "cpu", granularity=GRANULE, export_handle_types="posix_fd"
         )
-        view = self.cache.views["attn"]
-        assert isinstance(view, torch.Tensor) and self.cache.block_dims["attn"] == 1
-        self.view = view.transpose(0, 1)  # blocks first: (blocks, K/V, tokens, heads, size)
+        assert self.cache_block_bytes() == block_bytes, (layout, self.cache_block_bytes())
         self.refuse_by_pid = refuse_by_pid
         if refuse_by_pid:
             self.cache.borrow = self.borrow_refused_by_pid  # type: ignore[method-assign]
@@ -128,12 +166,29 @@ class Engine:
     def resized(self, committed: int) -> None:
         assert committed >= self.used, f"the cache shrank to {committed} under {self.used} used"
 
+    def cache_block_bytes(self) -> int:
+        """A block's bytes over every segment of every buffer."""
+        return sum(
+            tensor.num_segments * sbb
+            for tensor, sbb in zip(self.cache.buffers, self.cache.segment_block_bytes, strict=True)
+        )
+
+    def _segments(self, blocks: int) -> list[torch.Tensor]:
+        """Blocks `[0, blocks)` of every segment of every buffer, a row of bytes per block."""
+        rows = []
+        for tensor, sbb in zip(self.cache.buffers, self.cache.segment_block_bytes, strict=True):
+            for s in range(tensor.num_segments):
+                rows.append(tensor.segment_view(s)[: blocks * sbb].view(blocks, sbb))
+        return rows
+
     def use(self, blocks: int) -> None:
         """Uses the lowest `blocks` blocks (at most what is committed): new ones get their
         pattern, the ones given up are free."""
         blocks = min(blocks, self.cache.committed_blocks)
-        for block in range(self.used, blocks):
-            self.view[block].fill_(block_value(self.seed, block))
+        if blocks > self.used:
+            for rows in self._segments(blocks):
+                for block in range(self.used, blocks):
+                    rows[block].fill_(block_value(self.seed, block))
         self.used = blocks
 
     def check(self) -> None:
@@ -146,11 +201,11 @@ class Engine:
             )
         if self.used:
             expected = torch.tensor(
-                [block_value(self.seed, b) for b in range(self.used)], dtype=torch.bfloat16
+                [block_value(self.seed, b) for b in range(self.used)], dtype=torch.uint8
             )
-            got = self.view[: self.used].flatten(1)
-            assert torch.equal(got.min(dim=1).values, expected), "a used block lost its bytes"
-            assert torch.equal(got.max(dim=1).values, expected), "a used block lost its bytes"
+            for rows in self._segments(self.used):
+                assert torch.equal(rows.min(dim=1).values, expected), "a used block lost its bytes"
+                assert torch.equal(rows.max(dim=1).values, expected), "a used block lost its bytes"
 
     def numbers(self) -> dict[str, int]:
         cache = self.cache
@@ -342,11 +397,23 @@ def start(
     answer_timeout_s: float = 1.0,
     refuse_by_pid: bool = False,
     lock_timeout_s: float = 5.0,
+    layout: str = "kv2",
 ) -> Proc:
-    """Starts engine `name`; `joined` waits for it to be in the pool. With `refuse_by_pid`,
-    the engine may not take others' fds by pid and borrows over their sockets."""
+    """Starts engine `name` over a cache of `layout` (`LAYOUTS`); `joined` waits for it to be
+    in the pool. With `refuse_by_pid`, the engine may not take others' fds by pid and borrows
+    over their sockets."""
     parent, child = ctx.Pipe()
-    args = (directory, pool, name, seed, limits, answer_timeout_s, refuse_by_pid, lock_timeout_s)
+    args = (
+        directory,
+        pool,
+        name,
+        seed,
+        limits,
+        answer_timeout_s,
+        refuse_by_pid,
+        lock_timeout_s,
+        layout,
+    )
     process = ctx.Process(target=_main, args=(child, args), daemon=True)
     process.start()
     return Proc(name, process, parent)

@@ -1,8 +1,8 @@
 """The pool with real engine processes on the host backend (`pool_engine.py`): three engines
-borrow and give back under a seeded random schedule (taking the fds by pid, or over the
-lenders' sockets) while engines are killed with SIGKILL at random steps (some in the middle of
-a command), limits changed at run time from the command line, and a donor stopped with
-SIGSTOP.
+(of one model, or of three different models) borrow and give back under a seeded random
+schedule (taking the fds by pid, or over the lenders' sockets) while engines are killed with
+SIGKILL at random steps (some in the middle of a command), limits changed at run time from the
+command line, and a donor stopped with SIGSTOP.
 
 After every step the ledger is consistent (`rules.check`), says what each engine's process
 holds (its own numbers, and the bytes of memory `/proc/<pid>/maps` shows it mapping), and the
@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,18 @@ def check_consistent(
         for key in NUMBERS:
             assert getattr(entry, key) == numbers[name][key], (name, key, entry, numbers[name])
         assert mapped_bytes(proc.pid) == numbers[name]["physical_bytes"], f"{name} counted once"
-    assert rules.used_bytes(ledger, "cpu") <= share
+    assert rules.used_bytes(ledger, "cpu") <= share, "\n".join(
+        [
+            f"the pool holds {rules.used_bytes(ledger, 'cpu')} B, its cap is {share} B",
+            *(
+                f"{e.name}: {e.committed_blocks} blocks of {e.block_bytes} B, "
+                f"{e.physical_bytes} B mapped, lent {e.lent_bytes}, borrowed {e.borrowed_bytes}"
+                for e in ledger.engines.values()
+            ),
+            *map(str, ledger.loans.values()),
+            *(e.text for e in ledger.events[-12:]),
+        ]
+    )
     return ledger
 
 
@@ -115,23 +127,66 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
     """With `refuse_by_pid`, no engine may take another's fds by pid (Yama's ptrace_scope,
     stood in for): every loan's fds go over its lender's socket, and a kill in the middle of
     a command may fall in such a hand-off, on either side."""
+    run_schedule(tmp_path, ctx, procs, seed, refuse_by_pid, ["kv2"] * 3)
+
+
+@pytest.mark.parametrize(
+    ("seed", "refuse_by_pid"),
+    [(3, False), pytest.param(4, True, id="4-over-sockets")],
+)
+def test_three_models_lend_and_borrow_through_kill_9s(
+    tmp_path: Path, ctx: Any, procs: list[Proc], seed: int, refuse_by_pid: bool
+) -> None:
+    """Issue 52: engines of three different tiny models (`pool_engine.LAYOUTS`: a K/V split
+    of 8,192 bytes a block in 2 segments, a flat cache of 12,288 in 1, a cache of 6 layer
+    segments of 24,576) under the same random schedule and kill -9s, with the same checks
+    after every step; a killed engine comes back as its model. Memory moves between different
+    models: loans are borrowed across models, in both directions of at least two pairs."""
+    moved = run_schedule(tmp_path, ctx, procs, seed, refuse_by_pid, ["kv2", "flat", "layers6"])
+    cross = {pair: n for pair, n in moved.items() if pair[0] != pair[1]}
+    print(f"loans borrowed between models (lender, borrower): {cross}")
+    assert sum(cross.values()) >= 3, f"hardly any memory moved between models: {moved}"
+    assert len(cross) >= 2, f"memory moved between one pair of models only: {moved}"
+
+
+def run_schedule(
+    tmp_path: Path,
+    ctx: Any,
+    procs: list[Proc],
+    seed: int,
+    refuse_by_pid: bool,
+    layouts: list[str],
+) -> Counter[tuple[str, str]]:
+    """Engines of `layouts` (`pool_engine.LAYOUTS`, one engine each) borrow and give back
+    under a seeded random schedule of 160 steps with four kill -9s (a killed engine is
+    started again with its layout), checked after every step; at the end they settle and
+    leave, and nothing is left. Returns the loans seen borrowed, by (lender's layout,
+    borrower's layout)."""
     rng = random.Random(seed)
     pool = Pool(POOL, directory=tmp_path)
-    share = 96 * BLOCK_BYTES  # 32 blocks an engine on average: they must borrow to grow
+    share = 96 * BLOCK_BYTES  # 32 kv2 blocks an engine on average: they must borrow to grow
     pool.set_cap("cpu", share)
     live: dict[str, Proc] = {}
     numbers: dict[str, dict[str, int]] = {}
     fds_after_join: dict[str, int] = {}
+    layout_of: dict[str, str] = {}
     serial = 0
 
-    def add(count: int) -> None:
+    def add(kinds: list[str]) -> None:
         nonlocal serial
         new = []
-        for _ in range(count):
+        for layout in kinds:
             name = f"e{serial}"
+            layout_of[name] = layout
             new.append(
                 start(
-                    ctx, str(tmp_path), POOL, name, seed * 100 + serial, refuse_by_pid=refuse_by_pid
+                    ctx,
+                    str(tmp_path),
+                    POOL,
+                    name,
+                    seed * 100 + serial,
+                    refuse_by_pid=refuse_by_pid,
+                    layout=layout,
                 )
             )
             serial += 1
@@ -142,10 +197,10 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
             _, numbers[proc.name] = proc("serve")
             fds_after_join[proc.name] = other_fds(proc.pid)
 
-    add(3)
+    add(layouts)
     steps = 160
     kills = set(rng.sample(range(5, steps - 10), 4))
-    borrowed: set[int] = set()  # loans seen borrowed
+    borrowed: dict[int, tuple[str, str]] = {}  # loans seen borrowed: their parties' layouts
     killed_with_loans = 0
     over_socket: dict[str, int] = {}  # loans each engine took over a lender's socket
     ledger = pool.snapshot()
@@ -171,7 +226,7 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
             assert not ledger.loans_of(victim.name) or all(
                 loan.state == "returned" for loan in ledger.loans_of(victim.name)
             )
-            add(1)
+            add([layout_of[victim.name]])
         else:
             name = rng.choice(sorted(live))
             proc = live[name]
@@ -188,7 +243,10 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
                 for other in live.values():
                     _, numbers[other.name] = other("serve")
         ledger = check_consistent(pool, live, numbers, share)
-        borrowed |= {x.loan_id for x in ledger.loans.values() if x.state == "borrowed"}
+        for loan in ledger.loans.values():
+            if loan.state == "borrowed" and loan.loan_id not in borrowed:
+                lender = layout_of.get(loan.lender, "?")  # a dead lender's name is kept
+                borrowed[loan.loan_id] = (lender, layout_of[loan.borrower])
         over_socket.update((n, numbers[n]["over_socket"]) for n in live)
 
     print(f"{len(borrowed)} loans borrowed, {killed_with_loans} of 4 killed with loans")
@@ -208,6 +266,7 @@ def test_three_engines_borrow_and_give_back_through_kill_9s(
     for proc in live.values():
         proc.reply()
     assert pool.snapshot().engines == {}
+    return Counter(borrowed.values())
 
 
 def test_a_stopped_donor_is_passed_over_within_the_bound(
