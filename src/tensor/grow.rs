@@ -181,7 +181,7 @@ impl ExtensibleTensor {
         let mut pending = in_fresh.iter().peekable();
         for &run in &plan.new_handles {
             let bytes = inner.geometry.run_bytes(run);
-            inner.releaser.wait_turn(); // the driver rate, if set (`pace.rs`)
+            inner.pace.wait_turn(); // the driver rate, if set (`pace.rs`)
             fresh.push(Mapping::create(&inner.ctx, run)?);
             inner.pace.spent(bytes.num_bytes);
             inner

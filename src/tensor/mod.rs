@@ -411,7 +411,7 @@ impl ExtensibleTensor {
                 "driver_rate must be a positive number of bytes per second, or None",
             ));
         }
-        self.inner.releaser.set_rate(bytes_per_second);
+        self.inner.pace.set(bytes_per_second);
         Ok(())
     }
 

@@ -19,8 +19,9 @@
 //! 4. the thread holds no lock while it waits on an event or calls the driver, and it never
 //!    takes the tensor's state lock: a caller holding that lock may wait on the thread;
 //! 5. with a driver rate set (`pace.rs`), the thread releases one handle at a time, each
-//!    when the rate allows; the handles it has not reached stay pending, for a grow to take
-//!    back. The shrink still returns at once; only the memory reaches the driver later.
+//!    when the rate allows (`Pace::wait_turn`, with no lock of this module held); the handles
+//!    it has not reached stay pending, for a grow to take back. The shrink still returns at
+//!    once; only the memory reaches the driver later.
 //!
 //! A backend whose events are complete when recorded (the host backend, unless a test holds
 //! them) gets its memory released on the caller's thread, all or nothing, as before: a failed
@@ -117,15 +118,6 @@ impl Releaser {
             thread: Mutex::new(None),
             pace,
         })
-    }
-
-    /// Sets the driver rate (`pace.rs`) from the next handle on; `None` lifts it (a thread
-    /// waiting out the old one wakes at once).
-    pub(super) fn set_rate(&self, rate: Option<u64>) {
-        let queue = self.queue(); // so that the thread sees the rate change, not a lost wakeup
-        self.pace.set(rate);
-        drop(queue);
-        self.changed.notify_all();
     }
 
     fn queue(&self) -> MutexGuard<'_, Queue> {
@@ -260,7 +252,7 @@ impl Releaser {
         };
         let mut waited = Some(self.ctx.driver.wait_event(event.id));
         loop {
-            self.wait_turn();
+            self.pace.wait_turn(); // the driver rate, if set
             let mut queue = self.queue();
             let Some(entry) = queue.pending.front_mut().filter(|p| p.seq == seq) else {
                 break; // taken back whole, or released at teardown
@@ -284,22 +276,6 @@ impl Releaser {
         }
         drop(event);
         true
-    }
-
-    /// Waits (the queue's lock let go while it does) until the driver rate allows the next
-    /// handle, or until teardown or a lifted pace cuts the wait short: the release thread's
-    /// wait before each handle, and a grow's before each create (`grow.rs`, under the state
-    /// lock, which this never takes).
-    pub(super) fn wait_turn(&self) {
-        let mut queue = self.queue();
-        while let Some(at) = self.pace.due().filter(|_| !queue.closing) {
-            let left = at.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            let waited = self.changed.wait_timeout(queue, left);
-            queue = waited.unwrap_or_else(PoisonError::into_inner).0;
-        }
     }
 
     /// Unmaps and releases `mappings` (the thread's `in_flight`), keeping the ones the driver
@@ -408,6 +384,7 @@ impl Releaser {
         let stuck = std::mem::take(&mut queue.stuck);
         queue.remove(pending.iter().flat_map(|p| &p.mappings).chain(&stuck));
         drop(queue);
+        self.pace.close(); // a thread waiting its turn stops waiting
         self.changed.notify_all();
         let thread = relock(&self.thread).take();
         if let Some(thread) = thread {
