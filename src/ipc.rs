@@ -763,17 +763,30 @@ pub fn stale_loan(why: String) -> Error {
 }
 
 /// Process `pid`'s start time in clock ticks since boot (`/proc/PID/stat` field 22), which
-/// tells it from a later process given the same pid; `None` when there is no such process.
+/// tells it from a later process given the same pid; `None` when there is no such live
+/// process (`parse_start_time`). The line is read as bytes: a command name need not be UTF-8
+/// (the kernel cuts it at 15 bytes, maybe inside a character), and a live process must never
+/// read as dead, or a lender's reclaim would take back memory its borrower still maps.
 pub fn process_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses: fields follow the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
+    parse_start_time(&std::fs::read(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The start time a `/proc/PID/stat` line gives, or `None` where it names a dead process or
+/// is not such a line. The command name (field 2) may hold any bytes, spaces and parentheses
+/// among them: the fields follow the last `)`, split on ASCII whitespace. State `Z` (a
+/// zombie) or `X` (dead) has lost its memory and fds already: dead; every other state is a
+/// live process. Field 22 is an unsigned 64-bit decimal (an optional `+`, then digits).
+/// The pool's Python reads process liveness through this very function (`_native`).
+pub fn parse_start_time(stat: &[u8]) -> Option<u64> {
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    let mut fields = stat[close + 1..]
+        .split(|b| b" \t\n\r\x0b\x0c".contains(b))
+        .filter(|field| !field.is_empty());
     let state = fields.next()?; // field 3
-    if state == "Z" || state == "X" {
+    if state == b"Z" || state == b"X" {
         return None; // exited: its fds and mappings are gone, only its exit status is left
     }
-    fields.nth(18)?.parse().ok() // field 22
+    std::str::from_utf8(fields.nth(18)?).ok()?.parse().ok() // field 22
 }
 
 /// A process this one waits on: held by a pidfd, so that a later process given the same pid
@@ -998,6 +1011,54 @@ mod tests {
         );
         assert!(registry.publish(run, 0, 1 << FD_BITS).is_err());
         assert!(registry.publish(run, u64::MAX, 1).is_err());
+    }
+
+    /// The cases `tests/support/proc_stat_lines.txt` holds (which the Python tests read too):
+    /// `(line, start time)`.
+    fn stat_cases() -> Vec<(&'static [u8], Option<u64>)> {
+        let file: &'static [u8] = include_bytes!("../tests/support/proc_stat_lines.txt");
+        let lines = file
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty() && l[0] != b'#');
+        let case = |line: &'static [u8]| {
+            let tab = line.iter().position(|&b| b == b'\t').unwrap();
+            let want = std::str::from_utf8(&line[..tab]).unwrap();
+            (&line[tab + 1..], want.parse().ok())
+        };
+        lines.map(case).collect()
+    }
+
+    #[test]
+    fn a_stat_line_gives_its_start_time_whatever_bytes_its_command_name_holds() {
+        let cases = stat_cases();
+        assert!(cases.len() > 10 && cases.iter().any(|(l, _)| std::str::from_utf8(l).is_err()));
+        for (line, want) in cases {
+            let shown = String::from_utf8_lossy(line);
+            assert_eq!(parse_start_time(line), want, "{shown}");
+        }
+    }
+
+    #[test]
+    fn a_live_process_whose_name_is_not_utf8_is_alive() {
+        // 16 bytes: the kernel keeps 15, which end in the middle of the fifth character.
+        let script = r"printf 'a\346\227\245\346\234\254\350\252\236\343\201\256\345\220\215' \
+                       > /proc/$$/comm && echo ready && read line";
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut ready = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut ready).unwrap();
+        assert_eq!(ready, "ready\n");
+        let stat = std::fs::read(format!("/proc/{}/stat", child.id())).unwrap();
+        assert!(std::str::from_utf8(&stat).is_err(), "the name is not UTF-8");
+        assert!(process_start_time(child.id()).is_some(), "alive");
+        drop(child.stdin.take()); // `read` ends
+        child.wait().unwrap();
+        assert_eq!(process_start_time(child.id()), None, "reaped: gone");
     }
 
     #[test]

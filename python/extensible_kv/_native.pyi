@@ -27,6 +27,8 @@ __all__ = [
     "footprint_bytes",
     "host_free_bytes",
     "host_mem_info",
+    "parse_start_time",
+    "process_start_time",
     "vmm_unavailable_reason",
 ]
 
@@ -89,6 +91,14 @@ def _set_stream_provider(provider: Callable[[int], int] | None) -> None:
 
 def host_free_bytes() -> int:
     """The bytes a host commit can take now: MemAvailable, or the memory cgroup's room."""
+
+def process_start_time(pid: int) -> int | None:
+    """Process `pid`'s start time in clock ticks since boot (`/proc/PID/stat` field 22), or
+    None when there is no such live process (a zombie is dead)."""
+
+def parse_start_time(stat: bytes) -> int | None:
+    """The start time a `/proc/PID/stat` line gives, or None where it names a dead process or
+    is not such a line (the command name may hold any bytes)."""
 
 # Every `stream` below is a raw CUstream (an int; 0 the legacy default stream) that the caller
 # vouches for, as for `torch.cuda.ExternalStream`: a live stream of the tensor's device that
@@ -195,7 +205,7 @@ class ExtensibleTensor:
     @driver_rate.setter
     def driver_rate(self, rate: int | None) -> None: ...
     def wait_released(self, timeout: float | None = None) -> bool: ...
-    def _export_ahead(self, max_handles: int) -> int: ...
+    def export_ahead(self, max_handles: int) -> int: ...
     def _hold_events(self, held: bool) -> None: ...
     def close(self) -> None: ...
     def _capsule(self, offset: int, num_bytes: int, versioned: bool = True) -> Any: ...

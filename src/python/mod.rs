@@ -879,7 +879,7 @@ impl PyExtensibleTensor {
     /// Exports (without the GIL) up to `max_handles` handles not exported yet, the top ones
     /// first, so that a later `lend` of them need not: how many are still not exported (0 for
     /// a tensor whose handles do not export as POSIX fds).
-    fn _export_ahead(&self, py: Python<'_>, max_handles: usize) -> PyResult<usize> {
+    fn export_ahead(&self, py: Python<'_>, max_handles: usize) -> PyResult<usize> {
         self.run(py, |core| core.export_ahead(max_handles))
     }
 
@@ -1197,6 +1197,21 @@ fn _loan_decline(
     Ok(py.detach(|| loan.decline(fds, &indices))?)
 }
 
+/// Process `pid`'s start time in clock ticks since boot (`/proc/PID/stat` field 22), or None
+/// when there is no such live process (`ipc::process_start_time`: a zombie is dead).
+#[pyfunction]
+fn process_start_time(py: Python<'_>, pid: i64) -> Option<u64> {
+    let pid = u32::try_from(pid).ok().filter(|&pid| pid > 0)?;
+    py.detach(|| crate::ipc::process_start_time(pid))
+}
+
+/// The start time a `/proc/PID/stat` line gives, or None where it names a dead process or
+/// is not such a line (`ipc::parse_start_time`).
+#[pyfunction]
+fn parse_start_time(stat: &[u8]) -> Option<u64> {
+    crate::ipc::parse_start_time(stat)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyExtensibleTensor>()?;
@@ -1208,6 +1223,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_loan_owner_fds, m)?)?;
     m.add_function(wrap_pyfunction!(_loan_decline, m)?)?;
     m.add_function(wrap_pyfunction!(host_free_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(process_start_time, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_start_time, m)?)?;
     errors::add_to(m)?;
     m.add_function(wrap_pyfunction!(_set_stream_provider, m)?)?;
     m.add(
