@@ -22,8 +22,8 @@ handles the owner has released since, so that its fd numbers may name other memo
 is refused with a `ValueError` that says so; `share()` again for a current one. `refresh`
 refuses a description of another tensor.
 
-Each handle is exported once, on the first `share()` that needs it (~0.6 ms a handle on
-CUDA): few, large handles — the default handle policy — make sharing cheap.
+Each handle is exported once, on the first `share()` that needs it (the export cost,
+docs/design.md §2): few, large handles — the default handle policy — make sharing cheap.
 
 Lending moves memory instead of sharing it: `loan = lender.lend(bytes_per_segment)` shrinks
 the lender to that size and makes the whole handles past it a `Loan` (picklable), which one

@@ -459,9 +459,9 @@ impl ExtensibleTensor {
 
     /// Exports up to `max_handles` of the handles not exported yet, the highest addresses
     /// first (a lend gives the top of each segment), so that a later `lend` of them only
-    /// unmaps: the export is ~0.5 ms a handle on CUDA, half of a first 60 GiB loan. A donor
-    /// calls it a few handles at a time between its steps (the tensor's lock is held while it
-    /// exports). Returns how many handles (of its own: not borrowed ones) are still not
+    /// unmaps: the exports (the export cost, docs/design.md §2) were half of a first 60 GiB
+    /// loan. A donor calls it a few handles at a time between its steps (the tensor's lock is
+    /// held while it exports). Returns how many handles (of its own: not borrowed ones) are still not
     /// exported. Does nothing, and returns 0, for a tensor whose handles do not export as
     /// POSIX fds (no loan could take them).
     /// Each export holds one fd until its handle is released.

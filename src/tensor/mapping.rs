@@ -156,7 +156,8 @@ pub(super) struct PhysicalHandle {
     /// Names the handle across processes: the owner numbers its handles in creation order,
     /// an importer keeps the owner's numbers (so `refresh` can tell which it has).
     pub(super) serial: u64,
-    /// The export made by the first `share` that needed it (~0.6 ms on CUDA), kept for the
+    /// The export made by the first `share` that needed it (the export cost, docs/design.md
+    /// §2), kept for the
     /// handle's life: an importer duplicates the owner's fd while the owner holds it.
     pub(super) exported: OnceLock<Exported>,
     /// The first granule under which `share` recorded the exported fd in the registry.

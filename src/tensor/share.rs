@@ -5,7 +5,7 @@
 //! (the owner's pid and the number of an fd it keeps open, or a fabric handle). Fd numbers are
 //! checked against the owner's export registry (`crate::ipc`) before anything is mapped, so a
 //! stale description, whose fd numbers may name other memory by now, is refused. Each handle is exported once, lazily, and the
-//! export kept for the handle's life (an export costs ~0.6 ms on CUDA: few, large handles
+//! export kept for the handle's life (the export cost, docs/design.md §2: few, large handles
 //! make sharing cheap). Another process builds its own reservation of the same geometry and
 //! maps the same handles at the same offsets (`import`); `refresh` follows the owner's later
 //! grows and shrinks by serial number. An importer never grows, shrinks or frees the owner's

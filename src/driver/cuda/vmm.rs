@@ -19,7 +19,8 @@ pub fn device_location(ordinal: i32) -> sys::CUmemLocation {
 
 /// Pinned memory on device `ordinal`, exportable as the `export` bits of
 /// `CUmemAllocationHandleType` (0: none; asking costs nothing at create time, while each
-/// later export costs ~0.57 ms), registrable for GPUDirect RDMA when `rdma`.
+/// later export has the export cost, docs/design.md §2), registrable for GPUDirect RDMA when
+/// `rdma`.
 pub fn pinned_prop(ordinal: i32, export: u32, rdma: bool) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
