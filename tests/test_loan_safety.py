@@ -460,27 +460,27 @@ def test_ctrl_c_ends_waits_for_releases_and_a_borrow_behind_them() -> None:
         other._hold_events(False)
         assert other.wait_released(timeout=10)
         other.borrow(offered, zero=False)  # the loan is still offered
-        # release() waits too: interrupted there, the tensor is released all the same, and
+        # suspend() waits too: interrupted there, the tensor is suspended all the same, and
         # resume() grows it back.
         third = make(4)
         third._hold_events(True)
         interrupt_when_waiting("wait_released")
         try:
-            third.release(2 * g)
-            outcomes["release"] = None
+            third.suspend(2 * g)
+            outcomes["suspend"] = None
         except KeyboardInterrupt as interrupt:
-            outcomes["release"] = f"KeyboardInterrupt {interrupt}"
-        released = third.released
+            outcomes["suspend"] = f"KeyboardInterrupt {interrupt}"
+        suspended = third.suspended
         third._hold_events(False)
         third.resume()
         resumed = third.segment_bytes == (4 * g, 4 * g)
-        print(json.dumps(dict(outcomes=outcomes, unchanged=unchanged, released=released,
+        print(json.dumps(dict(outcomes=outcomes, unchanged=unchanged, suspended=suspended,
                               resumed=resumed)))
         """,
     )
     assert all(result["outcomes"].values()), result
     assert result["unchanged"], "an interrupted wait changed the tensor"
-    assert result["released"] and result["resumed"], "an interrupted release lost its sizes"
+    assert result["suspended"] and result["resumed"], "an interrupted suspend lost its sizes"
 
 
 # --------------------------------------------------------------------------------------------

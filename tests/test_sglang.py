@@ -24,7 +24,7 @@ import pytest
 from extensible_kv import ExtensibleTensor, OutOfMemoryError
 from extensible_kv.sglang import owner as owner_module
 from extensible_kv.sglang import plugin
-from extensible_kv.sglang.owner import KvReleasedError, KvVmmBufferOwner
+from extensible_kv.sglang.owner import KvSuspendedError, KvVmmBufferOwner
 from support import bench_scripts, sglang_env, stack_env
 
 pytestmark = pytest.mark.sglang
@@ -277,7 +277,7 @@ def test_unregister_removes_exactly_our_layer_under_another_plugins_hook(
         return original(*args, **kwargs)
 
     theirs = {pause_target: their_pause, plugin._GATE_TARGET: their_gate}
-    monkeypatch.setattr(owner_module, "release_all", lambda: calls.append("our release"))
+    monkeypatch.setattr(owner_module, "suspend_all", lambda: calls.append("our suspend"))
     monkeypatch.setattr(adapter_module, "_memory_saver", _FakeSaver(), raising=False)
     try:
         if order == "theirs-first":
@@ -289,7 +289,7 @@ def test_unregister_removes_exactly_our_layer_under_another_plugins_hook(
                 HookRegistry.register(target, hook, HookType.AROUND)
         HookRegistry.apply_hooks()
         real().pause("kv_cache")
-        assert sorted(calls) == ["our release", "their pause"]
+        assert sorted(calls) == ["our suspend", "their pause"]
         calls.clear()
 
         plugin.unregister()
@@ -560,7 +560,7 @@ def test_resize_a_live_pool_through_its_allocator(
     pool._clear_buffers()
 
 
-def test_release_and_resume_keep_the_addresses(plugged: Any, pool_device: str) -> None:
+def test_suspend_and_resume_keep_the_addresses(plugged: Any, pool_device: str) -> None:
     import torch
 
     pool = _mha(plugged, pool_device, 8192)
@@ -568,12 +568,12 @@ def test_release_and_resume_keep_the_addresses(plugged: Any, pool_device: str) -
     pool.finalize_backing(SimpleNamespace(max_total_num_tokens=5000))
     backed, sizes = owner.backed_bytes, owner.buffer.segment_bytes
     pointers = [t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)]
-    owner.release()
-    assert owner.released and owner.backed_bytes == 0
-    with pytest.raises(KvReleasedError):
+    owner.suspend()
+    assert owner.suspended and owner.backed_bytes == 0
+    with pytest.raises(KvSuspendedError):
         owner.ensure_prefix(100)
     owner.resume()
-    assert not owner.released and owner.backed_bytes == backed
+    assert not owner.suspended and owner.backed_bytes == backed
     assert owner.buffer.segment_bytes == sizes
     assert [t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)] == pointers
     slots = torch.tensor([0, 4999])
@@ -595,7 +595,7 @@ class _FakeSaver:
         self.calls.append(("resume", tag))
 
 
-def test_the_memory_savers_kv_cache_tag_releases_and_resumes_our_memory(
+def test_the_memory_savers_kv_cache_tag_suspends_and_resumes_our_memory(
     plugged: Any, pool_device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import sglang.srt.utils.torch_memory_saver_adapter as adapter_module
@@ -611,9 +611,9 @@ def test_the_memory_savers_kv_cache_tag_releases_and_resumes_our_memory(
     adapter.pause(GPU_MEMORY_TYPE_WEIGHTS)
     assert owner.backed_bytes == backed  # other tags are torch_memory_saver's alone
     adapter.pause(GPU_MEMORY_TYPE_KV_CACHE)
-    assert owner.released and owner.backed_bytes == 0
+    assert owner.suspended and owner.backed_bytes == 0
     adapter.resume(tag=GPU_MEMORY_TYPE_KV_CACHE)
-    assert not owner.released and owner.backed_bytes == backed
+    assert not owner.suspended and owner.backed_bytes == backed
     assert saver.calls == [
         ("pause", GPU_MEMORY_TYPE_WEIGHTS),
         ("pause", GPU_MEMORY_TYPE_KV_CACHE),

@@ -33,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Self, TypeVar
 
 from extensible_kv import _args, _native, _torch
 from extensible_kv._native import EXPORT_FABRIC
@@ -50,6 +51,9 @@ __all__ = ["ExtensibleTensor", "HandleSizing"]
 logger = logging.getLogger("extensible_kv")
 
 _DLPACK_CODES: dict[torch.dtype, tuple[int, int]] = {}
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _current_stream(cuda_index: int) -> int:
@@ -88,6 +92,25 @@ def _dlpack_code(dtype: torch.dtype) -> tuple[int, int, bool]:
     if code is not None:
         return code[0], code[1], True
     return 0, dtype.itemsize * 8, False
+
+
+def deprecated_alias(old: str, new: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Marks a function as `old`, the deprecated name of `new`: each call warns
+    (`DeprecationWarning`, at the caller), then does what `new` does. The function carries
+    `__deprecated__` (PEP 702's attribute), by which tests tell a deprecated name from the
+    public API."""
+    message = f"{old} is deprecated: use {new}"
+
+    def mark(function: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(function)
+        def warned(*args: P.args, **kwargs: P.kwargs) -> R:
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return function(*args, **kwargs)
+
+        warned.__deprecated__ = message  # type: ignore[attr-defined]
+        return warned
+
+    return mark
 
 
 def _check_description(description: object) -> None:
@@ -140,7 +163,7 @@ def _export_bits(types: object) -> int:
             if isinstance(item, str):
                 continue
             try:
-                _args.size(item, name, minimum=-(2**63))  # ints as the core takes them
+                _args.integer(item, name)  # ints as the core takes them
             except TypeError:
                 raise TypeError(
                     f"{name} entries must be ints or names, not {type(item).__name__}"
@@ -373,45 +396,74 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         `pending_release_bytes` is what is still on its way back. Ctrl-C ends the wait."""
         return super().wait_released(_args.seconds(timeout))
 
-    # -- giving memory back while the addresses stay (the integrations' release and free) -----
+    def export_ahead(self, max_handles: int) -> int:
+        """Exports up to `max_handles` of the handles not exported yet, the top ones first (a
+        lend gives the top of each segment), so that a later `lend` of them only unmaps: what
+        a pool donor does between its steps, a few handles at a time (an export has a cost,
+        docs/design.md §2, and the tensor's lock is held while it exports). Returns how many
+        of its own handles (not borrowed ones) are still not exported: 0 once all are, and
+        always for a tensor whose handles do not export as POSIX fds (no loan could take
+        them). Each export holds one fd until its handle is released. A failed export (out of
+        fds, say) raises, keeping the exports made before it."""
+        return super().export_ahead(_args.size(max_handles, "max_handles"))
 
-    _released_sizes: tuple[int, ...] | None = None  # each segment's bytes before `release`
+    _export_ahead = export_ahead  # its name before it was public (the pool's tests use it)
+
+    # -- suspending: the memory goes back, the addresses stay (the integrations' pause) -------
+    # "release" is the driver's word (`release_physical`: the memory goes for good); a
+    # suspended tensor remembers its sizes for `resume`.
+
+    _suspended_sizes: tuple[int, ...] | None = None  # each segment's bytes before `suspend`
 
     @property
-    def released(self) -> bool:
-        """Whether `release` gave the memory back and `resume` has not taken it again."""
-        return self._released_sizes is not None
+    def suspended(self) -> bool:
+        """Whether `suspend` gave the memory back and `resume` has not taken it again."""
+        return self._suspended_sizes is not None
 
-    def release(
+    def suspend(
         self, bytes_per_segment: int | Sequence[int] = 0, *, stream: int | None = None
     ) -> None:
         """Gives back the memory past `bytes_per_segment` (an int, or one per segment; by
         default all of it) and waits until it is gone, remembering every segment's size for
         `resume`. The addresses stay reserved, so views and CUDA graphs stay valid; the bytes
         kept keep their contents (an exact shrink, as `shrink_per_segment_`), the others are
-        lost. Releasing again before `resume` does nothing. `stream` as `release_physical`."""
-        if self.released:
+        lost. Suspending again before `resume` does nothing. `stream` as `release_physical`."""
+        if self.suspended:
             return
         sizes = self.segment_bytes
         if type(bytes_per_segment) is int and bytes_per_segment == 0:
             self.release_physical(stream=stream)  # all of it: every handle goes as it is
         else:
             self.shrink_per_segment_(bytes_per_segment, exact=True, stream=stream)
-        # Released from here on, even if the wait is interrupted (Ctrl-C): `resume` must grow
+        # Suspended from here on, even if the wait is interrupted (Ctrl-C): `resume` must grow
         # back what went, and takes back whatever is still on its way.
-        self._released_sizes = sizes
+        self._suspended_sizes = sizes
         self.wait_released()
 
     def resume(self, *, zero_new: bool = True, stream: int | None = None) -> None:
-        """Grows every segment back to its size at `release`, at the same addresses, zeroing
+        """Grows every segment back to its size at `suspend`, at the same addresses, zeroing
         the new bytes unless `zero_new=False` (as `resize_per_segment_`). All or nothing: on
-        `OutOfMemoryError` the tensor stays released. Does nothing when not released."""
+        `OutOfMemoryError` the tensor stays suspended. Does nothing when not suspended."""
         _args.flag(zero_new, "zero_new")
-        sizes = self._released_sizes
+        sizes = self._suspended_sizes
         if sizes is None:
             return
         self.resize_per_segment_(list(sizes), zero_new, stream)
-        self._released_sizes = None
+        self._suspended_sizes = None
+
+    @property
+    @deprecated_alias("ExtensibleTensor.released", "ExtensibleTensor.suspended")
+    def released(self) -> bool:
+        """Deprecated: `suspended`."""
+        return self.suspended
+
+    @deprecated_alias("ExtensibleTensor.release()", "ExtensibleTensor.suspend()")
+    def release(
+        self, bytes_per_segment: int | Sequence[int] = 0, *, stream: int | None = None
+    ) -> None:
+        """Deprecated: `suspend` (the same call). "Release" is the driver's word
+        (`release_physical`: the memory goes for good)."""
+        self.suspend(bytes_per_segment, stream=stream)
 
     def free(self) -> bool:
         """Gives every byte of memory back now, and the addresses too unless views are alive:
@@ -424,7 +476,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
             self.close()
         except BufferError:
             self.release_physical()
-            self._released_sizes = None  # done with, even if the wait is interrupted
+            self._suspended_sizes = None  # done with, even if the wait is interrupted
             self.wait_released()
             return False
         return True
@@ -471,7 +523,7 @@ class ExtensibleTensor(_native.ExtensibleTensor):
         _torch.require("ExtensibleTensor.segment_view")
         import torch
 
-        index = _args.size(index, "index", minimum=-(2**63))
+        index = _args.integer(index, "index")
         if not 0 <= index < self.num_segments:
             raise IndexError(f"segment {index} out of range for {self.num_segments} segments")
         dtype = torch.uint8 if dtype is None else _args.torch_dtype(dtype)

@@ -20,10 +20,11 @@ Beyond SGLang's arena:
 - `finalize` (or `resize`) to fewer tokens than are backed shrinks in place: the kept tokens keep
   their bytes and addresses, and the memory past them goes back to the device (exactly:
   `backed_bytes` is then the granule-rounded footprint).
-- `release()` gives every byte back and keeps the addresses; `resume()` recommits the same
-  prefixes there, so CUDA graphs captured earlier stay valid. `release_all` / `resume_all` do it
+- `suspend()` gives every byte back and keeps the addresses; `resume()` recommits the same
+  prefixes there, so CUDA graphs captured earlier stay valid. `suspend_all` / `resume_all` do it
   for every open owner of the process: the plugin calls them for the memory saver's `kv_cache`
-  tag.
+  tag. (`release()`, `released`, `release_all` and `KvReleasedError` are their deprecated
+  names: "release" is the driver's word, for memory that goes for good.)
 
 Zeroing (`zero_new`, default from `EXTENSIBLE_KV_SGLANG_ZERO`, off): SGLang's arena does not
 zero (every slot is written before it is read; slot 0's page absorbs the padded writes of
@@ -31,25 +32,26 @@ captured graphs), and neither does this owner by default. What holds then: new b
 unspecified values on CUDA (the driver scrubs memory other processes freed; memory this process
 gave back and takes again may hold its old bytes), zeros on the host backend (fresh memfd
 pages), and bytes in granules that were already backed (a granule shared with a neighbour)
-keep what they held. After `release`/`resume` the contents are lost, as with torch_memory_saver.
+keep what they held. After `suspend`/`resume` the contents are lost, as with torch_memory_saver.
 With zeroing on, every new byte (grow or resume) reads zero.
 
 Errors are typed and leave the owner unchanged: `ValueError` for a span or count out of range (as
 SGLang's), `extensible_kv.OutOfMemoryError` (a `MemoryError`) when the device cannot commit,
-`extensible_kv.DriverError` for a driver failure, `KvReleasedError` for backing while released.
+`extensible_kv.DriverError` for a driver failure, `KvSuspendedError` for backing while suspended.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from extensible_kv import _args
 from extensible_kv._plugins import env_flag
-from extensible_kv.tensor import ExtensibleTensor, HandleSizing
+from extensible_kv.tensor import ExtensibleTensor, HandleSizing, deprecated_alias
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +59,10 @@ if TYPE_CHECKING:
 __all__ = [
     "ZERO_ENV_VAR",
     "KvBufferDescLike",
-    "KvReleasedError",
+    "KvSuspendedError",
     "KvVmmBufferOwner",
-    "release_all",
     "resume_all",
+    "suspend_all",
 ]
 
 ZERO_ENV_VAR = "EXTENSIBLE_KV_SGLANG_ZERO"
@@ -93,8 +95,8 @@ class KvBufferDescLike(Protocol):
     def final_span_bytes(self, num_tokens: int, page_size: int) -> int: ...
 
 
-class KvReleasedError(RuntimeError):
-    """The owner's memory is released (`release`): `resume` it before backing more."""
+class KvSuspendedError(RuntimeError):
+    """The owner's memory is suspended (`suspend`): `resume` it before backing more."""
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -134,13 +136,11 @@ class KvVmmBufferOwner:
     ) -> None:
         self.device = device
         # Integers as the core takes them (any `__index__` int; a float or bool is a TypeError).
-        self.device_id = _args.size(device_id, "device_id", minimum=-(2**63))
+        self.device_id = _args.integer(device_id, "device_id")
         self.store_dtype = store_dtype
-        self.page_size = _args.size(page_size, "page_size", minimum=-(2**63))
+        self.page_size = _args.integer(page_size, "page_size")
         self.tensors: list[torch.Tensor] = []
-        self._reserved_num_tokens = _args.size(
-            reserved_num_tokens, "reserved_num_tokens", minimum=-(2**63)
-        )
+        self._reserved_num_tokens = _args.integer(reserved_num_tokens, "reserved_num_tokens")
         self._final_num_tokens: int | None = None
         self._zero_new = env_flag(ZERO_ENV_VAR, False) if zero_new is None else bool(zero_new)
         self._descs = list(buffer_descs)
@@ -210,8 +210,8 @@ class KvVmmBufferOwner:
     def _open_buffer(self, what: str) -> ExtensibleTensor | None:
         if self._closed:
             raise RuntimeError(f"cannot {what}: the owner is closed")  # as SGLang's arena
-        if self.released:
-            raise KvReleasedError(f"cannot {what}: the KV memory is released; resume() first")
+        if self.suspended:
+            raise KvSuspendedError(f"cannot {what}: the KV memory is suspended; resume() first")
         return self._buffer
 
     def _grow_to(self, spans: Sequence[int]) -> None:
@@ -243,7 +243,7 @@ class KvVmmBufferOwner:
         """Backs each buffer's final span (the tokens plus the padded page) and sets the serving
         capacity. Fewer tokens than are backed shrink the buffers in place, keeping the tokens
         below `final_num_tokens` (SGLang's arena only grows)."""
-        final = _args.size(final_num_tokens, "final_num_tokens", minimum=-(2**63))
+        final = _args.integer(final_num_tokens, "final_num_tokens")
         if not self.page_size <= final <= self._reserved_num_tokens:
             raise ValueError(
                 f"final_num_tokens={final} must satisfy page_size={self.page_size} <= final <= "
@@ -265,23 +265,34 @@ class KvVmmBufferOwner:
     def reserved_num_tokens(self) -> int:
         return self._reserved_num_tokens
 
-    # -- release and resume (the memory saver's kv_cache tag) ----------------------------------
+    # -- suspend and resume (the memory saver's kv_cache tag) ----------------------------------
 
     @property
-    def released(self) -> bool:
-        return self._buffer is not None and self._buffer.released
+    def suspended(self) -> bool:
+        return self._buffer is not None and self._buffer.suspended
 
-    def release(self) -> None:
+    def suspend(self) -> None:
         """Gives all the KV memory back, keeping every address (graphs stay valid); the contents
         are lost. SGLang frees memory for another user: it is gone on return. Idempotent."""
         if self._buffer is not None:
-            self._buffer.release()
+            self._buffer.suspend()
 
     def resume(self) -> None:
-        """Recommits what `release` gave back, at the same addresses (zeroed with `zero_new`).
-        All or nothing: on `OutOfMemoryError` the owner stays released. Idempotent."""
+        """Recommits what `suspend` gave back, at the same addresses (zeroed with `zero_new`).
+        All or nothing: on `OutOfMemoryError` the owner stays suspended. Idempotent."""
         if self._buffer is not None:
             self._buffer.resume(zero_new=self._zero_new)
+
+    @property
+    @deprecated_alias("KvVmmBufferOwner.released", "KvVmmBufferOwner.suspended")
+    def released(self) -> bool:
+        """Deprecated: `suspended`."""
+        return self.suspended
+
+    @deprecated_alias("KvVmmBufferOwner.release()", "KvVmmBufferOwner.suspend()")
+    def release(self) -> None:
+        """Deprecated: `suspend` (the same call)."""
+        self.suspend()
 
     # -- accessors / teardown ------------------------------------------------------------------
 
@@ -310,22 +321,39 @@ class KvVmmBufferOwner:
         return (
             f"{type(self).__name__}(device={self.device!r}, buffers={len(self._descs)}, "
             f"reserved_num_tokens={self._reserved_num_tokens}, backed_bytes={self.backed_bytes}, "
-            f"released={self.released})"
+            f"suspended={self.suspended})"
         )
 
 
-def release_all() -> int:
-    """`release()` every open owner of the process; how many held memory."""
-    owners = [o for o in list(_open_owners) if not o.released and o.backed_bytes]
+def suspend_all() -> int:
+    """`suspend()` every open owner of the process; how many held memory."""
+    owners = [o for o in list(_open_owners) if not o.suspended and o.backed_bytes]
     for owner in owners:
-        owner.release()
+        owner.suspend()
     return len(owners)
 
 
 def resume_all() -> int:
-    """`resume()` every released owner of the process; how many. An `OutOfMemoryError` stops
-    at the owner that cannot resume (it stays released, as do the ones after it)."""
-    owners = [o for o in list(_open_owners) if o.released]
+    """`resume()` every suspended owner of the process; how many. An `OutOfMemoryError` stops
+    at the owner that cannot resume (it stays suspended, as do the ones after it)."""
+    owners = [o for o in list(_open_owners) if o.suspended]
     for owner in owners:
         owner.resume()
     return len(owners)
+
+
+# Deprecated names -> what they name now ("release" is the driver's word).
+DEPRECATED = {"release_all": "suspend_all", "KvReleasedError": "KvSuspendedError"}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names of `DEPRECATED`, with a `DeprecationWarning`."""
+    new = DEPRECATED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"extensible_kv.sglang.{name} is deprecated: use extensible_kv.sglang.{new}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return globals()[new]

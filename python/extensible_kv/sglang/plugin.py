@@ -14,7 +14,7 @@ the gate `arg_groups.overrides.post_capture_kv_sizing_planned` and the adapter
 `utils.torch_memory_saver_adapter._TorchMemorySaverAdapterReal`), the plugin also:
 - wraps the gate so that the memory saver alone no longer turns post-capture sizing off (every
   other reason still does);
-- wraps the adapter's `pause`/`resume` so that the `kv_cache` tag also releases every owner's
+- wraps the adapter's `pause`/`resume` so that the `kv_cache` tag also suspends every owner's
   memory (addresses kept: captured graphs stay valid) and recommits it, in process, without
   LD_PRELOAD. torch_memory_saver still handles the tag's other allocations and the `weights`
   and `cuda_graph` tags. `EXTENSIBLE_KV_SGLANG_MEMORY_SAVER=0` leaves both seams alone.
@@ -195,7 +195,7 @@ def _planned_with_memory_saver(original: Any, server_args: Any, *args: Any, **kw
         _gate_lifted_logged = True
         logger.info(
             "extensible-kv: post-capture KV sizing stays on with --enable-memory-saver: the "
-            "kv_cache tag releases and resumes extensible-kv's KV memory at the same addresses."
+            "kv_cache tag suspends and resumes extensible-kv's KV memory at the same addresses."
         )
     return planned
 
@@ -208,9 +208,9 @@ def _pause(original: Any, adapter: Any, *args: Any, **kwargs: Any) -> Any:
     """The adapter's `pause`; for the `kv_cache` tag, every owner's memory goes back too."""
     result = original(adapter, *args, **kwargs)
     if _tag_of(args, kwargs) == KV_CACHE_TAG and f"{_ADAPTER_CLASS}.pause" in _registered:
-        from extensible_kv.sglang.owner import release_all
+        from extensible_kv.sglang.owner import suspend_all
 
-        release_all()
+        suspend_all()
     return result
 
 
