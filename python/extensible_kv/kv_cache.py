@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from extensible_kv import _args, _torch
 from extensible_kv._native import ClosedError
+from extensible_kv.footprint import CacheFootprint
 from extensible_kv.ipc import Loan
 from extensible_kv.layouts import (
     ATTENTION_BACKEND_PRESETS,
@@ -46,7 +47,6 @@ from extensible_kv.tensor import ExtensibleTensor, borrow_dealt, close_on_exit, 
 if TYPE_CHECKING:
     import torch
 
-    from extensible_kv.sizing import CacheFootprint
 
 __all__ = [
     "AttentionLayerSpec",
@@ -222,7 +222,7 @@ def _check_buffer(index: int, block_bytes: int, plans: Sequence[_LayerPlan]) -> 
 
 
 def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list[_LayerPlan]]:
-    capacity_blocks = _args.size(capacity_blocks, "capacity_blocks", minimum=-(2**63))
+    capacity_blocks = _args.integer(capacity_blocks, "capacity_blocks")
     if capacity_blocks <= 0:
         raise ValueError(f"capacity_blocks {capacity_blocks} must be positive")
     if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
@@ -231,7 +231,7 @@ def _plan(specs: Sequence[KVCacheTensorSpec], capacity_blocks: int) -> list[list
         if not isinstance(tensor, KVCacheTensorSpec):
             name = type(tensor).__name__
             raise TypeError(f"spec[{index}] must be a KVCacheTensorSpec, not {name}")
-        _args.size(tensor.block_bytes, f"spec[{index}].block_bytes", minimum=-(2**63))
+        _args.integer(tensor.block_bytes, f"spec[{index}].block_bytes")
     hybrid = any(isinstance(s, MambaLayerSpec) for t in specs for s in t.layers.values())
     plans, seen = [], set[str]()
     for index, tensor in enumerate(specs):
@@ -360,7 +360,7 @@ class ExtensibleKVCache:
         export_handle_types: int | str = 0,
     ) -> None:
         _torch.require("ExtensibleKVCache")
-        capacity_blocks = _args.size(capacity_blocks, "capacity_blocks", minimum=-(2**63))
+        capacity_blocks = _args.integer(capacity_blocks, "capacity_blocks")
         granularity = _args.optional_size(granularity, "granularity", minimum=1)
         legacy = _args.flag(legacy, "legacy")
         self._export_handle_types = export_handle_types
@@ -476,9 +476,7 @@ class ExtensibleKVCache:
 
     def footprint(self) -> CacheFootprint:
         """The cache as sizing reads it: each buffer's geometry, the capacity and the committed
-        blocks (`sizing.CacheFootprint`), what `KVCacheFlow` sizes an extension by."""
-        from extensible_kv.sizing import CacheFootprint  # sizing reads this module
-
+        blocks (`footprint.CacheFootprint`), what `KVCacheFlow` sizes an extension by."""
         return CacheFootprint.of(self)
 
     def commit(self, num_blocks: int) -> None:
@@ -486,7 +484,7 @@ class ExtensibleKVCache:
         below `committed_blocks`. If one buffer fails (out of memory), the ones before it keep
         their growth (growth is never undone), `committed_blocks` stays put, and a retry
         resumes."""
-        num_blocks = _args.size(num_blocks, "num_blocks", minimum=-(2**63))
+        num_blocks = _args.integer(num_blocks, "num_blocks")
         if self._closed:
             raise ClosedError("the KV cache is closed")
         if not 0 <= num_blocks <= self._capacity_blocks:
@@ -512,7 +510,7 @@ class ExtensibleKVCache:
         `committed_blocks` at `num_blocks` all the same (every buffer still holds at least
         that many blocks); the buffers that did not shrink keep their blocks past it, and a
         later `commit` does not zero those."""
-        num_blocks = _args.size(num_blocks, "num_blocks", minimum=-(2**63))
+        num_blocks = _args.integer(num_blocks, "num_blocks")
         exact = _args.flag(exact, "exact")
         if self._closed:
             raise ClosedError("the KV cache is closed")

@@ -6,13 +6,14 @@ margin for transient allocations that the warm-up did not hit at their peak (vLL
 is what everything but the KV cache took since the reservation (weights, activations, graph
 pools), reported so an operator sees where memory went.
 
-Bytes become blocks granule-aware: a buffer commits whole granules, so committing `n` blocks
-costs the distinct granules that the first `n * segment_block_bytes` bytes of each segment
-touch — rounded up per segment, a granule that two segments share counted once, the granules
-already mapped not counted again. `blocks_within` finds the most blocks whose extra footprint
-fits a budget by binary search over an exact footprint (monotone in `n`). `capacity_blocks_for`
-rounds a first estimate so that every segment ends on a granule boundary, where no granule is
-shared and no block is ever cut by one.
+Bytes become blocks granule-aware (`extensible_kv.footprint`, whose `BufferFootprint` and
+`CacheFootprint` this module re-exports): a buffer commits whole granules, so committing `n`
+blocks costs the distinct granules that the first `n * segment_block_bytes` bytes of each
+segment touch — rounded up per segment, a granule that two segments share counted once, the
+granules already mapped not counted again. `blocks_within` finds the most blocks whose extra
+footprint fits a budget by binary search over an exact footprint (monotone in `n`).
+`capacity_blocks_for` rounds a first estimate so that every segment ends on a granule
+boundary, where no granule is shared and no block is ever cut by one.
 
 Everything here is integer arithmetic except the three small probes at the bottom.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from extensible_kv import _native
+from extensible_kv.footprint import BufferFootprint, CacheFootprint
 from extensible_kv.kv_cache import ExtensibleKVCache, KVCacheTensorSpec, segment_layout
 from extensible_kv.layouts import round_up
 
@@ -97,64 +99,6 @@ def measure_budget(
     return MemoryBudget(
         free_now_bytes, margin_bytes, kv_committed_bytes, transient_peak_bytes, free_at_init_bytes
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# footprints: blocks → whole granules
-
-
-@dataclass(frozen=True)
-class BufferFootprint:
-    """One buffer as its reservation sees it: where each segment starts (bytes from the
-    granule-aligned base), the bytes a block adds to every segment, the granule size."""
-
-    segment_offsets: tuple[int, ...]
-    segment_block_bytes: int
-    granularity: int
-
-    def footprint_bytes(self, num_blocks: int) -> int:
-        """Physical bytes with `num_blocks` blocks committed: the distinct granules touched by
-        the first `num_blocks * segment_block_bytes` bytes of every segment (the planner's own
-        rounding, `plan::footprint_bytes`)."""
-        prefix_bytes = num_blocks * self.segment_block_bytes
-        if prefix_bytes <= 0:
-            return 0
-        return _native.footprint_bytes(self.segment_offsets, prefix_bytes, self.granularity)
-
-
-@dataclass(frozen=True)
-class CacheFootprint:
-    """Every buffer of a cache, its capacity and its committed block count: all that sizing
-    reads. A legacy cache has no buffers here: it committed everything up front, so no block
-    costs extra bytes. `leading_blocks` sit below the cache's first block in every buffer,
-    always committed and never counted in its blocks (transformers' trash sectors)."""
-
-    buffers: tuple[BufferFootprint, ...]
-    capacity_blocks: int
-    committed_blocks: int
-    leading_blocks: int = 0
-
-    @classmethod
-    def of(cls, cache: ExtensibleKVCache) -> CacheFootprint:
-        buffers: tuple[BufferFootprint, ...] = ()
-        if not cache.legacy:
-            pairs = zip(cache.buffers, cache.segment_block_bytes, strict=True)
-            buffers = tuple(
-                BufferFootprint(tuple(t.segment_offsets), block_bytes, t.granularity)
-                for t, block_bytes in pairs
-            )
-        return cls(buffers, cache.capacity_blocks, cache.committed_blocks)
-
-    def footprint_bytes(self, num_blocks: int) -> int:
-        """Physical bytes with `num_blocks` of the cache's blocks committed (and the leading
-        ones)."""
-        return sum(b.footprint_bytes(self.leading_blocks + num_blocks) for b in self.buffers)
-
-    def extra_bytes(self, num_blocks: int) -> int:
-        """Bytes to commit to go from `committed_blocks` to `num_blocks` (0 below it)."""
-        if num_blocks <= self.committed_blocks:
-            return 0
-        return self.footprint_bytes(num_blocks) - self.footprint_bytes(self.committed_blocks)
 
 
 def blocks_within(budget_bytes: int, cache: ExtensibleKVCache | CacheFootprint) -> int:
