@@ -42,7 +42,7 @@ class MambaStateSpec:
         )
         object.__setattr__(self, "states", states)
         if self.page_size_padded is not None:
-            padded = _args.size(self.page_size_padded, "page_size_padded", minimum=-(2**63))
+            padded = _args.integer(self.page_size_padded, "page_size_padded")
             object.__setattr__(self, "page_size_padded", padded)
         if not states:
             raise ValueError("a Mamba state spec needs at least one state")

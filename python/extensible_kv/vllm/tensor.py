@@ -168,8 +168,8 @@ class ExtensibleTensor:
     ) -> None:
         # Types first, by name (vLLM's class fails on them somewhere inside); then vLLM's own
         # range checks and wording.
-        max_num_bytes = _args.size(max_num_bytes, "max_num_bytes", minimum=-(2**63))
-        num_segments = _args.size(num_segments, "num_segments", minimum=-(2**63))
+        max_num_bytes = _args.integer(max_num_bytes, "max_num_bytes")
+        num_segments = _args.integer(num_segments, "num_segments")
         if segment_capacities is not None:
             segment_capacities = _args.sizes(segment_capacities, "segment_capacities", minimum=None)
         if max_num_bytes < 0:
@@ -238,14 +238,14 @@ class ExtensibleTensor:
 
     def segment_view(self, index: int) -> torch.Tensor:
         """Uint8 tensor over one segment's committed prefix, sized exactly to it."""
-        index = _args.size(index, "index", minimum=-(2**63))
+        index = _args.integer(index, "index")
         if not 0 <= index < self.num_segments:
             raise IndexError(f"Segment {index} out of range ({self.num_segments}).")
         return self._open().segment_view(index)
 
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
         """Grow every segment's committed prefix to the same size."""
-        size = _args.size(bytes_per_segment, "bytes_per_segment", minimum=-(2**63))
+        size = _args.integer(bytes_per_segment, "bytes_per_segment")
         self.resize_segments_([size] * self.num_segments, zero_new)
 
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
