@@ -391,8 +391,8 @@ def test_a_borrower_with_move_gives_a_recalled_loan_back_at_once_keeping_its_liv
             cb.hold({0, 1, 20, 21})  # a request grew into the loan
             b.serve(busy=True)  # posts its free top blocks
             (loan,) = pool.snapshot().loans.values()
-            free_top = pool.snapshot().engines["b"].free_top_blocks
-            assert free_top == (20 if move else 2)  # 24 - 4 live, or the two above block 21
+            spare = pool.snapshot().engines["b"].spare_blocks
+            assert spare == (20 if move else 2)  # 24 - 4 live, or the two above block 21
             assert [d.action for d in a.request(16)] == ["recall"]
             b.serve(busy=True)
             state = pool.snapshot().loans[loan.loan_id].state

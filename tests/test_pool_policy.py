@@ -170,14 +170,14 @@ def test_loans_others_hold_free_go_back_to_their_lender_before_it_is_asked() -> 
     )
     # Busy, with its top 4 blocks free: the newest loan only (the older one is in use).
     ledger.engines["other"].busy = True
-    ledger.engines["other"].free_top_blocks = 4
+    ledger.engines["other"].spare_blocks = 4
     assert plan() == [("recall", "other", 4), ("wait", "", 6)]
     # Recalled already: it waits for them, and still does not ask the lender.
     ledger.loans[2].recall = True
     assert plan() == [("wait", "", 4), ("wait", "", 6)]
     # Its top block in use: the lender lends what it has.
     ledger.loans[2].recall = False
-    ledger.engines["other"].free_top_blocks = 3
+    ledger.engines["other"].spare_blocks = 3
     assert plan() == [("ask", "lender", 10)]
     # So does a lender whose newest loan the needy engine holds (recalled or not): it cannot
     # take back the rest before that one.
@@ -266,21 +266,21 @@ def test_an_engine_gives_back_recalled_and_orphaned_loans_top_first_once_free() 
     ledger.next_loan_id = 3
     ledger.engines["b"].borrowed_bytes = 2 * BB
     # The recalled loan is on top: back once its blocks are free; the other one stays.
-    assert plan_release(ledger, "b", free_tail_blocks=2) == []
-    (back,) = plan_release(ledger, "b", free_tail_blocks=8)
+    assert plan_release(ledger, "b", spare_blocks=2) == []
+    (back,) = plan_release(ledger, "b", spare_blocks=8)
     assert (back.action, back.loan_id, back.reason) == ("give_back", 2, "a recalled it")
     # A loan below a kept one cannot go back before it.
     ledger.loans[1].recall, ledger.loans[2].recall = True, False
-    assert plan_release(ledger, "b", free_tail_blocks=24) == []
+    assert plan_release(ledger, "b", spare_blocks=24) == []
     ledger.loans[2].lender = ""  # its lender died: giving it back frees it
-    assert [d.loan_id for d in plan_release(ledger, "b", free_tail_blocks=24)] == [2, 1]
+    assert [d.loan_id for d in plan_release(ledger, "b", spare_blocks=24)] == [2, 1]
 
 
 def test_an_engine_past_a_lowered_maximum_shrinks_to_its_used_blocks() -> None:
     ledger = Ledger()
     ledger.engines = {"a": engine("a", 1, 40, hi=8)}
-    (shrink,) = plan_release(ledger, "a", free_tail_blocks=30)
+    (shrink,) = plan_release(ledger, "a", spare_blocks=30)
     assert (shrink.action, shrink.blocks) == ("shrink", 30)  # 10 used: it keeps them
     assert shrink.reason == "past its maximum (8 blocks)"
-    (shrink,) = plan_release(ledger, "a", free_tail_blocks=40)
+    (shrink,) = plan_release(ledger, "a", spare_blocks=40)
     assert shrink.blocks == 32

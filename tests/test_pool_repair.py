@@ -314,7 +314,7 @@ def test_a_commit_posted_late(
     the engine learned its new size all the same, and the next transaction posts it."""
     w = world()
     sizes: list[int] = []
-    w.members["a"].on_resize = sizes.append
+    w.members["a"].hooks.on_resize = sizes.append
     fault = Fault(kind, w.pool, monkeypatch)
     arm(fault, w.caches["a"], "commit")
     explicitly(fault, lambda: w.members["a"].grow(32))

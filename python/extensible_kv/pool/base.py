@@ -13,19 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from collections.abc import Iterator
+from typing import Any
 
-from extensible_kv import _args
 from extensible_kv.pool import fds, rules
 from extensible_kv.pool.asks import AskLog
-from extensible_kv.pool.caches import (
-    MovingCache,
-    PoolCache,
-    borrowed_bytes,
-    lend_points,
-    lent_bytes,
-)
+from extensible_kv.pool.caches import PoolCache, borrowed_bytes, lend_points, lent_bytes
+from extensible_kv.pool.hooks import PoolHooks
 from extensible_kv.pool.ledger import Ledger, LedgerCorruptError
 from extensible_kv.pool.notes import Notes
 from extensible_kv.pool.policy import Decision
@@ -57,9 +51,7 @@ class MemberBase:
     move: bool
     min_blocks: int
     max_blocks: int
-    free_tail_blocks: Callable[[], int]
-    on_resize: Callable[[int], None] | None
-    free_bytes: Callable[[], int]
+    hooks: PoolHooks  # the engine's (`extensible_kv.pool.hooks`)
     zero: bool
     answer_timeout_s: float
     take_timeout_s: float
@@ -114,43 +106,41 @@ class MemberBase:
         }
 
     def _record(self, ledger: Ledger) -> None:
-        """Posts what the cache holds, what it could lend at once and its free top blocks, and
-        the heartbeat."""
+        """Posts what the cache holds, what it could lend at once and its spare blocks, and the
+        heartbeat."""
         cache = self.cache
         lendable = 0
-        committed, free = cache.committed_blocks, self._free_top_blocks()
+        committed, spare = cache.committed_blocks, self._spare_blocks()
         if not borrowed_bytes(cache):  # a borrower lends nothing
-            fits = [committed - k for k in lend_points(cache) if committed - k <= free]
+            fits = [committed - k for k in lend_points(cache) if committed - k <= spare]
             lendable = max(fits, default=0)
         numbers: dict[str, Any] = {
             **self._held(),
             "lendable_blocks": lendable,
-            "free_top_blocks": free,
+            "spare_blocks": spare,
             "busy": self.busy,
         }
         rules.record(ledger, self.name, self.pool.clock(), numbers)
 
     # ---------------------------------------------------------------------------------------
-    # the cache's free blocks, as the engine says
+    # the cache's free blocks, as the engine says (one name each: `extensible_kv.pool.hooks`)
 
-    def _unused_top_blocks(self) -> int:
-        """The top committed blocks no request uses now (the engine's `free_tail_blocks()`)."""
-        free = _args.size(self.free_tail_blocks(), "free_tail_blocks()")
-        return min(free, self.cache.committed_blocks)
+    def _free_tail_blocks(self) -> int:
+        """The top committed blocks no request uses now (the `free_tail_blocks` hook)."""
+        return self.hooks.tail(self.cache.committed_blocks)
 
     def _free_blocks(self) -> int | None:
-        """With `move=True`, the free blocks wherever they lie (the cache's `free_blocks()`);
+        """With `move=True`, the free blocks wherever they lie (the `free_blocks` hook);
         None without."""
         if not self.move:
             return None
-        free = _args.size(cast(MovingCache, self.cache).free_blocks(), "free_blocks()")
-        return min(free, self.cache.committed_blocks)
+        return self.hooks.anywhere(self.cache.committed_blocks)
 
-    def _free_top_blocks(self) -> int:
-        """The top blocks that could go at once (what the ledger calls `free_top_blocks`): the
-        unused ones at the top, or with `move=True` as many as are free anywhere (the live
-        ones above them move down first)."""
-        return max(self._unused_top_blocks(), self._free_blocks() or 0)
+    def _spare_blocks(self) -> int:
+        """The top blocks that could go at once (the ledger's `spare_blocks`): the free tail,
+        or with `move=True` as many as are free anywhere (the live ones above them move down
+        first)."""
+        return max(self._free_tail_blocks(), self._free_blocks() or 0)
 
     # ---------------------------------------------------------------------------------------
     # steps both sides take
@@ -159,8 +149,10 @@ class MemberBase:
         """With `move=True`, moves the live blocks at or past `keep` down, if any: before a
         lend or a release, and before a borrowed loan goes back (so that a recalled loan goes
         back at once, however busy the borrower is, if it has free blocks enough below)."""
-        if self.move and self._unused_top_blocks() < self.cache.committed_blocks - keep:
-            cast(MovingCache, self.cache).move_below(keep)
+        move_below = self.hooks.move_below
+        if self.move and self._free_tail_blocks() < self.cache.committed_blocks - keep:
+            assert move_below is not None  # move=True needs it (`PoolMember`)
+            move_below(keep)
 
     def _released_to_driver(self) -> None:
         """Waits until what a shrink gave back is the driver's: before the ledger says so, or
@@ -178,8 +170,8 @@ class MemberBase:
         self._resized()
 
     def _resized(self) -> None:
-        if self.on_resize is not None:
-            self.on_resize(self.cache.committed_blocks)
+        if self.hooks.on_resize is not None:
+            self.hooks.on_resize(self.cache.committed_blocks)
 
     def _log(self, decision: Decision) -> None:
         peer = f" {decision.peer}" if decision.peer else ""

@@ -30,7 +30,6 @@ __all__ = [
     "gains",
     "lend_points",
     "lent_bytes",
-    "moves",
 ]
 
 
@@ -65,12 +64,14 @@ class PoolCache(ExtendableCache, Protocol):
 
 
 class MovingCache(PoolCache, Protocol):
-    """A `PoolCache` that moves live blocks down, for a member with `move=True`:
-    `free_blocks()` counts its committed blocks no request holds, wherever they lie, and
-    `move_below(num_blocks)` copies every live block at or past `num_blocks` into a free one
-    below it and renames it in the engine's books (a `RuntimeError` when too few are free
-    there, and nothing moved), between the engine's steps. transformers' pooled cache is one:
-    its block tables are ours to rename. An `ExtensibleKVCache`'s are its engine's."""
+    """A `PoolCache` that moves live blocks down, for a member with `move=True`: it has the
+    `free_blocks` and `move_below` hooks (`extensible_kv.pool.hooks`, where they are declared
+    and recognised). `free_blocks()` counts its committed blocks no request holds, wherever
+    they lie, and `move_below(num_blocks)` copies every live block at or past `num_blocks`
+    into a free one below it and renames it in the engine's books (a `RuntimeError` when too
+    few are free there, and nothing moved), between the engine's steps. transformers' pooled
+    cache is one: its block tables are ours to rename. An `ExtensibleKVCache`'s are its
+    engine's."""
 
     def free_blocks(self) -> int: ...
     def move_below(self, num_blocks: int) -> None: ...
@@ -82,11 +83,6 @@ def lent_bytes(cache: PoolCache) -> int:
 
 def borrowed_bytes(cache: PoolCache) -> int:
     return sum(t.borrowed_bytes for t in cache.buffers)
-
-
-def moves(cache: PoolCache) -> bool:
-    """Whether `cache` moves live blocks down (a `MovingCache`)."""
-    return all(callable(getattr(cache, name, None)) for name in ("free_blocks", "move_below"))
 
 
 def lend_points(cache: PoolCache) -> set[int]:

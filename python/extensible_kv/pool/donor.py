@@ -54,7 +54,7 @@ class DonorSide(MemberBase):
             Action.RELEASE: self._plan_lend,
             Action.REFUSE: self._post_refusal,
         }
-        unused_top = self._unused_top_blocks()
+        free_tail = self._free_tail_blocks()
         free = self._free_blocks() if asked else None
         points = lend_points(self.cache) if asked else set()
         me = rules.engine(ledger, self.name)
@@ -63,13 +63,14 @@ class DonorSide(MemberBase):
                 rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
                 continue
             borrower = ledger.engines.get(loan.borrower)
-            most = min(max(unused_top, free or 0), me.committed_blocks - me.min_blocks)
+            spare = max(free_tail, free or 0)  # `_spare_blocks`, less what was planned
+            most = min(spare, me.committed_blocks - me.min_blocks)
             cuts = self._cuts(points, borrower, me.committed_blocks, most, loan.blocks)
             decision = plan_answer(
                 ledger,
                 self.name,
                 loan.loan_id,
-                free_tail_blocks=unused_top,
+                free_tail_blocks=free_tail,
                 cuts=cuts,
                 free_blocks=free,
             )
@@ -80,7 +81,7 @@ class DonorSide(MemberBase):
             made = answers[decision.action](ledger, loan, decision)
             if made is not None:
                 planned.append(made)
-                unused_top = max(0, unused_top - made.blocks)
+                free_tail = max(0, free_tail - made.blocks)
                 if free is not None:
                     free -= made.blocks
         return planned
@@ -264,14 +265,15 @@ class DonorSide(MemberBase):
 
     def _export_ahead(self) -> None:
         """With nothing else to do: exports a few of the cache's handles ahead of a loan, the
-        top ones first, so that a lend only unmaps (a first loan of 60 GiB spent half of its
-        ~60 ms exporting 60 handles, ~0.5 ms each on CUDA). A few a round keep each call to
-        ~2 ms; a failed export (out of fds, say) is left to the lend, which reports it."""
+        top ones first (`ExtensibleTensor.export_ahead`), so that a lend only unmaps (a first
+        loan of 60 GiB spent half of its ~60 ms exporting 60 handles: the export cost,
+        docs/design.md §2). A few a round keep each call short; a failed export (out of fds,
+        say) is left to the lend, which reports it."""
         committed = self.cache.committed_blocks
         if self.via != "loan" or committed == self._exported_at:
             return
         try:
-            left = sum(t._export_ahead(EXPORT_AHEAD_HANDLES) for t in self.cache.buffers)
+            left = sum(t.export_ahead(EXPORT_AHEAD_HANDLES) for t in self.cache.buffers)
         except Exception as error:  # an optimization: serving goes on without it
             logger.warning("%s: not exporting ahead of loans: %s", self.name, error)
             left = 0

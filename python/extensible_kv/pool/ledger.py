@@ -183,7 +183,8 @@ class Engine:
     lent_bytes: int = 0
     borrowed_bytes: int = 0
     lendable_blocks: int = 0  # what it could lend at once, as of its last heartbeat
-    free_top_blocks: int = 0  # its top blocks no request uses: what could go (back) at once
+    # What could go (back) at once: its free tail, or moving live blocks down, its free blocks.
+    spare_blocks: int = 0
     heartbeat: float = 0.0
     busy: bool = False
     stuck: bool = False  # a request to it expired since its last heartbeat
@@ -435,7 +436,7 @@ _ENGINE = {
     "lent_bytes": int,
     "borrowed_bytes": int,
     "lendable_blocks": int,
-    "free_top_blocks": int,
+    "spare_blocks": int,
     "heartbeat": float,
     "busy": bool,
     "stuck": bool,
@@ -544,7 +545,7 @@ def _engine(raw: object, where: str) -> Engine:
         "lent_bytes",
         "borrowed_bytes",
         "lendable_blocks",
-        "free_top_blocks",
+        "spare_blocks",
         "min_blocks",
         "max_blocks",
     ):

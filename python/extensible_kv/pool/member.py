@@ -28,7 +28,8 @@ note are done; every wait (for the lock, for memory, for borrowers) ends on it.
 Call `serve()` from the engine's own thread between its steps, often (it is the heartbeat, and
 a donor answers only there): a lend takes blocks away from the cache, which must not happen
 while a step uses them. `free_tail_blocks()` says how many top blocks the engine does not use
-now; the engine learns the cache's new size from `on_resize(committed_blocks)`.
+now; the engine learns the cache's new size from `on_resize(committed_blocks)`. These are the
+engine's hooks, declared once with the others in `extensible_kv.pool.hooks`.
 
 `via="driver"` moves memory as kvcached does, for comparison: a donor answers a request by
 giving its free top blocks back to the driver (`shrink_to`, then `wait_released`), and the
@@ -53,8 +54,9 @@ from extensible_kv.pool import _proc, rules
 from extensible_kv.pool.asks import Ask, AskLog
 from extensible_kv.pool.base import PostFailed, logger
 from extensible_kv.pool.borrower import BorrowerSide
-from extensible_kv.pool.caches import MovingCache, PoolCache, device_free_bytes, moves
+from extensible_kv.pool.caches import MovingCache, PoolCache, device_free_bytes
 from extensible_kv.pool.donor import EXPORT_AHEAD_HANDLES, DonorSide
+from extensible_kv.pool.hooks import recognise
 from extensible_kv.pool.ledger import (
     MAX_TIME,
     Engine,
@@ -86,10 +88,12 @@ class PoolMember(DonorSide, BorrowerSide):
     Its limits, in its own blocks or in bytes (blocks differ from model to model; each limit
     one way): it never lends below `min_blocks` (or the fewest blocks that hold `min_bytes`;
     default 0) and never grows past `max_blocks` (or the most blocks that fit in
-    `max_bytes`; default and at most the cache's capacity). `free_tail_blocks()` returns how
-    many of its top committed blocks it does not use now; `on_resize(committed_blocks)` is
-    called after every change of the cache's size. `free_bytes()` measures the device's free
-    memory (default: the host's for `cpu`, CUDA's for `cuda:N`). `zero` zeroes what it
+    `max_bytes`; default and at most the cache's capacity). Its hooks
+    (`extensible_kv.pool.hooks`, each given here or a method of the cache of the same name):
+    `free_tail_blocks()` returns how many of its top committed blocks it does not use now;
+    `on_resize(committed_blocks)` is called after every change of the cache's size.
+    `free_bytes()` measures the device's free memory (default: the host's for `cpu`, CUDA's
+    for `cuda:N`). `zero` zeroes what it
     borrows and reclaims (across tenants). A request to a donor that does not answer within
     `answer_timeout_s` expires (the donor is then stuck, and not asked again until it
     heartbeats); a loan offered and not taken within `take_timeout_s` is taken back. A loan
@@ -118,7 +122,7 @@ class PoolMember(DonorSide, BorrowerSide):
         max_blocks: int | None = None,
         min_bytes: int | None = None,
         max_bytes: int | None = None,
-        free_tail_blocks: Callable[[], int],
+        free_tail_blocks: Callable[[], int] | None = None,
         on_resize: Callable[[int], None] | None = None,
         free_bytes: Callable[[], int] | None = None,
         zero: bool = True,
@@ -141,8 +145,16 @@ class PoolMember(DonorSide, BorrowerSide):
             raise ValueError("a pool member's cache cannot be legacy (plain torch memory)")
         self._shape = cache.shape()
         self._limits(min_blocks, max_blocks, min_bytes, max_bytes)
+        device = check_device(self._shape.device, "the cache's device")
+        self.hooks = recognise(
+            cache,
+            device_free_bytes(device),
+            free_tail_blocks=free_tail_blocks,
+            on_resize=on_resize,
+            free_bytes=free_bytes,
+        )
         self.move = _args.flag(move, "move")
-        if self.move and not moves(cache):
+        if self.move and not self.hooks.moves:
             raise ValueError(
                 "move=True needs a cache that moves live blocks down (free_blocks() and "
                 "move_below(num_blocks), as transformers' pooled cache has): an "
@@ -154,19 +166,6 @@ class PoolMember(DonorSide, BorrowerSide):
                 "a pool member lends and borrows blocks as POSIX fds: create its cache with "
                 "export_handle_types='posix_fd' (or join with via='driver')"
             )
-        for what, function in [
-            ("free_tail_blocks", free_tail_blocks),
-            ("on_resize", on_resize),
-            ("free_bytes", free_bytes),
-        ]:
-            if function is not None and not callable(function):
-                raise TypeError(f"{what} must be callable, not {type(function).__name__}")
-        if not callable(free_tail_blocks):
-            raise TypeError("free_tail_blocks must be callable, not None")
-        self.free_tail_blocks = free_tail_blocks
-        self.on_resize = on_resize
-        device = check_device(self._shape.device, "the cache's device")
-        self.free_bytes = free_bytes or device_free_bytes(device)
         self.zero = _args.flag(zero, "zero")
         self.answer_timeout_s = _args.duration(answer_timeout_s, "answer_timeout_s")
         self.take_timeout_s = _args.duration(take_timeout_s, "take_timeout_s")
@@ -322,7 +321,12 @@ class PoolMember(DonorSide, BorrowerSide):
             self._asks.asked(committed, min(committed + blocks, top), since)
             refused = [name for name, until in self._refused.items() if until > now]
             decisions = plan_grow(
-                ledger, self.name, blocks, free_bytes=self.free_bytes(), now=now, exclude=refused
+                ledger,
+                self.name,
+                blocks,
+                free_bytes=self.hooks.free_bytes(),
+                now=now,
+                exclude=refused,
             )
             for decision in decisions:
                 steps[decision.action](ledger, decision, now)
@@ -480,7 +484,7 @@ class PoolMember(DonorSide, BorrowerSide):
         for loan in sorted(to_take, key=lambda loan: loan.loan_id):
             self._take(loan)
         with self._transaction() as ledger:  # after the takes: a give-back sees them
-            given = plan_release(ledger, self.name, free_tail_blocks=self._free_top_blocks())
+            given = plan_release(ledger, self.name, spare_blocks=self._spare_blocks())
             in_flight = self._in_flight(ledger)
         for decision in given:
             self._give_back_or_shrink(decision)

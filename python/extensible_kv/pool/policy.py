@@ -190,7 +190,7 @@ def _coming_back(ledger: Ledger, needy: str, now: float) -> dict[str, list[PoolL
             and not unresponsive(borrower, ledger, now)
             and (
                 not borrower.busy
-                or loan.start_block >= borrower.committed_blocks - borrower.free_top_blocks
+                or loan.start_block >= borrower.committed_blocks - borrower.spare_blocks
             )
         )
 
@@ -354,12 +354,14 @@ def plan_answer(
     return Decision(Action.LEND, name, blocks, why, loan.borrower, loan_id, gain)
 
 
-def plan_release(ledger: Ledger, name: str, *, free_tail_blocks: int) -> list[Decision]:
+def plan_release(ledger: Ledger, name: str, *, spare_blocks: int) -> list[Decision]:
     """What engine `name` gives back now: borrowed loans recalled, orphaned (their lender
     died) or past its maximum, top first, each once every block from its start is free; then
-    its own free top blocks past its maximum."""
+    its own free top blocks past its maximum. `spare_blocks` (what only the engine knows) is
+    how many of its top blocks could go at once: its free tail, or, moving live blocks down,
+    as many as are free anywhere."""
     engine = ledger.engines[name]
-    used_top = engine.committed_blocks - free_tail_blocks  # blocks below it may be live
+    used_top = engine.committed_blocks - spare_blocks  # blocks below it may be live
     top = engine.committed_blocks
     decisions = []
     borrowed = sorted(

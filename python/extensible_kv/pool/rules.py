@@ -368,7 +368,7 @@ def record(
     ledger: Ledger, name: str, now: float, numbers: dict[str, Any], *, heartbeat: bool = True
 ) -> None:
     """What engine `name` holds now (`committed_blocks`, `physical_bytes`, `lent_bytes`,
-    `borrowed_bytes`, `lendable_blocks`, `free_top_blocks` and `busy`, any of them), and with
+    `borrowed_bytes`, `lendable_blocks`, `spare_blocks` and `busy`, any of them), and with
     `heartbeat` that it is alive and answering at `now`."""
     engine = _engine(ledger, name)
     for key, value in numbers.items():
