@@ -22,6 +22,7 @@ import pytest
 from extensible_kv import ExtensibleTensor
 from support import stack_env, vllm_env
 from support.devices import DEVICES, cuda_reason, device_kwargs
+from support.kv_helpers import MakeCache, cache_factory
 from support.memory import MakeTensor, memfd_counts
 
 # The examples (`examples/decoder`) are the top-level packages their tests import.
@@ -105,6 +106,14 @@ def g(make_tensor: MakeTensor) -> int:
     granularity = probe.granularity
     probe.close()
     return granularity
+
+
+@pytest.fixture
+def make_cache(device: str) -> Iterator[MakeCache]:
+    """`make_cache(spec, capacity_blocks, **kw)`: an `ExtensibleKVCache` on the fixture's
+    device (`support.kv_helpers.cache_factory`), closed at teardown. A module whose caches
+    live on the host backend alone overrides `device`."""
+    yield from cache_factory(device)
 
 
 @pytest.fixture

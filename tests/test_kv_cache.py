@@ -7,7 +7,7 @@ SIGSEGV, so a passing write is proof that the block's bytes were committed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -26,7 +26,6 @@ from support.kv_helpers import (
     MakeCache,
     blocks,
     byte_sum,
-    cache_factory,
     committed_byte_sum,
     layer_views,
     pattern,
@@ -36,11 +35,6 @@ N, H, D = 16, 2, 32  # tokens per block, KV heads, head size
 BF16 = torch.bfloat16
 PAGE = 2 * N * H * D * 2  # K and V of one block, bf16: 4096 bytes
 CAPACITY = 8
-
-
-@pytest.fixture
-def make_cache(device: str) -> Iterator[MakeCache]:
-    yield from cache_factory(device)
 
 
 @dataclass(frozen=True)

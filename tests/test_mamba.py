@@ -3,7 +3,6 @@ segment per layer buffer, each layer growing on its own buffer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,17 +18,10 @@ from support.kv_helpers import (
     MakeCache,
     blocks,
     byte_sum,
-    cache_factory,
     committed_byte_sum,
     layer_views,
     pattern,
 )
-
-
-@pytest.fixture
-def make_cache(device: str) -> Iterator[MakeCache]:
-    yield from cache_factory(device)
-
 
 SMALL = mamba2_state_spec(
     conv_kernel=4,

@@ -5,7 +5,7 @@ granule a segment prefix touches, and against what real caches map on the host b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,7 @@ from extensible_kv.sizing import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.devices import CPU_GRANULARITY
-from support.kv_helpers import MakeCache, cache_factory
+from support.kv_helpers import MakeCache
 from support.memory import settled_free
 
 GIB = 1 << 30
@@ -41,8 +41,9 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture
-def make_cache() -> Iterator[MakeCache]:
-    yield from cache_factory("cpu")
+def device() -> str:
+    """The real caches here (conftest's `make_cache`) live on the host backend."""
+    return "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
