@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import gc
 import math
-import multiprocessing as mp
 import os
-import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,9 +31,9 @@ from extensible_kv import (
     StandardLayerSpec,
     blocks_from,
 )
+from support.child import TIMEOUT_S, Child
 from support.devices import CPU_GRANULARITY
 
-TIMEOUT_S = 120
 N, D = 16, 32
 BF16 = torch.bfloat16
 LENT, OWN, WRITTEN = 0xA5, 0x3C, 0x5A  # byte values: the lender's lent memory, kept, borrower's
@@ -300,43 +297,10 @@ def _child_main(conn: Any, device: str, g: int) -> None:
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
-class Child:
-    def __init__(self, device: str, g: int) -> None:
-        context = mp.get_context("spawn")
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(child_conn, device, g))
-        self.process.start()
-
-    def __call__(self, *command: Any) -> Any:
-        self.conn.send(command)
-        if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"the child did not answer {command[0]!r}")
-        status, *result = self.conn.recv()
-        assert status == "ok", result[0]
-        return result
-
-    def kill(self) -> float:
-        assert self.process.pid is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        return time.monotonic()
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(("stop",))
-            except OSError:
-                pass
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
 @pytest.fixture
 def child(device: str, g: int) -> Iterator[Child]:
-    proc = Child(device, g)
-    yield proc
-    proc.stop()
+    with Child(_child_main, device, g) as proc:
+        yield proc
 
 
 @pytest.mark.parametrize("step", ["lent", "borrowed", "given back"])

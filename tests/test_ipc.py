@@ -9,11 +9,13 @@ refresh, hold views while the owner closes, let go) is ordered against the paren
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,9 +31,8 @@ from extensible_kv import (
     recv_shared,
     send_shared,
 )
+from support.child import Child
 from support.memory import MakeTensor
-
-TIMEOUT_S = 120
 
 
 def pattern(n: int, seed: int) -> torch.Tensor:
@@ -123,6 +124,9 @@ def _child_main(conn: Any, device: str) -> None:
                 _sync(device)
                 conn.send(("ok", sorted(open_fds() - fds_before)))
                 return
+            elif command == "stop":
+                conn.send(("ok",))
+                return
     except BaseException as error:  # report, so the parent fails with the child's reason
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
@@ -180,32 +184,10 @@ def _check_held(held: list[torch.Tensor], seed: int, n: int) -> bool:
     return good
 
 
-class Child:
-    def __init__(self, device: str) -> None:
-        context = mp.get_context("spawn")
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(child_conn, device))
-        self.process.start()
-
-    def __call__(self, *command: Any) -> Any:
-        self.conn.send(command)
-        if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"the child did not answer {command[0]!r}")
-        status, *result = self.conn.recv()
-        assert status == "ok", result[0]
-        return result
-
-    def stop(self) -> None:
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-
-
 @pytest.fixture
 def child(device: str) -> Iterator[Child]:
-    proc = Child(device)
-    yield proc
-    proc.stop()
+    with Child(_child_main, device) as proc:
+        yield proc
 
 
 MakeOwner = Callable[..., ExtensibleTensor]
@@ -580,3 +562,67 @@ def test_export_handle_types_take_integers_as_the_core_does(types: object) -> No
         assert t.export_handle_types == 1  # the host backend has no fabric: fds only
     with pytest.raises(TypeError, match="export_handle_types entries"):
         ExtensibleTensor(4096, device="cpu", export_handle_types=[np.float32(1)])  # type: ignore[list-item]
+
+
+# --------------------------------------------------------------------------------------------
+# is a process alive: one parser, the core's (`ipc::process_start_time`), through `_native`
+
+STAT_LINES = Path(__file__).parent / "support" / "proc_stat_lines.txt"
+
+
+def _stat_cases() -> list[tuple[bytes, int | None]]:
+    """The /proc/PID/stat lines src/ipc.rs's tests read too, with the start time each gives."""
+    cases = []
+    for line in STAT_LINES.read_bytes().split(b"\n"):
+        if line and not line.startswith(b"#"):
+            want, stat = line.split(b"\t", 1)
+            cases.append((stat, None if want == b"-" else int(want)))
+    return cases
+
+
+@pytest.mark.parametrize(("line", "start"), _stat_cases())
+def test_a_stat_line_is_read_by_the_one_parser(line: bytes, start: int | None) -> None:
+    """State `Z` or `X` dead, every other alive; field 22 a u64 after the last `)`; a command
+    name of any bytes (not UTF-8 either) read. The pool's `_proc` asks the same function."""
+    from extensible_kv import _native
+    from extensible_kv.pool import _proc
+
+    assert _native.parse_start_time(line) == start
+    assert _proc.parse_start_time(line) == start
+
+
+def test_a_live_process_whose_name_is_not_utf8_is_alive() -> None:
+    """A command name cut at 15 bytes inside a character: the core read the line as text and
+    told such a process dead, so a lender's reclaim could take back memory it maps."""
+    from extensible_kv import _native
+
+    name = "a日本語の名前".encode()  # 19 bytes: the kernel keeps 15, mid-character
+    code = (
+        f"import sys; open('/proc/self/comm', 'wb').write({name!r}); "
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as child:
+        _check_alive(child, name)
+    assert _native.process_start_time(child.pid) is None  # reaped: gone
+    assert _native.process_start_time(-1) is None and _native.process_start_time(2**40) is None
+
+
+def _check_alive(child: subprocess.Popen[bytes], name: bytes) -> None:
+    from extensible_kv import _native
+    from extensible_kv.pool import _proc
+
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        with open(f"/proc/{child.pid}/stat", "rb") as stat:
+            line = stat.read()
+        assert name[:15] in line
+        with pytest.raises(UnicodeDecodeError):
+            line.decode()
+        started = _native.process_start_time(child.pid)
+        assert started is not None and started == _proc.start_time(child.pid)
+        assert _proc.alive(child.pid, started)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()  # its read ends: it exits, and leaving `with` reaps it

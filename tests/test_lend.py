@@ -9,9 +9,7 @@ The other process is a spawned child that takes commands over a pipe (as in test
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
-import signal
 import socket
 import tempfile
 import time
@@ -28,9 +26,9 @@ from extensible_kv import (
     recv_loan,
     send_shared,
 )
+from support.child import TIMEOUT_S, Child
 from support.devices import device_kwargs
 
-TIMEOUT_S = 120
 SEGMENTS = 2
 # In granules: the lender keeps KEPT of BEFORE per segment and lends the rest.
 CAPACITY, BEFORE, KEPT, START = 8, 6, 2, 2
@@ -138,44 +136,10 @@ def _child_main(conn: Any, device: str, g: int) -> None:
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
-class Child:
-    def __init__(self, device: str, g: int) -> None:
-        context = mp.get_context("spawn")
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(child_conn, device, g))
-        self.process.start()
-
-    def __call__(self, *command: Any) -> Any:
-        self.conn.send(command)
-        if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"the child did not answer {command[0]!r}")
-        status, *result = self.conn.recv()
-        assert status == "ok", result[0]
-        return result
-
-    def kill(self) -> float:
-        """kill -9, without reaping it: returns when the signal was sent."""
-        assert self.process.pid is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        return time.monotonic()
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(("stop",))
-            except OSError:
-                pass
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
 @pytest.fixture
 def child(device: str, g: int) -> Iterator[Child]:
-    proc = Child(device, g)
-    yield proc
-    proc.stop()
+    with Child(_child_main, device, g) as proc:
+        yield proc
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,23 +226,23 @@ def test_a_loan_over_a_unix_socket(device: str, g: int, child: Child) -> None:
 
 
 def test_handles_exported_ahead_are_what_a_lend_sends(device: str, g: int, child: Child) -> None:
-    """`_export_ahead` (a pool donor's, between its steps) exports the top handles first, a
+    """`export_ahead` (a pool donor's, between its steps) exports the top handles first, a
     few at a time; a later lend opens no fd for them, and the borrower reads the bytes."""
     other = make(device, g, BEFORE)
-    assert other._export_ahead(0) == other.num_handles > 0
+    assert other.export_ahead(0) == other.num_handles > 0
     plain = ExtensibleTensor(2 * g, **device_kwargs(device)).resize_(2 * g)
-    assert plain._export_ahead(8) == 0, "no loan could take a handle not exported as an fd"
+    assert plain.export_ahead(8) == 0, "no loan could take a handle not exported as an fd"
     lender = make(device, g, BEFORE)
     fill(lender, 30)
     _sync(lender.device)
     handles = lender.num_handles
     fds = counts()[0]
-    assert lender._export_ahead(2) == handles - 2
+    assert lender.export_ahead(2) == handles - 2
     assert counts()[0] == fds + 2
-    while lender._export_ahead(2):
+    while lender.export_ahead(2):
         pass
     assert counts()[0] == fds + handles
-    assert lender._export_ahead(2) == 0
+    assert lender.export_ahead(2) == 0
     assert counts()[0] == fds + handles, "each handle is exported once"
 
     # A lend of exported handles opens only its board; one of fresh handles an fd each more.
@@ -300,7 +264,7 @@ def test_handles_exported_ahead_are_what_a_lend_sends(device: str, g: int, child
         assert got == bytes(pattern(BEFORE * g, 30 + s)[KEPT * g :].numpy()), s
     child("give_back")
     lender.reclaim(loan, zero=False, timeout=10)
-    assert lender._export_ahead(2) == 0, "reclaimed handles keep their export"
+    assert lender.export_ahead(2) == 0, "reclaimed handles keep their export"
     lender._check_invariants()
 
 

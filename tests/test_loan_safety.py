@@ -14,7 +14,6 @@ thread is inside the native wait.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -31,15 +30,14 @@ from extensible_kv import (
     ExtensibleTensor,
     HandleSizing,
     KVCacheTensorSpec,
-    Loan,
     LoanConflictError,
     LoanTimeoutError,
     PtraceRefusedError,
     SharedTensor,
 )
+from support.child import Child
 from support.devices import device_kwargs
 
-TIMEOUT_S = 120
 SEGMENTS = 2
 # In granules: handles of 2 granules; the lender keeps KEPT of BEFORE per segment.
 CAPACITY, BEFORE, KEPT, START = 8, 6, 2, 2
@@ -133,38 +131,10 @@ def _child_main(conn: Any, device: str, g: int) -> None:
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
-class Child:
-    def __init__(self, device: str, g: int) -> None:
-        context = mp.get_context("spawn")
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(child_conn, device, g))
-        self.process.start()
-
-    def __call__(self, *command: Any) -> Any:
-        self.conn.send(command)
-        if not self.conn.poll(TIMEOUT_S):
-            raise TimeoutError(f"the child did not answer {command[0]!r}")
-        status, *result = self.conn.recv()
-        assert status == "ok", result[0]
-        return result[0] if result else None
-
-    def stop(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(("stop",))
-            except OSError:
-                pass
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-
 @pytest.fixture
 def child(device: str, g: int) -> Iterator[Child]:
-    proc = Child(device, g)
-    yield proc
-    proc.stop()
+    with Child(_child_main, device, g) as proc:
+        yield proc
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +218,7 @@ def test_a_shared_handle_is_not_lent_while_an_importer_may_map_it(
         lender.lend(KEPT * g)
     assert state(lender) == before
     assert counts() == held, "a refused lend kept an fd or a mapping"
-    got = child("read_import", 1, 0, BEFORE * g)
+    (got,) = child("read_import", 1, 0, BEFORE * g)
     assert got == bytes(pattern(BEFORE * g, 31).numpy()), "the importer lost the memory"
     # Memory grown after the last share() was never described: that lends.
     lender.resize_per_segment_(CAPACITY * g)
@@ -262,7 +232,7 @@ def test_borrowed_memory_is_not_shared(device: str, g: int, child: Child) -> Non
     """Else the borrower's importers keep the lender's memory after the give-back and the
     reclaim: they read the lender's bytes, and their writes land in the lender."""
     child("make", BEFORE, 40)
-    loan: Loan = child("lend", KEPT * g)
+    (loan,) = child("lend", KEPT * g)
     borrower = make(device, g, START)
     description = borrower.share()  # before the borrow: its own memory only
     borrower.borrow(loan, zero=False)
@@ -273,7 +243,7 @@ def test_borrowed_memory_is_not_shared(device: str, g: int, child: Child) -> Non
     assert counts() == held, "a refused share kept an fd or a mapping"
     assert all(h.num_granules + h.first_granule <= START for h in description.handles[:1])
     borrower.give_back(loan)
-    kept = child("reclaim", loan)
+    (kept,) = child("reclaim", loan)
     assert kept == bytes(pattern(BEFORE * g, 40)[: BEFORE * g].numpy())
     assert isinstance(borrower.share(), SharedTensor)  # its own again
     borrower._check_invariants()
@@ -297,7 +267,7 @@ def test_a_refused_take_is_a_ptrace_refused_error(device: str, g: int, child: Ch
         # Root may trace anyone: a child that gave up root may not trace this process.
         child("make", START, 1)
         child("setuid", 65534)
-        refusals = [child("borrow", loan), child("try_import", description)]
+        refusals = [child("borrow", loan)[0], child("try_import", description)[0]]
     else:
         # Pid 1 is another user's: this process may not trace it.
         borrower = make(device, g, START)
