@@ -35,7 +35,7 @@ class Child:
             raise TimeoutError(f"the child did not answer {command[0]!r}")
         status, *result = self.conn.recv()
         assert status == "ok", result[0]
-        return result
+        return list(result)
 
     def kill(self) -> float:
         """kill -9, without reaping it: returns when the signal was sent."""
