@@ -1,12 +1,14 @@
 """Draws what `benchmarks/bench_pool.py` measured: each engine's KV memory over the trace, one
-panel per setup, each engine's burst windows shaded in its colour.
+panel per setup, a line per model, each engine's burst windows shaded in its colour.
 
     python3 benchmarks/plot_pool.py DIR/bench_pool.json docs/pool_trace.png
 
 Needs matplotlib, which the package's `plot` extra installs (`pip install -e '.[plot]'`, or
 `pip install matplotlib`); run it where the JSON was copied to, not on the GPU machine or in
 CI. The series are the samples where an engine's `physical_bytes` changed (sampled every
-10 ms), drawn as steps; the dashed line is the static split's third of the KV memory.
+10 ms), drawn as steps; the dashed line is the static split's share of the KV memory. An
+oracle run alone in turn draws each engine from its own start; a killed engine's line starts
+again when it is back (what its dead process sampled died with it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLOURS = ("tab:blue", "tab:orange", "tab:green")
+COLOURS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:grey",
+    "tab:olive",
+    "tab:cyan",
+)
+
+
+def _label(engine: dict[str, Any]) -> str:
+    model = engine.get("model")
+    return f"{engine['engine']}: {model}" if model else f"engine {engine['engine']}"
 
 
 def plot(results: dict[str, Any], path: Path) -> list[str]:
@@ -41,6 +59,7 @@ def plot(results: dict[str, Any], path: Path) -> list[str]:
         for burst in results["trace"]["bursts"]:
             colour = COLOURS[burst["engine"] % len(COLOURS)]
             ax.axvspan(burst["start_s"], burst["end_s"], color=colour, alpha=0.15, lw=0)
+        count = len(setup["engines"])
         for engine in setup["engines"]:
             memory = engine["memory"]
             times = [t for t in memory["t"] if t >= -1.0]
@@ -53,24 +72,28 @@ def plot(results: dict[str, Any], path: Path) -> list[str]:
                 values,
                 where="post",
                 color=COLOURS[engine["engine"] % len(COLOURS)],
-                lw=2.6 - 0.7 * engine["engine"],  # equal series (the static split's) nest
-                label=f"engine {engine['engine']}",
+                # equal series (the static split's) nest
+                lw=0.8 + 1.8 * (count - engine["engine"]) / count,
+                label=_label(engine),
             )
         ax.axhline(settings["static_bytes"] / scale, color="grey", ls="--", lw=0.8)
         total = setup["total"]
         ttft = total["ttft_ms"]["p99"]
+        extra = f", {setup['oracle_mode']}" if setup.get("oracle_mode") else ""
         ax.set_title(
-            f"{name}: TTFT p99 {ttft:.0f} ms, {total['completed']}/{total['requests']} completed",
+            f"{name}{extra}: TTFT p99 {ttft:.0f} ms, {total['completed']}/{total['requests']} "
+            "completed",
             fontsize=10,
             loc="left",
         )
         ax.set_ylabel(f"KV memory ({unit})")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(loc="upper right", fontsize=8)
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=2)
     axes[-1, 0].set_xlabel("seconds since the trace started (shaded: each engine's bursts)")
     axes[-1, 0].set_xlim(-1.0, end)
-    figure.suptitle(results["environment"].get("shape", ""), fontsize=9)
+    shapes = results["environment"].get("shapes") or [results["environment"].get("shape", "")]
+    figure.suptitle("; ".join(s.split(" (")[0] for s in shapes), fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
