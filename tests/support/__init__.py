@@ -1,5 +1,8 @@
 """What the tests share besides fixtures (those are in `tests/conftest.py`): the device list and
 the CUDA skip reason (`devices`), the stacks' loaders (`stack_env`, `vllm_env`, `sglang_env`),
-vLLM's layouts (`vllm_cases`), the KV cache helpers (`kv_helpers`), rank processes (`ranks`), the
-benchmark scripts as modules (`bench_scripts`), and the Rust integration tests' `common.rs`.
-Imported as `from support import ...`: pytest puts `tests/` on `sys.path`."""
+vLLM's layouts (`vllm_cases`), the KV cache helpers (`kv_helpers`), the tensor tests' checks
+(`tensor_checks`), the spawned command-loop process of the tests that need another process
+(`child`), rank processes (`ranks`), the benchmark scripts as modules (`bench_scripts`), the
+`/proc/PID/stat` lines both start-time tests read (`proc_stat_lines.txt`), and the Rust
+integration tests' `common.rs`. Imported as `from support import ...`: pytest puts `tests/` on
+`sys.path`."""
