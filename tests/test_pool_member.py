@@ -748,8 +748,10 @@ def test_the_readmes_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     sizes: list[int] = []
 
     class Engine:
-        def free_top_blocks(self) -> int:
+        def free_tail_blocks(self) -> int:
             return c.committed_blocks
+
+        free_top_blocks = free_tail_blocks  # the README's older name for it
 
         def set_num_blocks(self, n: int) -> None:
             sizes.append(n)

@@ -331,11 +331,11 @@ def test_the_rules_post_a_move_once_however_often_it_is_posted() -> None:
     ],
 )
 def test_a_stat_line_is_read_by_the_cores_rules(line: bytes, start: int | None) -> None:
-    """What `ipc::process_start_time` (src/ipc.rs) reads from the same line: the fields after
-    the last `)`; state `Z` or `X` dead, every other alive (`x` too, as the core reads it:
-    it never appears since Linux 3.14); field 22 a u64 (digits after an optional `+`). The
-    one deliberate difference: a command name that is not UTF-8 is read (the core's
-    `read_to_string` fails there, and tells a live process dead)."""
+    """`_proc` asks the core's parser (`ipc::parse_start_time` in src/ipc.rs, through
+    `_native`): the fields after the last `)`; state `Z` or `X` dead, every other alive (`x`
+    too: it never appears since Linux 3.14); field 22 a u64 (digits after an optional `+`); a
+    command name that is not UTF-8 read (the line is bytes). tests/test_ipc.py reads the
+    lines src/ipc.rs's tests read."""
     assert _proc.parse_start_time(line) == start
 
 
