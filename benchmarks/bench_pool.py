@@ -249,11 +249,27 @@ class Killer(threading.Thread):
     def run(self) -> None:
         try:
             for number, (role, burst_index) in enumerate(self.plan):
-                self._kill(number, role, self.bursts[burst_index])
+                # A burst whose engine is down (killed, not back yet) is no one's: the next.
+                index = burst_index
+                while index + 1 < len(self.bursts) and self._down_at(self.bursts[index]):
+                    index += 1
+                self._kill(number, role, self.bursts[index])
         except BaseException:
             self.error = traceback.format_exc()
         for thread in self.restarts:
             thread.join()
+
+    def _down_at(self, burst: Burst) -> bool:
+        """Whether `burst`'s engine is down now, or was when the burst began."""
+        if burst.engine in self.engines.down:
+            return True
+        began = self.t0 + burst.start_s
+        return any(
+            k["engine"] == burst.engine
+            and self.t0 + k["at_s"] <= began + self.args.burst_s
+            and "restart_s" not in k
+            for k in self.kills
+        )
 
     def _restart(self, victim: int, row: dict[str, Any]) -> None:
         """Engine `victim` again (on a thread of its own: the next kill keeps its time)."""
@@ -275,18 +291,25 @@ class Killer(threading.Thread):
             self.error = (self.error or "") + traceback.format_exc()
 
     def _victim(self, role: str, needy: int) -> int | None:
+        """The engine to kill now, if the moment is here: a `donor` lends memory a busy
+        engine holds (the bursting one first); a `borrower` is busy and holds a loan."""
         ledger = self.watcher.latest
         if ledger is None:
             return None
-        for loan in ledger.loans.values():
-            if loan.borrower != engine_name(needy) or loan.state not in ("offered", "borrowed"):
+        loans = sorted(
+            (x for x in ledger.loans.values() if x.state == "borrowed"),
+            key=lambda x: x.borrower != engine_name(needy),
+        )
+        for loan in loans:
+            borrower = ledger.engines.get(loan.borrower)
+            if borrower is None or not borrower.busy:
                 continue
-            if role == "borrower" and loan.state == "borrowed" and needy not in self.engines.down:
-                return needy
-            if role == "donor" and loan.lender.startswith("engine"):
-                lender = int(loan.lender.removeprefix("engine"))
-                if lender not in self.engines.down:
-                    return lender
+            who = loan.borrower if role == "borrower" else loan.lender
+            if not who.startswith("engine"):
+                continue  # a dead lender's loan
+            index = int(who.removeprefix("engine"))
+            if index not in self.engines.down:
+                return index
         return None
 
     def _kill(self, number: int, role: str, burst: Burst) -> None:
@@ -295,7 +318,12 @@ class Killer(threading.Thread):
         live = lambda: [i for i in range(len(self.engines)) if i not in self.engines.down]  # noqa: E731
         start = self.t0 + burst.start_s
         time.sleep(max(0.0, start - time.monotonic()))
-        deadline = self.t0 + burst.end_s + 0.6 * self.args.period_s
+        # Until the next kill's burst (or the trace's end): a kill frees memory, and the
+        # moment may come only once the pool has taken it up again.
+        later = [b for b in self.bursts if b.start_s > burst.start_s]
+        deadline = self.t0 + (later[0].start_s if later else burst.end_s + 0.6 * self.args.period_s)
+        if self.plan and number + 1 < len(self.plan):
+            deadline = self.t0 + self.bursts[self.plan[number + 1][1]].start_s
         victim = None
         while victim is None and time.monotonic() < deadline:
             victim = self._victim(role, burst.engine)
