@@ -777,9 +777,33 @@ PER_DEVICE: dict[str, tuple[Any, str]] = {
 }
 
 
+EPILOG = """\
+models (pool_models.py; published shapes, random weights, bf16 on a GPU):
+  H200 (>= 120 GiB): llama3-8b qwen3-4b llama3.2-1b qwen2.5-0.5b gemma3-1b-sliding
+                     qwen3-0.6b smollm2-360m
+  H100:              the first five; a model the card cannot hold beside the others'
+                     overhead (--headroom-gib) and the KV is left out, largest first (said)
+  --small (float32): small-llama small-qwen3 small-qwen2 small-sliding small-llama-mha
+  host (--device cpu): tiny-llama tiny-qwen3 tiny-sliding (blocks of 8, 12 and 16 KiB)
+
+the GPU runs (scripts/gpu-check pool runs the first two in one device call, ~9.5 min):
+  the comparison (pool, static, oracle together, driver, kill -9s; --budget-s 330):
+      bench_pool.py --out DIR --budget-s 330
+  every request's tokens against alone, float32:
+      bench_pool.py --out DIR --dtype float32 --small --setups pool static --check-requests 0
+          --new-tokens 64 --kv-gib 0.25 --min-gib 0.02
+  seven models, >= 100 GiB pooled (H200; the oracle alone in turn, said so):
+      bench_pool.py --out DIR --kv-gib auto --setups pool static oracle
+  kill -9 under load alone:
+      bench_pool.py --out DIR --setups kill --kills 4
+"""
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_pool"))
     parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu (tiny models, MiB)")
@@ -951,7 +975,8 @@ def main(argv: list[str] | None = None) -> int:
         last_s = 0.0
         for name in args.setups:
             elapsed = time.monotonic() - start
-            if args.budget_s and elapsed + last_s > args.budget_s:
+            # The next setup takes about as long as the last one, and the alone run follows.
+            if args.budget_s and elapsed + 1.3 * last_s + 30 > args.budget_s:
                 results["setups"][name] = {
                     "ok": True,
                     "skipped": f"skipped: {elapsed:.0f} s gone, the last setup took "

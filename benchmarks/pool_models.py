@@ -157,9 +157,9 @@ SMALL_SET = tuple(SMALL_MODELS)
 
 
 def catalog(device: str, small: bool) -> dict[str, ModelShape]:
-    if not device.startswith("cuda"):
-        return HOST_MODELS
-    return SMALL_MODELS if small else GPU_MODELS
+    if small:
+        return SMALL_MODELS
+    return GPU_MODELS if device.startswith("cuda") else HOST_MODELS
 
 
 def build_model(shape: ModelShape, device: str, dtype: Any, seed: int) -> Any:
@@ -229,10 +229,10 @@ def pick_models(
             raise SystemExit(f"unknown models {unknown}; known here: {', '.join(models)}")
         chosen = list(names)
         note = "the models named"
-    elif not device.startswith("cuda"):
-        chosen, note = list(HOST_SET), "the host's three tiny models"
     elif small:
         chosen, note = list(SMALL_SET), "the small float32 models"
+    elif not device.startswith("cuda"):
+        chosen, note = list(HOST_SET), "the host's three tiny models"
     elif total_bytes is not None and total_bytes >= 120 * GIB:
         chosen, note = list(H200_SET), "seven models: a card of 120 GiB or more (H200)"
     else:
