@@ -58,11 +58,13 @@ skips the setups left once the next would end past it (the report says so).
   first waiting request to the last of its memory mapped; per engine p50 / p99 and how many
   were met. Requests for memory from the ledger's events as before (ask to borrow, or to the
   first sample that grew after a release to the driver).
-- Agreement (pool setups; every checkpoint of `kill`): the ledger's entry of each engine says
-  the `physical_bytes` its process reports, and on the host the memory its
-  `/proc/<pid>/maps` shows; on a GPU the device's used memory (`torch.cuda.mem_get_info`) past
-  what it was before the setup, less what torch's allocators grew by, against the pool's
-  holdings (`rules.used_bytes`). After the setup: nothing left in the ledger, no memfd.
+- Agreement (pool setups, at the start, the end and around every kill): the ledger's entry
+  of each engine says the `physical_bytes` its process reports, and on the host the memory
+  its `/proc/<pid>/maps` shows (a mismatch must last 20 reads 10 ms apart: a move is posted
+  just after it is made); on a GPU the device's used memory (`torch.cuda.mem_get_info`), less
+  the processes' contexts (measured before the setup starts, with no KV) and what torch's
+  allocators reserve, against the pool's holdings (`rules.used_bytes`). After the setup:
+  nothing left in the ledger, no memfd.
 - Tokens: each engine runs a seeded sample of its requests (`--check-requests` each; 0: every
   request) one at a time on transformers' own cache; each setup's tokens are compared with
   them (in float32: identical, every request; in bf16 the report says how many agree, and the
@@ -151,14 +153,20 @@ class Checks:
         self.engines, self.pool, self.device, self.gpu = engines, pool, device, gpu
         self.base: dict[int, dict[str, Any]] = {}
         self.rows: list[dict[str, Any]] = []
+        self.contexts: int | None = None
 
     def probe(self, indices: list[int]) -> dict[int, dict[str, Any]]:
         sent = [i for i in indices if self.engines.send(i, "probe")]
         return {i: p for i, (_, p) in self.engines.wait(("probe",), sent, 60).items()}
 
     def baseline(self, indices: list[int]) -> None:
-        """Before any engine starts the setup (or as a restarted one loaded)."""
+        """Before any engine starts the setup: what the device holds beside torch's
+        allocators, the processes' contexts (no KV yet)."""
         self.base.update(self.probe(indices))
+        if self.gpu and len(indices) == len(self.engines):
+            probes = [self.base[i] for i in indices]
+            used = probes[0]["total"] - min(p["free"] for p in probes)
+            self.contexts = used - sum(p["torch"]["reserved"] for p in probes)
 
     def check(self, label: str, indices: list[int]) -> dict[str, Any]:
         """One checkpoint. A move is posted in the transaction after it (the memory is mapped
@@ -209,15 +217,19 @@ class Checks:
             "processes_bytes": sum(p["physical_bytes"] for p in probes.values()),
             "cap_bytes": ledger.caps.get(self.device),
         }
-        if self.gpu and probes and all(i in self.base for i in probes):
-            free = min(p["free"] for p in probes.values())
-            base_free = min(self.base[i]["free"] for i in probes)
-            torch_grew = sum(
-                p["torch"]["reserved"] - self.base[i]["torch"]["reserved"]
-                for i, p in probes.items()
+        restarting = [i for i in self.engines.down if self.engines.processes[i].is_alive()]
+        if self.gpu and probes and self.contexts is not None and not restarting:
+            # What the device holds beside the KV: each process's context (measured at the
+            # setup's start, the same for a process started again) and torch's allocator.
+            probe = next(iter(probes.values()))
+            used = probe["total"] - min(p["free"] for p in probes.values())
+            beside = self.contexts * len(probes) / len(self.engines) + sum(
+                p["torch"]["reserved"] for p in probes.values()
             )
-            device_kv = (base_free - free) - torch_grew
+            device_kv = int(used - beside)
             row.update(device_kv_bytes=device_kv, device_minus_pool_bytes=device_kv - held)
+        elif self.gpu:
+            row["device_check"] = "skipped: an engine is starting again"
         return row
 
 
@@ -276,7 +288,6 @@ class Killer(threading.Thread):
         try:
             restarted = time.monotonic()
             self.engines.restart(victim, self.args.ready_timeout_s)
-            self.checks.baseline([victim])
             name, sizes, hints, keep = self.setup
             self.engines.send(victim, "setup", name, sizes, hints, keep)
             kind, payload = self.engines.wait(
@@ -353,6 +364,10 @@ class Killer(threading.Thread):
             ]
         killed = self.engines.kill(victim)
         self.killed.add(victim)
+        with self.engines.lock:  # what the kill took: never finished
+            for rid in in_flight:
+                if rid not in self.engines.done:
+                    self.engines.done[rid] = {"finish": None, "error": "killed", "engine": victim}
         pool = self.checks.pool
         ledger = pool.snapshot()
         while engine_name(victim) in ledger.engines and time.monotonic() - killed < 5.0:

@@ -309,7 +309,15 @@ class Engine:
             "mapped_bytes": mapped_bytes(os.getpid()) if self.device.type == "cpu" else None,
             "torch": self._torch_memory(),
             "free": self.free_bytes(empty=False),
+            "total": self.total_bytes(),
         }
+
+    def total_bytes(self) -> int | None:
+        import torch
+
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.mem_get_info(self.device)[1])
 
     def _new_manager(self, hints: tuple[int, int], num_blocks: int | None = None) -> Any:
         """`num_blocks` caps the engine's cache, and so what transformers sizes from it:

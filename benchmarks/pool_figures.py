@@ -15,7 +15,7 @@ from typing import Any
 from common import GIB, MIB
 from pool_models import Request
 
-SETUPS = ("pool", "static", "driver", "oracle", "kill")
+SETUPS = ("pool", "static", "oracle", "driver", "kill")
 # Opt-in setups (`--setups ... move`): `pool` with `pool_move=True`.
 MORE_SETUPS = ("move",)
 KINDS = {
@@ -465,8 +465,9 @@ def report(results: dict[str, Any]) -> str:
     if device_rows:
         worst = max(device_rows, key=lambda nc: abs(nc[1]["device_minus_pool_bytes"]))
         lines.append(
-            f"\nDevice memory (mem_get_info, past each setup's start, less torch's growth) "
-            f"against the pool's holdings, {len(device_rows)} checks: largest difference "
+            f"\nDevice memory (mem_get_info's used, less the processes' contexts and torch's "
+            f"allocators) against the pool's holdings, {len(device_rows)} checks: largest "
+            f"difference "
             f"{worst[1]['device_minus_pool_bytes'] / MIB:+.1f} MiB ({worst[0]}, "
             f"{worst[1]['label']})"
         )
