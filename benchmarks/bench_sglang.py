@@ -119,8 +119,8 @@ def one_run(cls: Any, shape: str, args: argparse.Namespace, zero: bool | None) -
     buffer = getattr(owner, "buffer", None)
     if buffer is not None:
         times["handles"] = buffer.num_handles
-    if hasattr(owner, "release"):
-        times["release"] = timed_ms(owner.release, device)[0]
+    if hasattr(owner, "suspend"):
+        times["release"] = timed_ms(owner.suspend, device)[0]
         time.sleep(args.pause)
         times["resume"] = timed_ms(owner.resume, device)[0]
     times["close"] = timed_ms(owner.close, device)[0]
