@@ -1,11 +1,12 @@
 """A transformers engine process for the pool's tests: a tiny random-weight Llama
-(`test_transformers.build_model`) behind a running continuous-batching manager, created while
-`extensible_kv.transformers.enable(pool=...)` is on, driven by commands over a pipe.
+(`support.transformers_models.build_model`) behind a running continuous-batching manager,
+created while `extensible_kv.transformers.enable(pool=...)` is on, driven by commands over a
+pipe.
 
 Its generation loop serves the pool on its own thread, as a real engine's does; the commands
 arrive on the process's main thread: `burst` runs the test prompts through the manager and
-returns their greedy tokens, `numbers` what its cache holds, `stop` stops the manager (which
-leaves the pool).
+returns their greedy tokens, `numbers` what its cache holds (and its member's asks), `stop`
+stops the manager (which leaves the pool).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ TIMEOUT_S = 120
 
 
 def _main(conn: Any, directory: str, pool_name: str, name: str, options: dict[str, Any]) -> None:
-    import test_transformers as tt
     import transformers as tf
     from extensible_kv import transformers as ekt
     from extensible_kv.pool import Pool
+    from support import transformers_models as tt
 
     try:
         model = tt.build_model(tf, "llama", "sdpa", "cpu")
@@ -43,11 +44,12 @@ def _main(conn: Any, directory: str, pool_name: str, name: str, options: dict[st
         )
         manager.warmup()
         manager.start()
-        while manager.batch_processor is None or manager.batch_processor.cache._ekv.pooled is None:
+        while manager.batch_processor is None or tt.state(manager).sizer.joined is None:
             if not manager.is_running():
                 raise RuntimeError("the generation loop ended before its cache joined the pool")
             time.sleep(0.005)
         cache = manager.batch_processor.cache
+        state = tt.state(cache)
         conn.send(("ok", os.getpid()))
         while True:
             command, *rest = conn.recv()
@@ -60,13 +62,17 @@ def _main(conn: Any, directory: str, pool_name: str, name: str, options: dict[st
                 manager.stop(block=True, timeout=60)
                 conn.send(("ok", None, {}))
                 return
-            state = cache._ekv
+            joined = state.sizer.joined
             numbers = {
                 "committed_blocks": state.committed_sectors,
                 "physical_bytes": state.tensor.physical_bytes,
                 "lent_bytes": state.tensor.lent_bytes,
                 "borrowed_bytes": state.tensor.borrowed_bytes,
                 "pool_sectors": cache.pool.num_sectors,
+                # (asked, got) in its sectors, oldest first
+                "asks": []
+                if joined is None
+                else [(ask.asked_blocks, ask.got_blocks) for ask in joined.member.asks],
             }
             conn.send(("ok", result, numbers))
     except BaseException as error:  # report, so the parent fails with the child's reason
@@ -78,7 +84,7 @@ def context() -> Any:
     starts without importing them again."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
-        ["torch", "transformers", "extensible_kv.transformers", "test_transformers"]
+        ["torch", "transformers", "extensible_kv.transformers", "support.transformers_models"]
     )
     return ctx
 

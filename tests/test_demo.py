@@ -15,18 +15,16 @@ import re
 from typing import Any
 
 import pytest
-from support import stack_env
+from support import transformers_fixtures
 
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.transformers
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("tf")]
+
+# transformers, or the skip that says why not (`support.transformers_fixtures`).
+tf = transformers_fixtures.tf
 
 FAST = ["demo", "--device", "cpu", "--prompts", "3", "--new-tokens", "6", "--max-prompt", "20"]
-
-
-@pytest.fixture(autouse=True)
-def _transformers() -> None:
-    stack_env.require_transformers()
 
 
 def demo(*args: str) -> int:

@@ -27,49 +27,45 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import stack_env
+from support import transformers_fixtures
+from support import transformers_models as tm
+from support.transformers_pool import (
+    ENGINE_OPTIONS,
+    POOL,
+    SECTOR,
+    STEP,
+    burst_sectors,
+    burst_tokens,
+    check_consistent,
+    engines,
+    events,
+    granule_model,
+    hold_nothing_free,
+    in_process_options,
+    member_of,
+    pooled_options,
+    settled,
+    wait_for,
+)
 
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.transformers
 
-POOL = "tp"
-STEP = 4  # sectors a commit (the unit an engine lends in)
-ENGINE_OPTIONS: dict[str, Any] = {
-    "min_blocks": 2,
-    "max_blocks": 40,
-    "pool_step_blocks": STEP,
-    "budget_bytes": 42 * 8192,
-}
-
-
-@pytest.fixture(scope="module")
-def tf() -> Any:
-    stack_env.require_transformers()
-    import transformers
-
-    return transformers
-
-
-@pytest.fixture(autouse=True)
-def _disabled_after() -> Iterator[None]:
-    yield
-    from extensible_kv import transformers as ekt
-
-    ekt.disable()
+# The fixtures every transformers test module shares (`support.transformers_fixtures`).
+disabled_after = transformers_fixtures.disabled_after
+tf = transformers_fixtures.tf
 
 
 @pytest.fixture(scope="module")
 def own(tf: Any) -> list[list[int]]:
     """The prompts' greedy tokens on transformers' own cache, alone."""
-    import test_transformers as tt
-
-    return tt.generate(tf, tt.build_model(tf, "llama", "sdpa", "cpu"), "cpu")
+    return tm.generate(tf, tm.build_model(tf, "llama", "sdpa", "cpu"), "cpu")
 
 
 @pytest.fixture
@@ -80,76 +76,13 @@ def procs() -> Iterator[list[Any]]:
         proc.stop()
 
 
-def engines(tmp_path: Path, procs: list[Any], names: list[str], **options: Any) -> list[Any]:
-    import pool_transformers_engine as pte
-    from pool_engine import joined
-
-    ctx = pte.context()
-    new = [
-        pte.start(ctx, str(tmp_path), POOL, name, **{**ENGINE_OPTIONS, **options}) for name in names
-    ]
-    procs.extend(new)
-    return [joined(proc) for proc in new]
-
-
-def wait_for(what: str, condition: Callable[[], bool], seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
-        time.sleep(0.01)
-
-
-def check_consistent(pool: Any, procs: dict[str, Any]) -> Any:
-    """The ledger now: consistent, and each live engine's entry what its process maps."""
-    from extensible_kv.pool import rules
-    from pool_engine import mapped_bytes
-
-    ledger = pool.snapshot()
-    assert rules.check(ledger) == [], [e.text for e in ledger.events]
-    assert set(ledger.engines) == set(procs)
-    for name, proc in procs.items():
-        # The loop serves on its own thread: its heartbeat posts what it maps, and the entry
-        # may lag by one serve.
-        wait_for(
-            f"{name}'s entry to match its mapping",
-            lambda n=name, p=proc: pool.snapshot().engines[n].physical_bytes == mapped_bytes(p.pid),
-        )
-    return pool.snapshot()
-
-
-def settled(pool: Any) -> Any:
-    """The ledger once a recall is over: a loan was reclaimed, and every loan left is
-    borrowed and not recalled."""
-
-    def over() -> bool:
-        ledger = pool.snapshot()
-        reclaimed = any(" reclaimed " in event.text for event in ledger.events)
-        return reclaimed and all(
-            loan.state == "borrowed" and not loan.recall for loan in ledger.loans.values()
-        )
-
-    wait_for("a recall to be over", over)
-    return pool.snapshot()
-
-
-def events(pool: Any) -> list[str]:
-    return [event.text for event in pool.snapshot().events]
-
-
-def hold_nothing_free(pool: Any, device: str = "cpu") -> None:
-    """The pool's share is what its engines hold now: a burst must borrow."""
-    from extensible_kv.pool import rules
-
-    pool.set_cap(device, rules.used_bytes(pool.snapshot(), device))
-
-
 def burst_on_an_idle_donor(tmp_path: Path, procs: list[Any], own: Any, **options: Any) -> Any:
     """Engines a and b: b bursts first (it commits free memory), then the pool holds nothing
     free and a bursts, taking b's free top sectors. Returns the pool, a and b."""
     from extensible_kv.pool import Pool
 
     pool = Pool(POOL, directory=tmp_path)
-    pool.set_cap("cpu", 64 * 8192)
+    pool.set_cap("cpu", 64 * SECTOR)
     a, b = engines(tmp_path, procs, ["a", "b"], **options)
     tokens, numbers = b("burst")
     assert tokens == own
@@ -161,6 +94,10 @@ def burst_on_an_idle_donor(tmp_path: Path, procs: list[Any], own: Any, **options
     tokens, numbers = a("burst")
     assert tokens == own, "the burst's tokens differ from the same prompts run alone"
     assert numbers["committed_blocks"] > ENGINE_OPTIONS["min_blocks"]
+    # The burst asked for what its queue needs, not a step: its first ask covers the prompts
+    # and their new tokens past what a held.
+    asked, _ = numbers["asks"][0]
+    assert asked >= burst_sectors() - ENGINE_OPTIONS["min_blocks"] > STEP, numbers["asks"]
     ledger = check_consistent(pool, {"a": a, "b": b})
     assert ledger.engines["b"].committed_blocks < b_before, "b gave nothing"
     return pool, a, b
@@ -183,7 +120,8 @@ def test_a_burst_borrows_from_an_idle_engine_which_gets_it_back(
     )
     lent = sum(loan.num_bytes for loan in loans)
     assert ledger.engines["a"].borrowed_bytes == ledger.engines["b"].lent_bytes == lent
-    assert all(loan.blocks % STEP == 0 for loan in loans)  # whole steps: whole handles
+    # Whole handles of b's (each commit its own), whole sectors of a's: nothing stranded.
+    assert all(loan.num_bytes == loan.mapped_bytes == loan.blocks * SECTOR for loan in loans)
     assert any(e.startswith("loan ") and "a borrowed" in e for e in events(pool))
     # b bursts in turn: it recalls what it needs (newest first), a (idle) gives it back, b
     # reclaims it; what b did not need stays lent.
@@ -301,64 +239,25 @@ def test_via_the_driver_the_donor_releases_and_the_burst_commits(
 # in one process
 
 
-def granule_model(tf: Any, device: str) -> Any:
-    """On the host, the tiny Llama (a sector of 8 KiB, two 4 KiB granules). On CUDA, a
-    Qwen3 whose sector (16 tokens of 16 layers x 8 KV heads x 128 x float32, K and V) is one
-    2 MiB granule, so that a burst of the test prompts needs more than a granule. float32:
-    a random model's logits nearly tie, and in bf16 a batch scheduled otherwise than on
-    transformers' own cache (which never waits for memory) flipped a token within 48 (H100)."""
-    import test_transformers as tt
-
-    if device == "cpu":
-        return tt.build_model(tf, "llama", "sdpa", "cpu")
-    config = tf.Qwen3Config(
-        vocab_size=160,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(
-        config, attn_implementation="sdpa", dtype=torch.float32
-    )
-    return model.to(device).eval()
-
-
-def pooled_options(tmp_path: Path, **options: Any) -> dict[str, Any]:
-    from extensible_kv.pool import Pool
-
-    return {
-        "pool": Pool(POOL, directory=tmp_path),
-        "granularity": 4096,
-        **ENGINE_OPTIONS,
-        **options,
-    }
-
-
 def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_path: Path) -> None:
     """`SectorCache` is transformers' cache as a `PoolMember` drives it: one segment whose
     block 0 is the first sector past the two trash sectors. Lend points, lends, borrows,
     give-backs and reclaims fall on sector boundaries past the trash, and transformers' pool
     follows each (its free sectors, its size); sectors a request holds are never lent."""
-    import test_transformers as tt
     from extensible_kv import transformers as ekt
     from extensible_kv.pool.caches import lend_points
-    from extensible_kv.transformers.cache import TRASH_SECTORS
-    from extensible_kv.transformers.pooled import SectorCache
+    from extensible_kv.transformers.sector_cache import SectorCache
+    from extensible_kv.transformers.state import TRASH_SECTORS
 
     with ekt.enabled(**pooled_options(tmp_path)):
-        lender = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
-        borrower = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
+        lender = tm.warmed_up(tf, tm.build_model(tf, "llama", "sdpa", "cpu"))
+        borrower = tm.warmed_up(tf, tm.build_model(tf, "llama", "sdpa", "cpu"))
     caches = [m.batch_processor.cache for m in (lender, borrower)]
     a, b = (SectorCache(cache) for cache in caches)
-    state = caches[0]._ekv
+    state = tm.state(caches[0])
     sector = state.bytes_per_sector
-    assert sector == 8192 and state.tensor.export_handle_types & 1
-    assert state.pool_plan.min_sectors == 2 and state.committed_sectors == 2  # min_blocks
+    assert sector == SECTOR and state.tensor.export_handle_types & 1
+    assert state.sizer.min_sectors == 2 and state.committed_sectors == 2  # min_blocks
     assert a.footprint().leading_blocks == TRASH_SECTORS == 2
     assert (a.num_segments, a.segment_block_bytes, a.capacity_blocks) == ((1,), (sector,), 48)
     assert a.shape().to_json() == {
@@ -392,7 +291,7 @@ def test_the_adapter_lends_borrows_and_cuts_past_the_trash_sectors(tf: Any, tmp_
     other = caches[1].pool
     assert b.committed_blocks == other.num_sectors == 6
     assert sorted(other.free_sectors) == list(range(2, 8))
-    assert caches[1]._ekv.tensor.borrowed_bytes == 4 * sector
+    assert tm.state(caches[1]).tensor.borrowed_bytes == 4 * sector
     with pytest.raises(ValueError, match="2 loans, one of them listed twice"):
         b.give_back([loan, loan])
     b.give_back([loan])
@@ -411,12 +310,11 @@ def test_the_adapter_moves_held_sectors_down_between_steps_only(tf: Any, tmp_pat
     scheduler, where the member serves too) it offers only its free top sectors and refuses
     to move; between steps it counts every free sector and moves a held one below the cut,
     bytes and block table with it."""
-    import test_transformers as tt
     from extensible_kv import transformers as ekt
-    from extensible_kv.transformers.pooled import SectorCache
+    from extensible_kv.transformers.sector_cache import SectorCache
 
     with ekt.enabled(**pooled_options(tmp_path)):
-        manager = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
+        manager = tm.warmed_up(tf, tm.build_model(tf, "llama", "sdpa", "cpu"))
     cache = manager.batch_processor.cache
     a = SectorCache(cache)
     a.commit(10)  # tensor sectors 2 to 11
@@ -439,23 +337,6 @@ def test_the_adapter_moves_held_sectors_down_between_steps_only(tf: Any, tmp_pat
     assert 2 not in cache.pool.free_sectors
 
 
-def in_process_options(pool: Any, device: str, tmp_path: Path, **options: Any) -> dict[str, Any]:
-    """`enable`'s options for managers of one process in `pool`: on the host a budget's
-    (`pooled_options`); on CUDA measured, not a budget, in granules of the device's."""
-    if device == "cpu":
-        return pooled_options(tmp_path, **options)
-    return {"pool": pool, "min_blocks": 2, "max_blocks": 64, "pool_step_blocks": STEP, **options}
-
-
-def burst_tokens(device: str) -> int:
-    """The tokens a burst generates. On CUDA the warm-up's graph capture commits about ten
-    sectors an engine: there the burst generates longer (about 25 blocks live at once), or it
-    would fit in them."""
-    import test_transformers as tt
-
-    return tt.MAX_NEW_TOKENS if device == "cpu" else 48
-
-
 @pytest.mark.timeout(300)
 def test_two_managers_in_one_process_lend_and_take_back(
     tf: Any, device: str, tmp_path: Path
@@ -465,13 +346,12 @@ def test_two_managers_in_one_process_lend_and_take_back(
     run alone on transformers' own cache, and the donor takes them back when it bursts. On
     CUDA the extension measures, the model's sector is one 2 MiB granule, and the decode
     steps replay CUDA graphs into borrowed memory."""
-    import test_transformers as tt
     from extensible_kv import transformers as ekt
     from extensible_kv.pool import Pool, rules
 
     donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
     new_tokens = burst_tokens(device)
-    own = tt.generate(tf, needy_model, device, new_tokens)
+    own = tm.generate(tf, needy_model, device, new_tokens)
     pool = Pool(POOL, directory=tmp_path)
     options = in_process_options(pool, device, tmp_path)
     with contextlib.ExitStack() as stack:
@@ -479,30 +359,31 @@ def test_two_managers_in_one_process_lend_and_take_back(
         donor, needy = (
             stack.enter_context(
                 model.continuous_batching_context_manager(
-                    generation_config=tt.gen_config(tf),
-                    continuous_batching_config=tt.cb_config(tf, device),
+                    generation_config=tm.gen_config(tf),
+                    continuous_batching_config=tm.cb_config(tf, device),
                 )
             )
             for model in (donor_model, needy_model)
         )
-        assert tt.run(donor, new_tokens) == own
+        assert tm.run(donor, new_tokens) == own
         wait_for(
             "the donor to be idle",
             lambda: not any(e.busy for e in pool.snapshot().engines.values()),
         )
         hold_nothing_free(pool, device)
-        assert tt.run(needy, new_tokens) == own
+        assert tm.run(needy, new_tokens) == own
         ledger = pool.snapshot()
         assert rules.check(ledger) == []
         borrowed = [loan for loan in ledger.loans.values() if loan.state == "borrowed"]
         assert borrowed, [e.text for e in ledger.events]
-        step = needy.batch_processor.cache._ekv.pool_plan.step_sectors
-        assert all(loan.blocks % step == 0 for loan in borrowed)
-        assert tt.run(donor, new_tokens) == own  # it recalls what it needs of what it lent
+        sector = tm.state(needy).bytes_per_sector
+        # Whole handles of the donor's, whole sectors of the needy one's: nothing stranded.
+        assert all(loan.num_bytes == loan.mapped_bytes == loan.blocks * sector for loan in borrowed)
+        assert tm.run(donor, new_tokens) == own  # it recalls what it needs of what it lent
         ledger = settled(pool)
         assert len(ledger.loans) < len(borrowed)
         assert rules.check(ledger) == []
-        assert tt.run(needy, new_tokens) == own
+        assert tm.run(needy, new_tokens) == own
         assert rules.check(pool.snapshot()) == []
     # The needy engine left first, giving back what it held; the donor reclaimed it.
     assert pool.snapshot().engines == {} and pool.snapshot().loans == {}
@@ -517,37 +398,36 @@ def test_a_busy_donor_with_pool_move_moves_its_live_sectors_down_and_lends(
     lends the free sectors above. Its requests' tokens are those of the same requests on an
     unmoved cache, and the burst's those of transformers' own cache. On CUDA the blocks move
     with transformers' `copy_blocks` on the device, between steps that replay CUDA graphs."""
-    import test_transformers as tt
     from extensible_kv import transformers as ekt
     from extensible_kv.pool import Pool, rules
-    from extensible_kv.transformers import cache as ekc
+    from extensible_kv.transformers import sectors
 
     donor_model, needy_model = (granule_model(tf, device) for _ in range(2))
     new_tokens = burst_tokens(device)
-    own = tt.generate(tf, needy_model, device, new_tokens)
+    own = tm.generate(tf, needy_model, device, new_tokens)
     pool = Pool(POOL, directory=tmp_path)
     options = in_process_options(pool, device, tmp_path, pool_move=True)
     if device == "cpu":
         pool.set_cap("cpu", 64 * 8192)
     caplog.set_level(logging.INFO, logger="extensible_kv")
-    long = tt.prompts()[:3]
+    long = tm.prompts()[:3]
     with contextlib.ExitStack() as stack:
         stack.enter_context(ekt.enabled(**options))
         donor, needy = (
             stack.enter_context(
                 model.continuous_batching_context_manager(
-                    generation_config=tt.gen_config(tf),
-                    continuous_batching_config=tt.cb_config(tf, device),
+                    generation_config=tm.gen_config(tf),
+                    continuous_batching_config=tm.cb_config(tf, device),
                 )
             )
             for model in (donor_model, needy_model)
         )
-        reference = tt.collect(donor, donor.add_requests(long, max_new_tokens=120))
-        ids, _ = tt.add_on_top_sectors(donor, long, 120)
-        assert ekc._busy_requests(donor.batch_processor.cache)
+        reference = tm.collect(donor, donor.add_requests(long, max_new_tokens=120))
+        ids, _ = tm.add_on_top_sectors(donor, long, 120)
+        assert sectors.busy_requests(donor.batch_processor.cache)
         hold_nothing_free(pool, device)
-        assert tt.run(needy, new_tokens) == own
-        assert tt.collect(donor, ids) == reference
+        assert tm.run(needy, new_tokens) == own
+        assert tm.collect(donor, ids) == reference
         ledger = pool.snapshot()
         assert rules.check(ledger) == []
         said = [r.getMessage() for r in caplog.records]
@@ -564,16 +444,15 @@ def test_counts_keep_the_committed_end_on_a_granule_boundary(
     sectors) on an even sector: the plan's least is rounded up to one, and its step to whole
     granules, so each step's handles are whole sectors. The config's 48 blocks are more than
     the pool's maximum of 40: a warning says that transformers' reads are sized past it."""
-    import test_transformers as tt
     from extensible_kv import transformers as ekt
 
     caplog.set_level(logging.WARNING, logger="extensible_kv")
     options = pooled_options(tmp_path, granularity=16384, min_blocks=1, pool_step_blocks=3)
     with ekt.enabled(**options):
-        manager = tt.warmed_up(tf, tt.build_model(tf, "llama", "sdpa", "cpu"))
-    plan = manager.batch_processor.cache._ekv.pool_plan
-    assert (plan.min_sectors, plan.step_sectors, plan.max_sectors) == (2, 4, 40)
-    assert plan.engine.startswith("transformers-") and plan.via == "loan"
+        manager = tm.warmed_up(tf, tm.build_model(tf, "llama", "sdpa", "cpu"))
+    sizer = tm.state(manager).sizer
+    assert (sizer.min_sectors, sizer.step_sectors, sizer.max_sectors) == (2, 4, 40)
+    assert sizer.engine.startswith("transformers-") and sizer.via == "loan"
     assert any(
         "sized for 48 blocks, more than this pooled cache's max_blocks=40" in r.getMessage()
         and "ContinuousBatchingConfig(num_blocks=40)" in r.getMessage()
@@ -586,36 +465,40 @@ def test_a_pooled_manager_joins_while_its_loop_runs_and_leaves_nothing_behind(
     tf: Any, own: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The cache joins as the loop starts and leaves as it ends; meanwhile the manager's
-    serving hooks are its own (instance attributes), and resize / release, which would change
-    its size behind the pool's back, are refused. After it stops, nothing of the pool is left
-    on the manager or in the ledger."""
-    import test_transformers as tt
+    serving hooks are its own (instance attributes), and resize / suspend (and `release`, its
+    deprecated name), which would change its size behind the pool's back, are refused. After
+    it stops, nothing of the pool is left on the manager or in the ledger."""
     from extensible_kv import transformers as ekt
     from extensible_kv.pool import Pool
 
     caplog.set_level(logging.INFO, logger="extensible_kv")
-    model = tt.build_model(tf, "llama", "sdpa", "cpu")
+    model = tm.build_model(tf, "llama", "sdpa", "cpu")
     pool = Pool(POOL, directory=tmp_path)
     with (
         ekt.enabled(**pooled_options(tmp_path, engine="solo")),
         model.continuous_batching_context_manager(
-            generation_config=tt.gen_config(tf), continuous_batching_config=tt.cb_config(tf, "cpu")
+            generation_config=tm.gen_config(tf), continuous_batching_config=tm.cb_config(tf, "cpu")
         ) as manager,
     ):
-        assert tt.run(manager) == own
+        assert tm.run(manager) == own
         (entry,) = pool.snapshot().engines.values()
         assert entry.name == "solo" and entry.committed_blocks > 2  # it grew for the burst
         assert "_generation_loop_body" in vars(manager)
         assert type(manager._wake_up_loop) is not threading.Event
         with pytest.raises(RuntimeError, match="sized by the node pool"):
             ekt.resize(manager, 4)
-        with pytest.raises(RuntimeError, match="pool limit solo"):
+        with pytest.raises(RuntimeError, match=r"cannot suspend on its own.*pool limit solo"):
+            ekt.suspend(manager)
+        with (
+            pytest.warns(DeprecationWarning, match="call extensible_kv.transformers.suspend"),
+            pytest.raises(RuntimeError, match="pool limit solo"),
+        ):
             ekt.release(manager)
         cache = manager.batch_processor.cache
     assert pool.snapshot().engines == {}
     assert "_generation_loop_body" not in vars(manager)
     assert type(manager._wake_up_loop) is threading.Event
-    assert cache._ekv.pooled is None
+    assert tm.state(cache).sizer.joined is None
     messages = [r.getMessage() for r in caplog.records if r.name == "extensible_kv"]
     assert any(m.startswith("KV cache joined pool tp as solo") for m in messages)
     assert any(m.startswith("Grew KV cache through the pool") for m in messages)
@@ -653,3 +536,107 @@ def test_pool_options_are_checked(tf: Any, tmp_path: Path) -> None:
     ekt.enable(pool=Pool("p", directory=tmp_path), min_blocks=2, engine="e", pool_via="driver")
     options = ekt.patch.current_options()
     assert options is not None and (options.min_blocks, options.pool_via) == (2, "driver")
+    with pytest.raises(ValueError, match="min_bytes, max_bytes without pool"):
+        ekt.enable(min_bytes=1 << 20, max_bytes=2 << 20)
+    with pytest.raises(ValueError, match="give min_blocks or min_bytes, not both"):
+        ekt.enable(pool="p", min_blocks=2, min_bytes=1 << 20)
+    with pytest.raises(ValueError, match="give max_blocks or max_bytes, not both"):
+        ekt.enable(pool="p", max_blocks=2, max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="max_bytes 4096 is below min_bytes 8192"):
+        ekt.enable(pool="p", min_bytes=8192, max_bytes=4096)
+    with pytest.raises(ValueError, match="min_bytes must be at least 1"):
+        ekt.enable(pool="p", min_bytes=0)
+    with pytest.raises(TypeError, match="max_bytes must be an int"):
+        ekt.enable(pool="p", max_bytes=1.5e9)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="min_bytes must be an int"):
+        ekt.enable(pool="p", min_bytes=True)
+    assert ekt.patch.current_options() is not None  # the last good enable stays in force
+    ekt.enable(pool="p", min_blocks=2, max_bytes=np_int(1 << 20))
+    options = ekt.patch.current_options()
+    assert options is not None and (options.min_blocks, options.max_bytes) == (2, 1 << 20)
+    assert type(options.max_bytes) is int
+
+
+def np_int(value: int) -> Any:
+    import numpy as np
+
+    return np.int64(value)
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        # Sectors of 8,192 bytes: the fewest that hold min_bytes, the most that fit in max_bytes.
+        ({"min_bytes": 3 * SECTOR + 1, "max_bytes": 20 * SECTOR - 1}, (4, 19)),
+        ({"min_bytes": 1, "max_blocks": 12}, (1, 12)),
+        ({"min_blocks": 2, "max_bytes": 10 * SECTOR}, (2, 10)),
+    ],
+    ids=["bytes", "min_bytes", "max_bytes"],
+)
+def test_limits_in_bytes_become_the_models_sectors(
+    tf: Any, tmp_path: Path, limits: dict[str, int], expected: tuple[int, int]
+) -> None:
+    """`enable(pool=..., min_bytes=..., max_bytes=...)`: a block's bytes differ from model to
+    model, so the limits may be bytes; the cache's limits in the pool are then the fewest of
+    its sectors that hold `min_bytes` and the most that fit in `max_bytes` (data sectors: the
+    trash is not counted), which the ledger shows, and the extension starts at the least."""
+    from extensible_kv import transformers as ekt
+    from extensible_kv.pool import Pool
+
+    options = {**pooled_options(tmp_path), "min_blocks": None, "max_blocks": None, **limits}
+    model = tm.build_model(tf, "llama", "sdpa", "cpu")
+    pool = Pool(POOL, directory=tmp_path)
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=tm.gen_config(tf), continuous_batching_config=tm.cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        state = tm.state(manager)
+        assert (state.sizer.min_sectors, state.sizer.max_sectors) == expected
+        assert state.committed_sectors == expected[0]
+        member_of(manager)  # joined
+        (entry,) = pool.snapshot().engines.values()
+        assert (entry.min_blocks, entry.max_blocks) == expected
+        assert entry.block_bytes == SECTOR
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_asks_once_for_what_its_queue_needs(
+    tf: Any, own: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Five requests arrive at once on an engine of 2 sectors. transformers' scheduler finds
+    too few free sectors for the second, and the cache asks the pool once, for what every
+    request needs to finish (its prompt plus its new tokens, less what the first took), not
+    for a step: the ask covers the burst, is met at once from free memory, and no further ask
+    follows; its wait runs from the first request's arrival. The tokens are transformers' own
+    cache's."""
+    from extensible_kv import transformers as ekt
+
+    caplog.set_level(logging.INFO, logger="extensible_kv.pool")
+    model = tm.build_model(tf, "llama", "sdpa", "cpu")
+    step = 2  # what the cache asked for before: at least a step, which is far less
+    with (
+        ekt.enabled(**pooled_options(tmp_path, pool_step_blocks=step)),
+        model.continuous_batching_context_manager(
+            generation_config=tm.gen_config(tf), continuous_batching_config=tm.cb_config(tf, "cpu")
+        ) as manager,
+    ):
+        state = tm.state(manager)
+        member = member_of(manager)
+        before = state.committed_sectors
+        assert before == ENGINE_OPTIONS["min_blocks"] and member.asks == []
+        with manager.pause():  # the burst reaches the scheduler's queue at once
+            started = time.monotonic()
+            ids = manager.add_requests(tm.prompts(), max_new_tokens=tm.MAX_NEW_TOKENS)
+        assert tm.collect(manager, ids) == own
+        (ask,) = member.asks
+        need = burst_sectors() - before
+        assert need > step
+        assert ask.asked_blocks >= need, ask
+        assert ask.asked_bytes == ask.asked_blocks * SECTOR
+        assert ask.met and ask.got_blocks >= need and ask.committed_blocks == ask.got_blocks
+        assert state.committed_sectors >= burst_sectors()
+        assert ask.since >= started - 1 and 0 <= ask.wait_s < 30
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pool ask:")]
+    assert len(said) == 1 and f"asked_blocks={ask.asked_blocks}" in said[0], said

@@ -8,8 +8,9 @@ greedy requests on a manager with transformers' own cache (sized before its warm
 graphs captured on a GPU) and extended after the warm-up from the memory really left. For each
 it measures the blocks, the KV bytes, the free memory after start-up, the start-up, tokens/s,
 and what giving the KV memory back and taking it again costs: transformers' own way is to stop
-and re-create the manager (graphs re-captured); ours is `release` + `resume` on the live
-manager. The tokens must be identical, own against ours and ours after the resume.
+and re-create the manager (graphs re-captured); ours is `suspend` + `resume` on the live
+manager (the report's "release" figures). The tokens must be identical, own against ours
+and ours after the resume.
 
 Without a GPU it runs on the host backend with a small model, a budget and a block cap (with
 no cap, transformers' own sizing takes 60% of the host's memory for the cache).
@@ -129,7 +130,7 @@ class DemoOptions:
 @dataclass
 class Contender:
     """One cache's run. `restart_ms`: own, stop + destroy + a new manager + its warm-up +
-    start; ours, `release` + `resume` on the running manager, after which the prompts run
+    start; ours, `suspend` + `resume` on the running manager, after which the prompts run
     again (`tokens_after_restart`, ours only)."""
 
     name: str
@@ -293,6 +294,7 @@ def _start_up(manager: Any, row: Contender, device: torch.device, extensible: bo
     """The batch processor (cache and IO buffers), then the warm-up (with our extension after
     it), timed apart."""
     from extensible_kv.transformers import last_report, patch
+    from extensible_kv.transformers.state import is_extensible, state_of
 
     # The manager's own warmup() builds the processor under this flag: set it here too, so
     # that ours is extended after the warm-up, not when the processor is built.
@@ -310,8 +312,11 @@ def _start_up(manager: Any, row: Contender, device: torch.device, extensible: bo
     row.warmup_ms = warmup_ms - row.extend_ms
     row.startup_ms = row.cache_ms + warmup_ms
     cache = processor.cache
-    state = getattr(cache, "_ekv", None)
-    committed = state.tensor.physical_bytes if state is not None else cache.cache_tensor.numel()
+    committed = (
+        state_of(cache).tensor.physical_bytes
+        if is_extensible(cache)
+        else cache.cache_tensor.numel()
+    )
     row.blocks, row.gib = int(cache.num_blocks), committed / GIB
     row.free_after_gib = free_gib(device)
     row.max_tokens_read = int(cache.max_tokens_read)
@@ -381,8 +386,9 @@ def run_own(model: Any, options: DemoOptions, prompts: list[list[int]]) -> Conte
 
 
 def run_extensible(model: Any, options: DemoOptions, prompts: list[list[int]]) -> Contender:
-    """extensible-kv's cache: reserve, warm up, extend; serve; release + resume; serve again."""
+    """extensible-kv's cache: reserve, warm up, extend; serve; suspend + resume; serve again."""
     import extensible_kv.transformers as ekt
+    from extensible_kv.transformers.state import state_of
 
     device = model.device
     row = Contender("extensible-kv")
@@ -409,8 +415,8 @@ def run_extensible(model: Any, options: DemoOptions, prompts: list[list[int]]) -
             row.tokens, row.generate_s, row.tokens_per_s = generate(
                 manager, prompts, options, "extensible-kv"
             )
-            release_ms, _ = _timed_ms(lambda: ekt.release(manager), device)
-            state = manager.batch_processor.cache._ekv
+            release_ms, _ = _timed_ms(lambda: ekt.suspend(manager), device)
+            state = state_of(manager.batch_processor.cache)
             row.extra.update(
                 release_ms=release_ms,
                 released_gib=state.tensor.physical_bytes / GIB,

@@ -15,7 +15,7 @@
   it when the loop ends (on the loop's thread, after its last step). While it is in the pool,
   the serving hooks are that one manager's instance attributes (`pooled`), gone when it
   leaves;
-- nothing for `start` and `stop`: while a cache is released, `release` guards that one
+- nothing for `start` and `stop`: while a cache is suspended, `suspend` guards that one
   manager's `start` and `stop` (instance attributes, gone at `resume`) rather than
   transformers' class.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,7 +38,12 @@ from extensible_kv._plugins import Patches, Provides, Recognised, Stack
 from extensible_kv.flow import ExtendReport
 from extensible_kv.pool.store import Pool
 from extensible_kv.transformers import cache as _cache
+from extensible_kv.transformers import options as _options
 from extensible_kv.transformers import pooled as _pooled
+from extensible_kv.transformers import resizing as _resizing
+from extensible_kv.transformers import suspension as _suspension
+from extensible_kv.transformers.options import AutoResize, Options
+from extensible_kv.transformers.state import is_extensible
 
 # Its public names are the package's (`extensible_kv.transformers.__all__`), listed there once.
 
@@ -92,16 +98,16 @@ TRANSFORMERS = Stack(
     tested="5.25",
 )
 
-_state: dict[str, Any] = {"options": None, "report": None}
+_state: dict[str, Any] = {"report": None}
 # What `enable` replaced, with transformers' objects, for `disable`.
 _patches = Patches()
 # Set while the manager's own warm-up runs: the batch processor it builds is extended after.
 _IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("ekv_in_warmup", default=False)
 
 
-def current_options() -> _cache.Options | None:
-    options: _cache.Options | None = _state["options"]
-    return options
+def current_options() -> Options | None:
+    """The options in force (`enable`'s), or None while disabled."""
+    return _options.current()
 
 
 def is_enabled() -> bool:
@@ -156,10 +162,12 @@ def enable(
     host_free: bool = False,
     margin_bytes: int | None = None,
     granularity: int | None = None,
-    auto_resize: _cache.AutoResize | bool | None = None,
+    auto_resize: AutoResize | bool | None = None,
     pool: Pool | str | None = None,
     min_blocks: int | None = None,
     max_blocks: int | None = None,
+    min_bytes: int | None = None,
+    max_bytes: int | None = None,
     engine: str | None = None,
     pool_via: str = "loan",
     pool_step_blocks: int | None = None,
@@ -175,27 +183,31 @@ def enable(
     `enable(pool="name", min_blocks=..., max_blocks=...)` puts every manager's cache in that
     node pool while its generation loop runs: it starts at `min_blocks`, grows on demand
     through the pool (the device's free memory first, then the pool's idle engines' free
-    blocks) up to `max_blocks`, and lends its own free top blocks between its steps."""
+    blocks) by what its requests need, up to `max_blocks`, and lends its own free top blocks
+    between its steps. `min_bytes=` / `max_bytes=` give those limits in bytes instead (a
+    block's bytes differ from model to model)."""
     _torch.require("extensible_kv.transformers")
-    options = _cache.Options(
-        budget_bytes,
-        host_free,
-        margin_bytes,
-        granularity,
-        auto_resize,  # type: ignore[arg-type]  # True is Options' to turn into the defaults
-        pool,
-        min_blocks,
-        max_blocks,
-        engine,
-        pool_via,
-        pool_step_blocks,
-        pool_move,
-        driver_rate,
+    options = Options(
+        budget_bytes=budget_bytes,
+        host_free=host_free,
+        margin_bytes=margin_bytes,
+        granularity=granularity,
+        auto_resize=auto_resize,  # type: ignore[arg-type]  # True: Options' to turn into defaults
+        pool=pool,
+        min_blocks=min_blocks,
+        max_blocks=max_blocks,
+        min_bytes=min_bytes,
+        max_bytes=max_bytes,
+        engine=engine,
+        pool_via=pool_via,
+        pool_step_blocks=pool_step_blocks,
+        pool_move=pool_move,
+        driver_rate=driver_rate,
     )
     _apply(options)
 
 
-def _apply(options: _cache.Options) -> None:
+def _apply(options: Options) -> None:
     found = _check_version()
     if options.auto_resize is not None or options.pool is not None:
         cache_class = found[_CACHE]
@@ -207,7 +219,7 @@ def _apply(options: _cache.Options) -> None:
             )
     if not _patches:
         _install(found)
-    _state["options"] = options
+    _options.put(options)
 
 
 def _install(found: Recognised) -> None:
@@ -235,7 +247,7 @@ def disable() -> None:
     """Puts back every object `enable` replaced (each the very object it was, where ours is still
     in place); managers created meanwhile keep their extensible caches until they are destroyed."""
     _patches.restore()
-    _state["options"] = None
+    _options.clear()
 
 
 @contextmanager
@@ -285,7 +297,7 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _IN_WARMUP.get():
             # Outside the warm-up, the generation loop builds it as it starts, on its thread.
             _extend(self, batch_processor, after_warmup=False)
-            _pooled.join(self, batch_processor.cache)
+            _pooled.join(self, batch_processor)
         return batch_processor
 
     return create_batch_processor
@@ -304,23 +316,24 @@ def _wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _extend(manager: Any, batch_processor: Any, *, after_warmup: bool) -> None:
     cache: Any = getattr(batch_processor, "cache", None)
-    if not isinstance(getattr(cache, "_ekv", None), _cache._State):
+    if not is_extensible(cache):
         return  # built before enable(): transformers' own cache
     ran_forward = after_warmup and bool(getattr(batch_processor.model_runner, "pad_inputs", True))
     peak = None if ran_forward else _cache.modelled_transient_peak_bytes(cache)
     report = _cache.extend(cache, transient_peak_bytes=peak)
-    _cache.watch_idle(manager, cache)
+    sizer = cache._ekv.sizer
+    sizer.watch(manager, cache)
     if report is not None:
         _state["report"] = report
         # transformers memoizes the block count for the next cache it builds (after a stop):
         # the final size, which then caps that cache and sizes its buffers. A pool's cache
         # starts at its least and grows: its capacity stays the one it was built with.
-        if cache._ekv.pool_plan is None:
+        if sizer.kind != "pool":
             manager.continuous_batching_config.num_blocks = cache.num_blocks
 
 
 # ---------------------------------------------------------------------------------------------
-# release / resume
+# suspend / resume, resize
 
 
 def _cache_of(manager: Any, what: str) -> Any:
@@ -336,12 +349,12 @@ def _cache_of(manager: Any, what: str) -> Any:
     batch_processor = manager.batch_processor
     if batch_processor is not None:
         return batch_processor.cache
-    if manager in _cache.DROPPED_WHILE_RELEASED:
+    if manager in _suspension.DROPPED_WHILE_SUSPENDED:
         raise RuntimeError(
-            "this manager was stopped while its KV cache was released, without "
+            "this manager was stopped while its KV cache was suspended, without "
             "keep_for_next_session: the cache went with its batch processor, so there is "
             "nothing to resume, and its next start builds a new cache (stop("
-            "keep_for_next_session=True) or persistent_manager=True keep a released cache)"
+            "keep_for_next_session=True) or persistent_manager=True keep a suspended cache)"
         )
     if manager.is_running():
         raise RuntimeError(
@@ -355,30 +368,44 @@ def _cache_of(manager: Any, what: str) -> Any:
     )
 
 
-def release(manager: Any, keep_blocks: int = 0) -> None:
-    """Gives the KV cache's memory back while `manager`, its graphs and its buffers live: every
-    block is freed and the prefix cache cleared (the contents are gone, as after a weight
-    update), and the memory past the trash sectors and the first `keep_blocks` blocks is
-    unmapped. Call it when no request is in flight (`RuntimeError` otherwise), from any thread.
+def suspend(manager: Any, keep_blocks: int = 0) -> None:
+    """Gives the KV cache's memory back to the driver while `manager`, its graphs and its
+    buffers live, keeping its addresses: every block is freed and the prefix cache cleared (the
+    contents are gone, as after a weight update), and the memory past the trash sectors and
+    the first `keep_blocks` blocks is unmapped. Call it when no request is in flight
+    (`RuntimeError` otherwise), from any thread.
 
-    While released:
+    While suspended:
     - a running loop stays paused (transformers' `manager.pause()`, held by a thread of
-      extensible-kv's own, so the thread that released may end);
+      extensible-kv's own, so the thread that suspended may end);
     - `resume(manager)`, from any thread, recommits the memory and ends the pause;
     - `manager.start()` refuses (`RuntimeError`): resume first;
     - `manager.stop()` (leaving `continuous_batching_context_manager` too) ends the pause and
       stops the loop. With `keep_for_next_session=True` (`persistent_manager=True`) the cache
-      stays released for a later `resume`; with transformers' default the cache goes with the
+      stays suspended for a later `resume`; with transformers' default the cache goes with the
       batch processor, and the next start builds a new one."""
-    _cache.release(manager, _cache_of(manager, "release(manager)"), keep_blocks)
+    _suspension.suspend(manager, _cache_of(manager, "suspend(manager)"), keep_blocks)
+
+
+def release(manager: Any, keep_blocks: int = 0) -> None:
+    """Deprecated: `suspend(manager, keep_blocks)`, the same call under its old name ("release"
+    is the driver's word: memory given back for good). Warns (`DeprecationWarning`), then
+    suspends."""
+    warnings.warn(
+        "extensible_kv.transformers.release(manager) is deprecated: call "
+        "extensible_kv.transformers.suspend(manager), which does the same",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    suspend(manager, keep_blocks)
 
 
 def resume(manager: Any) -> None:
-    """Recommits the released memory at the same addresses (zeroed; the graphs stay valid),
+    """Recommits the suspended memory at the same addresses (zeroed; the graphs stay valid),
     gives every block back to the pool and ends the pause, from any thread. On
-    `OutOfMemoryError` the cache stays released and the loop paused: free memory and call it
+    `OutOfMemoryError` the cache stays suspended and the loop paused: free memory and call it
     again."""
-    _cache.resume(_cache_of(manager, "resume(manager)"))
+    _suspension.resume(_cache_of(manager, "resume(manager)"))
 
 
 def resize(
@@ -399,9 +426,9 @@ def resize(
     lowest free sector first, so live blocks gather at the bottom and the top is usually free.
 
     `TypeError` for a non-int `num_blocks`, `ValueError` below 1 or above the reservation's
-    capacity; `RuntimeError` while released or before the first extension."""
+    capacity; `RuntimeError` while suspended or before the first extension."""
     cache = _cache_of(manager, "resize(manager, num_blocks)")
-    report = _cache.resize(manager, cache, num_blocks, timeout, _args.flag(move, "move"))
+    report = _resizing.resize(manager, cache, num_blocks, timeout, _args.flag(move, "move"))
     _state["report"] = report
     manager.continuous_batching_config.num_blocks = cache.num_blocks
     return report
