@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from extensible_kv.pool import Ledger, Pool, rules
+from extensible_kv.pool import Ledger, Pool, _proc, rules
 from pool_engine import (
     BLOCK_BYTES,
     MEMFD,
@@ -218,11 +218,15 @@ def run_schedule(
             victim.kill()  # never reaped here: a zombie, which is dead too
             del numbers[victim.name]
             # Whoever takes the lock next recovers the ledger, once the kernel has ended the
-            # process (a SIGKILL is delivered asynchronously).
+            # process (a SIGKILL is delivered asynchronously, and a loaded machine may take a
+            # while to tear the process down): the first transaction after its death does.
+            # The 100 ms of the kill to recovery is a benchmark's figure (bench_pool's kill
+            # setup), not a bound a shared 2-core machine can promise.
+            while _proc.start_time(victim.pid) is not None:
+                assert time.monotonic() - killed < 10, "the kernel did not end the process"
+                time.sleep(0.001)
             ledger = pool.snapshot()
-            while victim.name in ledger.engines:
-                assert time.monotonic() - killed < 0.1, "not recovered within 100 ms"
-                ledger = pool.snapshot()
+            assert victim.name not in ledger.engines, "the first transaction did not recover it"
             assert not ledger.loans_of(victim.name) or all(
                 loan.state == "returned" for loan in ledger.loans_of(victim.name)
             )
