@@ -132,8 +132,7 @@ class PooledSizer:
         joined = self.joined
         if joined is None:
             return False
-        missing = sectors.missing_sectors(cache, request, request_len)
-        return joined.grow(missing, sectors.queue_need(cache, joined.scheduler, request))
+        return joined.grow(sectors.missing_sectors(cache, request, request_len), request)
 
     def grow_to_margin(self, cache: Any) -> bool:
         """Under the scheduler's margin, while requests wait: asks for the queue, and at least
@@ -145,7 +144,7 @@ class PooledSizer:
         need = sectors.queue_need(cache, joined.scheduler)
         if not need.waiting:
             return False
-        return joined.grow(max(sectors.margin_sectors(cache), need.sectors), need)
+        return joined.grow(max(sectors.margin_sectors(cache), need.sectors), need=need)
 
     def refuse(self, what: str) -> None:
         raise RuntimeError(
@@ -201,26 +200,35 @@ class Joined:
     def busy(self) -> bool:
         return bool(sectors.busy_requests(self.cache))
 
-    def grow(self, missing: int, need: sectors.QueueNeed) -> bool:
-        """transformers' scheduler found `missing` sectors too few: asks the pool for what
-        its requests need to finish (`need`, at least `missing`), in whole granules, up to
-        the maximum, since the first waiting one arrived. True when the cache grew."""
+    def grow(
+        self, missing: int, request: Any = None, need: sectors.QueueNeed | None = None
+    ) -> bool:
+        """transformers' scheduler found `missing` sectors too few (for `request`, or for its
+        margin): asks the pool for what its requests need to finish (`need`, counted here
+        when not given; at least `missing`), in whole granules, up to the maximum, since the
+        first waiting one arrived. True when the cache grew."""
         state: CacheState = self.cache._ekv
         if missing <= 0 or state.capturing():
             return False
+        busy = self.busy()
+        if busy:
+            # Asked once a millisecond at most: every waiting request checks in turn, and an
+            # ask still open takes the later ones in.
+            now = time.monotonic()
+            if now - self.last_request < SERVE_EVERY_S:
+                return False
+            self.last_request = now
+        if need is None:
+            need = sectors.queue_need(self.cache, self.scheduler, request)
         before = state.committed_sectors
         # Whole granules past the trash: what a commit keeps and a donor lends.
         want = state.aligned_up(before + max(missing, need.sectors)) - before
         since = self._since(need.since)
-        if self.busy():
+        if busy:
             # Others run meanwhile: what is offered is taken at a later step, and this
-            # request is scheduled then. Asked once a millisecond at most (every waiting
-            # request checks in turn; an ask still open takes the later ones in).
-            now = time.monotonic()
-            if now - self.last_request >= SERVE_EVERY_S:
-                self.last_request = now
-                self._safely(lambda: self.member.request(want, since=since))
-                self._safely(lambda: self.member.serve(busy=True))
+            # request is scheduled then.
+            self._safely(lambda: self.member.request(want, since=since))
+            self._safely(lambda: self.member.serve(busy=True))
         else:
             # Nothing else would run: transformers fails a request it cannot place and
             # cannot offload anything for. Wait for the pool, within a bound, for what

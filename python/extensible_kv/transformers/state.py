@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from extensible_kv import flow
 from extensible_kv.flow import ExtendReport
-from extensible_kv.sizing import BufferFootprint, CacheFootprint
+from extensible_kv.footprint import BufferFootprint, CacheFootprint
 from extensible_kv.tensor import ExtensibleTensor
 from extensible_kv.transformers.options import Options
 
