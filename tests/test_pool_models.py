@@ -1,9 +1,10 @@
 """Engines of different models in one pool (issue 52).
 
-- `test_the_pool_cap_counts_the_granules_a_commit_maps` (xfail, a library bug): a commit of
-  free memory within the pool's cap is counted in blocks, but a block that ends inside a
-  granule maps the whole granule, in every segment: the pool then holds more than its cap.
-- `test_a_join_counts_against_the_pool_cap` (xfail, a library bug): an engine that joins
+- `test_the_pool_cap_counts_the_granules_a_commit_maps`: a commit of free memory within the
+  pool's cap is counted by the granules it maps (a block that ends inside a granule maps the
+  whole granule, in every segment), not by its blocks' bytes, so the pool never holds more
+  than its cap.
+- `test_a_join_counts_against_the_pool_cap` (xfail, a limit of the pool): an engine that joins
   with memory already committed (transformers' engines commit their minimum and the warm-up's
   sectors before their loop joins; an engine started again after a kill -9 does so while the
   others hold the whole cap) is added as it is: the pool then holds more than its cap.
@@ -25,11 +26,6 @@ from extensible_kv.pool import Pool, PoolMember, rules
 GRANULE = 4096
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pool bug: policy._free_blocks and rules.commit_ahead count a commit within the cap "
-    "as blocks x block bytes, while the cache maps whole granules in each segment",
-)
 def test_the_pool_cap_counts_the_granules_a_commit_maps(tmp_path: Path) -> None:
     """A flat cache of 6,144-byte blocks (a granule and a half) with 5 blocks of room under the
     cap: the pool commits 5 blocks, which map 8 granules (32,768 bytes), 2,048 over the cap of
@@ -68,7 +64,9 @@ def test_the_pool_cap_counts_the_granules_a_commit_maps(tmp_path: Path) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="pool bug: rules.join adds an engine with what its cache holds, past the cap",
+    reason="a limit of the pool: a join is accepted with what the cache holds, past the cap "
+    "(refusing it fails an engine that starts while others hold the cap), and nothing shrinks "
+    "the others back under it yet",
 )
 def test_a_join_counts_against_the_pool_cap(tmp_path: Path) -> None:
     """`a` holds the whole cap; `b`'s cache committed 4 blocks before it joins (as a

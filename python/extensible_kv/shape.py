@@ -111,6 +111,18 @@ class CacheShape:
         block bytes): what a cache of this shape needs per block, before granule rounding."""
         return sum(b.block_bytes for b in self.buffers)
 
+    def mapped_bytes(self, blocks: int) -> int:
+        """At most the physical bytes `blocks` committed blocks map: each segment maps whole
+        granules, from its start to past its last block (the blocks below block 0 included).
+        Segments that share a granule map it once, so a cache may map less, never more: what
+        the pool counts against its cap before a commit."""
+        g = self.granularity
+        return sum(
+            buffer.num_segments
+            * (-(-(self.leading_blocks + blocks) * buffer.segment_block_bytes // g) * g)
+            for buffer in self.buffers
+        )
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict, which `from_json` reads back."""
         return {

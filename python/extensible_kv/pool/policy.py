@@ -227,11 +227,25 @@ def _recall(name: str, want: int, lent: list[PoolLoan]) -> list[Decision]:
 
 
 def _free_blocks(ledger: Ledger, engine: Engine, free_bytes: int) -> int:
+    """The most blocks `engine` may commit from free memory: what their granules map (every
+    segment maps whole granules, a block ending inside one maps all of it), not their bytes,
+    within the device's free memory and the pool's cap."""
     free = free_bytes
     cap = ledger.caps.get(engine.device)
     if cap is not None:
         free = min(free, cap - used_bytes(ledger, engine.device))
-    return max(free, 0) // engine.block_bytes
+    if free <= 0:
+        return 0
+    shape, now = engine.shape, engine.committed_blocks
+    mapped_now = shape.mapped_bytes(now)
+    low, high = 0, (free + shape.num_segments * shape.granularity) // engine.block_bytes
+    while low < high:  # the most blocks whose granules fit: mapped_bytes only grows
+        mid = (low + high + 1) // 2
+        if shape.mapped_bytes(now + mid) - mapped_now <= free:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def can_lend_to(donor: Engine, needy: Engine) -> bool:

@@ -383,8 +383,12 @@ def commit_ahead(ledger: Ledger, name: str, blocks: int) -> None:
     before it does, so that no other engine plans on the same memory. Its next record says
     what it committed."""
     engine = _engine(ledger, name)
+    shape = engine.shape
+    # What the commit maps: whole granules per segment, not the blocks' bytes.
+    engine.physical_bytes += shape.mapped_bytes(engine.committed_blocks + blocks) - (
+        shape.mapped_bytes(engine.committed_blocks)
+    )
     engine.committed_blocks += blocks
-    engine.physical_bytes += blocks * engine.block_bytes
 
 
 def lend_ahead(ledger: Ledger, name: str, blocks: int) -> None:
