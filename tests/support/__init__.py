@@ -1,5 +1,8 @@
 """What the tests share besides fixtures (those are in `tests/conftest.py`): the device list and
 the CUDA skip reason (`devices`), the stacks' loaders (`stack_env`, `vllm_env`, `sglang_env`),
+transformers' fixtures, models and pooled engines (`transformers_fixtures`,
+`transformers_models`, `transformers_pool`), the pool's ledgers and members
+(`pool_ledgers`, `pool_members`), the settled free memory of a device (`memory`),
 vLLM's layouts (`vllm_cases`), the KV cache helpers (`kv_helpers`), the tensor tests' checks
 (`tensor_checks`), the spawned command-loop process of the tests that need another process
 (`child`), rank processes (`ranks`), the benchmark scripts as modules (`bench_scripts`), the
