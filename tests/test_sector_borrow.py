@@ -11,28 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from extensible_kv import AttentionLayerSpec, ExtensibleKVCache, KVCacheTensorSpec, blocks_from
-from support import stack_env
+from support import transformers_fixtures
 
 G = 4096
 
-
-@pytest.fixture
-def tf() -> Any:
-    stack_env.require_transformers()
-    import transformers
-
-    return transformers
-
-
-@pytest.fixture(autouse=True)
-def _disabled_after() -> Any:
-    yield
-    from extensible_kv import transformers as ekt
-
-    ekt.disable()
+# The fixtures every transformers test module shares (`support.transformers_fixtures`).
+disabled_after = transformers_fixtures.disabled_after
+tf = transformers_fixtures.tf
 
 
 def sector_caches(tf: Any, tmp_path: Path, *kinds: str) -> list[Any]:
