@@ -20,14 +20,26 @@ pub fn write(tensor: &ExtensibleTensor, offset: u64, bytes: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.ptr() as *mut u8, bytes.len()) }
 }
 
-/// `(open memfds, mapped memfd regions)` whose name contains `name`, from /proc/self.
+/// `(open memfds, mapped memfd regions)` whose name contains `name` as a whole word, from
+/// /proc/self. Whole words, because driver names end in a counter: `extensible-kv:<pid>:1` is
+/// a prefix of driver 10's name, whose files other tests' threads open and close meanwhile.
 pub fn proc_memfds(name: &str) -> (usize, usize) {
     let fds = std::fs::read_dir("/proc/self/fd")
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|target| target.to_string_lossy().contains(name))
+        .filter(|target| names(&target.to_string_lossy(), name))
         .count();
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    let maps = maps.lines().filter(|l| l.contains(name)).count();
+    let maps = maps.lines().filter(|l| names(l, name)).count();
     (fds, maps)
+}
+
+/// Whether `text` holds `name` with no name character right after it.
+fn names(text: &str, name: &str) -> bool {
+    text.match_indices(name).any(|(at, _)| {
+        text[at + name.len()..]
+            .chars()
+            .next()
+            .is_none_or(|c| !(c.is_ascii_alphanumeric() || c == ':' || c == '-'))
+    })
 }
