@@ -267,7 +267,7 @@ def keep_data(vllm_plugin: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     plugin.unregister()
     monkeypatch.delenv(plugin.KEEP_DATA_ENV_VAR)
     plugin.register()  # the drop-in stays, vLLM's own commit is back
-    assert vllm_plugin.ExtensibleKVCache.commit is not plugin._commit_keeping_data
+    assert vllm_plugin.ExtensibleKVCache.commit is not plugin.commit_keeping_data
 
 
 def test_keep_data_shrinks_and_defragments_without_losing_blocks(
@@ -346,8 +346,8 @@ def test_keep_data_commit_ends_where_vllms_does(
     # zeroes everything.
     from extensible_kv.vllm import plugin
 
-    assert vllms_commit is not plugin._commit_keeping_data
-    assert keep_data.ExtensibleKVCache.commit is plugin._commit_keeping_data
+    assert vllms_commit is not plugin.commit_keeping_data
+    assert keep_data.ExtensibleKVCache.commit is plugin.commit_keeping_data
     rows = []
     for start, grows, defragmented, asleep in STARTS:
         for n in COUNTS:

@@ -14,6 +14,12 @@ shrinking or defragmenting commit keeps the blocks below the count (vLLM's relea
 and re-grows zeroed): it shrinks in place and consolidates instead, ending at the count
 vLLM's would.
 
+It also puts `extensible_kv.vllm.block_pool.ResizableBlockPool` where vLLM's modules bind
+`BlockPool` (the engine core's scheduler builds its pool from it), so that
+`extensible_kv.vllm.resize.KvResizer` can resize a live engine's KV cache between steps.
+`ResizableBlockPool` adds methods only, and leaves every path a step takes vLLM's own;
+`EXTENSIBLE_KV_VLLM_RESIZE=0` leaves vLLM's `BlockPool` in place.
+
 It stays out of the way: `EXTENSIBLE_KV_VLLM=0` switches it off; it imports no vLLM module
 unless vLLM is loaded (vLLM is the caller); and on ROCm, or on a vLLM whose `ExtensibleTensor`
 it does not recognise (constructor signature, or public attributes the drop-in lacks), it
@@ -32,10 +38,12 @@ from extensible_kv import _args
 from extensible_kv._plugins import Integration, Patches, Provides, Stack, env_flag
 from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
 
-__all__ = ["ENV_VAR", "KEEP_DATA_ENV_VAR", "register", "unregister"]
+__all__ = ["ENV_VAR", "KEEP_DATA_ENV_VAR", "RESIZE_ENV_VAR", "register", "unregister"]
 
 ENV_VAR = "EXTENSIBLE_KV_VLLM"
 KEEP_DATA_ENV_VAR = "EXTENSIBLE_KV_VLLM_KEEP_DATA"
+RESIZE_ENV_VAR = "EXTENSIBLE_KV_VLLM_RESIZE"
+_BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 _KV_CACHE_MODULE = "vllm.v1.worker.extensible_kv_cache"
 _TARGET = "vllm.utils.extensible_tensor"
 # vLLM 0.34.0's constructor: (name, default) after `self`.
@@ -72,7 +80,7 @@ logger = logging.getLogger("vllm.extensible_kv")
 _VLLM = Integration("vLLM", "ExtensibleTensor", ENV_VAR, logger)
 
 
-def _commit_keeping_data(
+def commit_keeping_data(
     self: Any, num_blocks: int, defragment: bool = False, shrink: bool = False
 ) -> None:
     """vLLM 0.34's `ExtensibleKVCache.commit`, keeping the live blocks: a shrink gives back
@@ -118,9 +126,9 @@ def _commit_keeping_data(
 
 def _install_keep_data() -> None:
     cls = importlib.import_module(_KV_CACHE_MODULE).ExtensibleKVCache
-    if cls.commit is _commit_keeping_data:
+    if cls.commit is commit_keeping_data:
         return
-    _patches.set(cls, "commit", _commit_keeping_data)
+    _patches.set(cls, "commit", commit_keeping_data)
     logger.info(
         "extensible-kv: %s=1: shrinking and defragmenting KV cache commits keep the blocks "
         "below the count.",
@@ -144,7 +152,32 @@ def register() -> bool:
         return False
     if env_flag(KEEP_DATA_ENV_VAR, False):
         _install_keep_data()
+    if env_flag(RESIZE_ENV_VAR, True):
+        _install_resizable_pool()
     return True
+
+
+def _install_resizable_pool() -> None:
+    """`ResizableBlockPool` wherever vLLM's modules bind `BlockPool` (its own module's first,
+    so that modules imported later bind ours too)."""
+    try:
+        from extensible_kv.vllm.block_pool import ResizableBlockPool
+    except ImportError:  # a vLLM without v1's block pool (vLLM's check names the version)
+        return
+    module = sys.modules[_BLOCK_POOL_MODULE]
+    original = module.BlockPool
+    if original is ResizableBlockPool:
+        return
+    if ResizableBlockPool.__mro__[1] is not original:
+        logger.warning(
+            "extensible-kv: vLLM's BlockPool is not the class ResizableBlockPool extends "
+            "(another plugin replaced it?): the KV cache cannot be resized at run time."
+        )
+        return
+    _patches.set(module, "BlockPool", ResizableBlockPool)
+    _patches.set_bindings(
+        original, ResizableBlockPool, packages=("vllm",), name="BlockPool", skip=(module,)
+    )
 
 
 def _install_dropin(version: str) -> bool:
@@ -167,4 +200,17 @@ def _install_dropin(version: str) -> bool:
 def unregister() -> None:
     """Put vLLM's own objects back where `register` replaced them (where ours are still in
     place)."""
+    pool_module = sys.modules.get(_BLOCK_POOL_MODULE)
+    if pool_module is not None and "extensible_kv.vllm.block_pool" in sys.modules:
+        from extensible_kv.vllm.block_pool import ResizableBlockPool
+
+        if pool_module.BlockPool is ResizableBlockPool:
+            # Modules imported after the pool was put in place bound ours themselves.
+            _patches.adopt_bindings(
+                ResizableBlockPool.__mro__[1],
+                ResizableBlockPool,
+                packages=("vllm",),
+                name="BlockPool",
+                skip=(pool_module,),
+            )
     _patches.restore()
