@@ -6,6 +6,8 @@ transformers' fixtures, models and pooled engines (`transformers_fixtures`,
 vLLM's layouts (`vllm_cases`), the KV cache helpers (`kv_helpers`), the tensor tests' checks
 (`tensor_checks`), the spawned command-loop process of the tests that need another process
 (`child`), rank processes (`ranks`), the benchmark scripts as modules (`bench_scripts`), the
-`/proc/PID/stat` lines both start-time tests read (`proc_stat_lines.txt`), and the Rust
-integration tests' `common.rs`. Imported as `from support import ...`: pytest puts `tests/` on
+`/proc/PID/stat` lines both start-time tests read (`proc_stat_lines.txt`), vLLM's own core
+tests' pytest plugin, its resize-between-steps cases and the hub config they need
+(`vllm_core_plugin`, `vllm_core_resize_cases`, `hf/`), and the Rust integration tests'
+`common.rs`. Imported as `from support import ...`: pytest puts `tests/` on
 `sys.path`."""
