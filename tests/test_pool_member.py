@@ -318,6 +318,167 @@ def test_memory_an_idle_borrower_holds_moves_on_to_the_next_needy_engine(tmp_pat
         assert pool.snapshot().engines == {}
 
 
+def test_a_lender_given_its_loans_back_is_asked_at_once_and_lends_as_it_reclaims(
+    tmp_path: Path,
+) -> None:
+    """As above, but c asks again as soon as b gave the loans back, before a took them back:
+    a is asked at once, and one serve of a's takes them back and lends them to c (before,
+    c waited for a's reclaim to ask: a round trip of both more). A lender whose reclaim is
+    not done yet at that serve, and that could answer nothing without it, leaves the
+    request asked (a refusal would keep c from asking it for a second), and answers it at a
+    later serve."""
+    for reclaim_late in (False, True):
+        pool = Pool(f"test-{reclaim_late}", directory=tmp_path)
+        pool.set_cap("cpu", 40 * 2 * 4096)
+        used = {"a": 0, "b": 0, "c": 0}
+        with cache() as ca, cache() as cb, cache() as cc:
+            members = members_of(pool, {"a": ca, "b": cb, "c": cc}, used, max_blocks=40)
+            a, b, c = members.values()
+            for member in members.values():
+                member.join()
+            top = a.grow(40)
+            used["a"] = top - 20  # all it keeps is live
+            assert [d.action for d in b.request(20)] == ["ask"]
+            a.serve()
+            b.serve(busy=True)
+            b.serve(busy=False)
+            assert {d.action for d in c.request(16)} == {"recall"}
+            b.serve(busy=False)  # gives the loans back
+            assert cb.committed_blocks == 0
+            decisions = c.request(16)
+            assert [(d.action, d.peer) for d in decisions] == [("ask", "a")]
+            assert "takes back" in decisions[0].reason
+            if reclaim_late:
+                real = a._reclaim
+                a._reclaim = lambda entry: False  # type: ignore[method-assign]
+                a.serve()  # nothing to lend without them: the request waits
+                assert [x.state for x in pool.snapshot().loans.values() if x.borrower == "c"] == [
+                    "asked"
+                ]
+                a._reclaim = real  # type: ignore[method-assign]
+            a.serve()  # takes them back and lends
+            c.serve()  # borrows
+            assert cc.committed_blocks >= 16
+            assert rules.check(pool.snapshot()) == []
+            assert {d.action for d in a.request(20)} == {"recall"}
+            c.serve()
+            a.serve()
+            assert pool.snapshot().loans == {}
+            for member in members.values():
+                member.leave()
+            assert pool.snapshot().engines == {}
+
+
+def test_an_idle_borrower_gives_its_loans_back_after_give_back_idle_s(tmp_path: Path) -> None:
+    """A borrower whose load ended keeps its loans for `give_back_idle_s` (its next burst may
+    come soon), then gives them back to their lenders, where the next needy engine is asked
+    for them in one step. Busy again before that, it keeps them; `None` keeps them for
+    good (until recalled)."""
+    for idle_s in (0.05, None):
+        pool = Pool(f"test-{idle_s}", directory=tmp_path)
+        pool.set_cap("cpu", 32 * 2 * 4096)
+        used = {"a": 0, "b": 0}
+        with cache() as ca, cache() as cb:
+            a, b = members_of(
+                pool, {"a": ca, "b": cb}, used, max_blocks=64, give_back_idle_s=idle_s
+            ).values()
+            a.join()
+            b.join()
+            assert a.grow(32) == 32
+            used["a"] = 10
+            assert ("ask", "a") in [(d.action, d.peer) for d in b.request(16)]
+            a.serve()
+            b.serve(busy=True)
+            borrowed = cb.committed_blocks
+            assert borrowed >= 16
+            b.serve(busy=False)
+            time.sleep(0.03)
+            b.serve(busy=True)  # busy again within the bound: kept
+            b.serve(busy=False)
+            time.sleep(0.03)
+            b.serve(busy=False)
+            assert cb.committed_blocks == borrowed
+            time.sleep(0.05)
+            b.serve(busy=False)
+            if idle_s is None:
+                assert cb.committed_blocks == borrowed
+                assert {d.action for d in a.request(32)} == {"recall"}
+                b.serve()
+            else:
+                assert cb.committed_blocks == 0
+                (loan,) = pool.snapshot().loans.values()
+                assert loan.state == "returned" and "idle for" in loan.reason
+            a.serve()
+            assert ca.committed_blocks == 32 and pool.snapshot().loans == {}
+            b.leave()
+            a.leave()
+    with pytest.raises(ValueError, match="give_back_idle_s"):
+        with cache() as c:
+            PoolMember(pool, "x", c, free_tail_blocks=lambda: 0, give_back_idle_s=-1.0)
+
+
+def test_a_member_with_nothing_to_do_serves_without_a_transaction(tmp_path: Path) -> None:
+    """An engine serves between every two of its steps; most rounds find nothing to do. Such a
+    round reads the ledger's file and takes no lock (a transaction costs ~1 ms against a
+    step of a few): nothing that concerns the member changed, nor what it would post. It
+    still heartbeats every `QUIET_BEAT_S`, and acts at its next serve on a request to it, a
+    change of its limits, and a change of its own numbers."""
+    from extensible_kv.pool.base import QUIET_BEAT_S
+
+    pool = Pool("test", directory=tmp_path)
+    pool.set_cap("cpu", 32 * 2 * 4096)  # a's 32 blocks: b borrows
+    used = {"a": 0, "b": 0}
+    transactions = []
+    real = pool.transaction
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        transactions.append(time.monotonic())
+        return real(*args, **kw)
+
+    with cache() as ca, cache() as cb:
+        a, b = lender_and_borrower(pool, ca, cb, used)
+        a.serve()
+        b.serve()  # b's heartbeat: no concern of a's
+        pool.transaction = counted  # type: ignore[method-assign]
+        start = time.monotonic()
+        rounds = 0
+        while time.monotonic() - start < QUIET_BEAT_S / 2:
+            a.serve()
+            rounds += 1
+        assert rounds > 10 and transactions == []
+        beat = pool.snapshot().engines["a"].heartbeat
+        transactions.clear()
+        time.sleep(QUIET_BEAT_S)
+        a.serve()  # its heartbeat
+        assert len(transactions) >= 1
+        assert pool.snapshot().engines["a"].heartbeat > beat
+        # A request to it: answered at its next serve, however recent its heartbeat.
+        assert [d.action for d in b.request(8)] == ["ask"]
+        a.serve()
+        b.serve()
+        assert cb.committed_blocks >= 8
+        # Its own numbers: busy, or blocks freed.
+        transactions.clear()
+        a.serve(busy=True)
+        assert transactions and pool.snapshot().engines["a"].busy
+        transactions.clear()
+        used["a"] = 4
+        a.serve(busy=True)
+        assert transactions
+        # Its limits.
+        pool.set_limits("a", max_blocks=20)
+        transactions.clear()
+        a.serve(busy=True)
+        assert transactions
+        pool.transaction = real  # type: ignore[method-assign]
+        pool.set_limits("a", max_blocks=64)
+        assert {d.action for d in a.request(8)} == {"recall"}
+        b.serve()
+        a.serve()
+        b.leave()
+        a.leave()
+
+
 def test_a_donor_with_move_moves_live_blocks_down_and_lends_the_free_ones_above(
     tmp_path: Path,
 ) -> None:

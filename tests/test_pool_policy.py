@@ -188,6 +188,48 @@ def test_loans_others_hold_free_go_back_to_their_lender_before_it_is_asked() -> 
     assert plan() == [("ask", "lender", 10)]
 
 
+def test_a_lender_whose_loans_were_given_back_is_asked_at_once() -> None:
+    """The host trace: the needy engine recalled a lender's loans from an idle borrower, the
+    borrower gave them back, and the needy engine asked the lender only after its reclaim, a
+    round trip of both later (~60 ms of a 115 ms TTFT). Given back, the lender is asked for
+    them at once (it reclaims first and answers in the same serve); loans still out below
+    them are waited for."""
+    ledger = Ledger()
+    ledger.engines = {
+        "lender": engine("lender", 1, 20, lo=18, lendable=2),
+        "other": engine("other", 2, 30),
+        "needy": engine("needy", 3, 8, block_bytes=2 * BB),
+    }
+    ledger.engines["other"].borrowed_bytes = 12 * BB
+    ledger.loans = {
+        1: loan(1, "lender", "other", 8, "borrowed", 0, start_block=18, kept_blocks=28),
+        2: loan(2, "lender", "other", 4, "returned", 0, start_block=26, kept_blocks=20),
+    }
+    ledger.loans[1].recall = True
+    ledger.next_loan_id = 3
+
+    def plan(blocks: int) -> list[tuple[str, str, int]]:
+        decisions = plan_grow(ledger, "needy", blocks, free_bytes=0, now=NOW)
+        return [(d.action, d.peer, d.blocks) for d in decisions]
+
+    # 4 of the lender's blocks back and 2 free above its minimum: 3 of the needy engine's;
+    # the older loan (8 of the lender's, 4 of its) is on its way.
+    assert plan(10) == [("ask", "lender", 3), ("wait", "", 4), ("wait", "", 3)]
+    reason = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW)[0].reason
+    assert reason == f"lender takes back {4 * BB} B given back to it, and can lend 3 blocks then"
+    assert plan(2) == [("ask", "lender", 2)]
+    # What others asked of it already is not asked again; a lender that refused lately, or
+    # one that holds borrowed memory, is not asked.
+    ledger.loans[3] = loan(3, "lender", "other", 1, "asked")
+    ledger.loans[3].asked_bytes = 2 * BB
+    assert plan(10)[0] == ("ask", "lender", 2)
+    del ledger.loans[3]
+    decisions = plan_grow(ledger, "needy", 10, free_bytes=0, now=NOW, exclude=["lender"])
+    assert "ask" not in [d.action for d in decisions]
+    ledger.engines["lender"].borrowed_bytes = BB
+    assert "ask" not in [a for a, _, _ in plan(10)]
+
+
 def test_a_donor_lends_free_top_blocks_above_its_minimum_and_says_why_not() -> None:
     ledger = Ledger()
     ledger.engines = {"d": engine("d", 1, 20, lo=8), "n": engine("n", 2, 0)}

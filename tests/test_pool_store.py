@@ -484,7 +484,9 @@ def test_silent_connections_cost_a_lenders_serve_no_wait(tmp_path: Path, peer: s
 
         base = statistics.median(timed_serve(False) for _ in range(7))
         silent = statistics.median(timed_serve(True) for _ in range(7))
-        assert silent < 10 * base, f"a serve took {silent * 1e3:.1f} ms, {base * 1e3:.1f} without"
+        # A quiet serve without them reads the ledger only (~0.1 ms); with them it asks the
+        # ledger who may connect (a transaction, ~1 ms): well under the 20 ms of one wait.
+        assert silent < base + 0.01, f"a serve took {silent * 1e3:.1f} ms, {base * 1e3:.1f} without"
         assert pool.snapshot().loans[offer.loan_id].state == "offered"  # still served, on offer
         b.serve()  # and borrowed as ever
         assert pool.snapshot().loans[offer.loan_id].state == "borrowed"

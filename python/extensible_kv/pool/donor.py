@@ -58,6 +58,13 @@ class DonorSide(MemberBase):
         free = self._free_blocks() if asked else None
         points = lend_points(self.cache) if asked else set()
         me = rules.engine(ledger, self.name)
+        # Loans given back and not reclaimed yet (one still out at this serve's reclaim): a
+        # request it could not answer now waits for them (within its deadline) rather than
+        # being refused, for it was asked for them (`policy.plan_grow`).
+        coming_back = any(
+            loan.lender == self.name and loan.state == LoanState.RETURNED
+            for loan in ledger.loans.values()
+        )
         for loan in sorted(asked, key=lambda loan: loan.loan_id):
             if self._settling:
                 rules.refuse(ledger, loan.loan_id, f"{self.name} is settling", self.pool.clock())
@@ -74,6 +81,8 @@ class DonorSide(MemberBase):
                 cuts=cuts,
                 free_blocks=free,
             )
+            if decision.action == Action.REFUSE and coming_back:
+                continue
             if decision.action == Action.LEND and self.via == "driver":
                 why = f"{decision.reason}; released to the driver, not lent"
                 decision = dataclasses.replace(decision, action=Action.RELEASE, reason=why)

@@ -55,6 +55,7 @@ __all__ = [
     "PoolLoan",
     "check_device",
     "check_name",
+    "concerns",
     "decode",
     "encode",
     "refusal",
@@ -358,6 +359,28 @@ def refusal(data: bytes) -> str | None:
     except (_Bad, _OtherVersion) as bad:
         return str(bad)
     return None
+
+
+def concerns(data: bytes, name: str) -> dict[str, Any] | None:
+    """What in ledger `data` engine `name` must act on, equal (`==`) between two ledgers
+    exactly when that is unchanged (None: `data` is no ledger): its limits and its
+    stuck flag, the caps, and every loan it lends or borrows. Not checked as `decode`
+    checks: a member compares it with what its last transaction left, to skip one that
+    would find nothing to do (`MemberBase._quiet`); anything it acts on, it reads in a
+    transaction."""
+    try:
+        top = json.loads(data.partition(b"\n")[2])
+        engines = [e for e in top["engines"] if e.get("name") == name]
+        mine = [
+            {k: e.get(k) for k in ("pid", "start_time", "min_blocks", "max_blocks", "stuck")}
+            for e in engines
+        ]
+        loans = [
+            loan for loan in top["loans"] if name in (loan.get("lender"), loan.get("borrower"))
+        ]
+        return {"engine": mine, "caps": top["caps"], "loans": loans}
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
 
 
 class _Bad(Exception):

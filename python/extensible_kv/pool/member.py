@@ -75,6 +75,11 @@ if TYPE_CHECKING:
 
 __all__ = ["EXPORT_AHEAD_HANDLES", "VIAS", "MovingCache", "PoolCache", "PoolMember"]
 
+# How long an engine may be idle (`serve(busy=False)`) before what it borrowed goes back to its
+# lenders (`give_back_idle_s`): there the next needy engine is answered in one step.
+GIVE_BACK_IDLE_S = 0.25
+# How often `grow` asks again while nothing is on its way for it.
+ASK_AGAIN_S = 0.01
 # How a donor's memory reaches a needy engine: as a loan of its handles, or through the driver
 # (released, then created again by the needy engine).
 VIAS = ("loan", "driver")
@@ -96,7 +101,9 @@ class PoolMember(DonorSide, BorrowerSide):
     for `cuda:N`). `zero` zeroes what it
     borrows and reclaims (across tenants). A request to a donor that does not answer within
     `answer_timeout_s` expires (the donor is then stuck, and not asked again until it
-    heartbeats); a loan offered and not taken within `take_timeout_s` is taken back. A loan
+    heartbeats); a loan offered and not taken within `take_timeout_s` is taken back. Once it
+    has been idle (`serve(busy=False)`) for `give_back_idle_s` (None: never), what it
+    borrowed goes back to its lenders, each loan once its blocks are free. A loan
     is whole physical handles: `commit_step_blocks` commits free memory in steps of that many
     blocks, so that each step's handles can be lent on their own later (a CUDA cache's
     handles are at most 1 GiB anyway). `move=True` lends free blocks wherever they lie: the
@@ -129,6 +136,7 @@ class PoolMember(DonorSide, BorrowerSide):
         move: bool = False,
         answer_timeout_s: float = 1.0,
         take_timeout_s: float = 1.0,
+        give_back_idle_s: float | None = GIVE_BACK_IDLE_S,
         commit_step_blocks: int | None = None,
         stream: int | None = None,
         via: str = "loan",
@@ -169,6 +177,11 @@ class PoolMember(DonorSide, BorrowerSide):
         self.zero = _args.flag(zero, "zero")
         self.answer_timeout_s = _args.duration(answer_timeout_s, "answer_timeout_s")
         self.take_timeout_s = _args.duration(take_timeout_s, "take_timeout_s")
+        self.give_back_idle_s = (
+            None
+            if give_back_idle_s is None
+            else _args.duration(give_back_idle_s, "give_back_idle_s", zero=True)
+        )
         self.commit_step_blocks = _args.optional_size(
             commit_step_blocks, "commit_step_blocks", minimum=1
         )
@@ -185,6 +198,9 @@ class PoolMember(DonorSide, BorrowerSide):
         self._exported_at = -1
         self._settling = False
         self._fd_server = None
+        self._seen = self._posted = None
+        self._beat_at = 0.0
+        self._idle_since: float | None = time.monotonic()
 
     def _limits(
         self,
@@ -215,6 +231,12 @@ class PoolMember(DonorSide, BorrowerSide):
     @property
     def block_bytes(self) -> int:
         return self._shape.block_bytes()
+
+    @property
+    def asking(self) -> bool:
+        """Whether an ask of its own is open: memory for it is on its way (`serve` takes
+        it)."""
+        return self._asks.open
 
     @property
     def asks(self) -> list[Ask]:
@@ -356,8 +378,15 @@ class PoolMember(DonorSide, BorrowerSide):
         with self._transaction() as ledger:  # the limits may have changed since it joined
             target = min(target, rules.engine(ledger, self.name).max_blocks)
         deadline = time.monotonic() + timeout_s
+        ask_at = 0.0
         while self.cache.committed_blocks < target:
-            self.request(target - self.cache.committed_blocks, since=since)
+            # Asked again only once its ask closed (what is on its way, `serve` takes), and
+            # then at most every `ASK_AGAIN_S`: an ask that found nothing is planned again
+            # when others may have changed what they hold, not at every round.
+            now = time.monotonic()
+            if not self._asks.open and now >= ask_at:
+                self.request(target - self.cache.committed_blocks, since=since)
+                ask_at = now + ASK_AGAIN_S
             self.serve()
             if self.cache.committed_blocks >= target or time.monotonic() >= deadline:
                 break
@@ -424,9 +453,16 @@ class PoolMember(DonorSide, BorrowerSide):
         back offers not taken in time, answer requests, borrow what was offered, give back
         what was recalled or lies past the maximum."""
         if busy is not None:
-            self.busy = _args.flag(busy, "busy")
+            busy = _args.flag(busy, "busy")
+            if self.busy or busy:
+                self._idle_since = None if busy else time.monotonic()
+            self.busy = busy
         self._serving += 1
         try:
+            if self._quiet():
+                self._send_fds()
+                self._export_ahead()
+                return
             self._serve()
         except PostFailed as failed:
             self._failed_post(failed.__cause__ or failed)
@@ -484,7 +520,9 @@ class PoolMember(DonorSide, BorrowerSide):
         for loan in sorted(to_take, key=lambda loan: loan.loan_id):
             self._take(loan)
         with self._transaction() as ledger:  # after the takes: a give-back sees them
-            given = plan_release(ledger, self.name, spare_blocks=self._spare_blocks())
+            given = plan_release(
+                ledger, self.name, spare_blocks=self._spare_blocks(), idle_s=self._idle_for()
+            )
             in_flight = self._in_flight(ledger)
         for decision in given:
             self._give_back_or_shrink(decision)

@@ -13,9 +13,10 @@
   `move=True`, the run-time resize's move) lends up to all its free blocks, wherever they lie,
   and moves the live ones above the cut into free ones below it first; one that does not and
   whose top blocks are live refuses, saying so.
-- `plan_release`: what an engine gives back on its own: loans recalled by their lender, and
-  what it holds past its maximum (limits change at run time), each once its blocks are free
-  (for a member that moves live blocks down, once as many blocks are free anywhere).
+- `plan_release`: what an engine gives back on its own: loans recalled by their lender, every
+  loan once it has been idle a while, and what it holds past its maximum (limits change at
+  run time), each once its blocks are free (for a member that moves live blocks down, once
+  as many blocks are free anywhere).
 
 Engines of different models share a device: what a needy engine needs is its own blocks, what
 a donor can lend is its own blocks, and the two meet in bytes. A donor may lend to any engine
@@ -35,6 +36,7 @@ An unresponsive donor (stale heartbeat, or a request to it expired) is never ask
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -140,10 +142,31 @@ def plan_grow(
             why += f" of its ({donor.lendable_bytes} B)"
         decisions.append(Decision(Action.ASK, name, take, why, peer=donor.name))
         want -= take
+    asked = _asked_bytes(ledger)
     for lender, loans in sorted(back.items()):
         if want <= 0:
             break
         coming = recalled = 0
+        # The newest loans given back already: the lender takes them back and answers in the
+        # same `serve` (it reclaims first), so it is asked for them now, not once they are
+        # back (a round trip less).
+        returned = list(itertools.takewhile(lambda loan: loan.state == LoanState.RETURNED, loans))
+        owner = ledger.engines.get(lender)
+        if returned and owner is not None and lender not in exclude and _may_ask(owner, engine):
+            given_back = sum(loan.num_bytes for loan in returned)
+            surplus = max(0, min(owner.committed_blocks - owner.min_blocks, owner.lendable_blocks))
+            ready = given_back + surplus * owner.block_bytes - asked.get(lender, 0)
+            take = min(want, ready // engine.block_bytes)
+            if take > 0 and not unresponsive(owner, ledger, now):
+                why = (
+                    f"{lender} takes back {given_back} B given back to it, and can lend "
+                    f"{ready // engine.block_bytes} blocks then"
+                )
+                decisions.append(Decision(Action.ASK, name, take, why, peer=lender))
+                want -= take
+                loans = loans[len(returned) :]
+        if want <= 0:
+            break
         for loan in loans:  # newest first
             coming += loan.num_bytes // engine.block_bytes
             if loan.state == LoanState.BORROWED and not loan.recall:
@@ -156,7 +179,7 @@ def plan_grow(
                     Action.RECALL, name, loan.blocks, why, loan.borrower, loan.loan_id
                 )
                 decisions.append(recall)
-        if not recalled:
+        if loans and not recalled:
             why = f"{coming} blocks are on their way back to {lender}, to lend again"
             decisions.append(Decision(Action.WAIT, name, min(want, coming), why))
         want -= coming
@@ -254,14 +277,24 @@ def can_lend_to(donor: Engine, needy: Engine) -> bool:
     return donor.device == needy.device and donor.shape.granularity == needy.shape.granularity
 
 
+def _asked_bytes(ledger: Ledger) -> dict[str, int]:
+    """Per engine, the bytes others asked of it and it has not answered yet."""
+    asked: dict[str, int] = {}
+    for loan in ledger.loans.values():
+        if loan.state == LoanState.ASKED:
+            asked[loan.lender] = asked.get(loan.lender, 0) + loan.asked_bytes
+    return asked
+
+
+def _may_ask(donor: Engine, needy: Engine) -> bool:
+    return can_lend_to(donor, needy) and not donor.borrowed_bytes
+
+
 def _donors(ledger: Ledger, needy: Engine, now: float) -> list[tuple[Engine, int]]:
     """Engines that may lend to `needy`, with what each can lend in `needy`'s blocks (its
     surplus in bytes, less what others asked of it already, in whole blocks of `needy`'s),
     idle ones first, then the largest surplus."""
-    asked: dict[str, int] = {}  # bytes
-    for loan in ledger.loans.values():
-        if loan.state == LoanState.ASKED:
-            asked[loan.lender] = asked.get(loan.lender, 0) + loan.asked_bytes
+    asked = _asked_bytes(ledger)
     asking = borrowers(ledger)
     donors = []
     for donor in ledger.engines.values():
@@ -368,12 +401,17 @@ def plan_answer(
     return Decision(Action.LEND, name, blocks, why, loan.borrower, loan_id, gain)
 
 
-def plan_release(ledger: Ledger, name: str, *, spare_blocks: int) -> list[Decision]:
+def plan_release(
+    ledger: Ledger, name: str, *, spare_blocks: int, idle_s: float | None = None
+) -> list[Decision]:
     """What engine `name` gives back now: borrowed loans recalled, orphaned (their lender
     died) or past its maximum, top first, each once every block from its start is free; then
     its own free top blocks past its maximum. `spare_blocks` (what only the engine knows) is
     how many of its top blocks could go at once: its free tail, or, moving live blocks down,
-    as many as are free anywhere."""
+    as many as are free anywhere. `idle_s`, if given, says the engine has been idle that
+    long, past its member's bound: every loan goes back to its lender (top first, once
+    free), where the next needy engine is asked for it in one step (from an idle borrower,
+    it is recalled for its lender first: two more)."""
     engine = ledger.engines[name]
     used_top = engine.committed_blocks - spare_blocks  # blocks below it may be live
     top = engine.committed_blocks
@@ -393,6 +431,8 @@ def plan_release(ledger: Ledger, name: str, *, spare_blocks: int) -> list[Decisi
             why = "its lender died"
         elif loan.start_block >= engine.max_blocks:
             why = f"it lies past its maximum ({engine.max_blocks} blocks)"
+        elif idle_s is not None:
+            why = f"it has been idle for {idle_s:.2f} s: back to its lender, to lend again"
         else:
             break  # a loan below this one cannot go back before it
         if loan.start_block < used_top:

@@ -156,11 +156,16 @@ class Pool:
         return os.path.join(self.pool_directory, LOCK)
 
     @contextlib.contextmanager
-    def transaction(self, repair: Callable[[Ledger], None] | None = None) -> Iterator[Ledger]:
+    def transaction(
+        self,
+        repair: Callable[[Ledger], None] | None = None,
+        seen: Callable[[bytes], None] | None = None,
+    ) -> Iterator[Ledger]:
         """The ledger, locked, recovered (`rules.reap`, then `repair(ledger)` if given) and
         checked; what the body changes is written back atomically when it leaves without an
         exception (an exception writes nothing of the body's changes, but the recovery's are
-        kept)."""
+        kept). `seen`, if given, is told the file's bytes as the transaction leaves them (what
+        `peek` reads until another transaction writes)."""
         with self._locked() as directory:
             raw = self._read(directory)
             ledger = decode(raw, self.path) if raw else Ledger()
@@ -175,7 +180,19 @@ class Pool:
                     self._write(directory, decode(recovered, self.path))
                 raise
             if encode(ledger) != raw:
-                self._write(directory, ledger)
+                raw = self._write(directory, ledger)
+        if seen is not None:
+            seen(raw)
+
+    def peek(self) -> bytes:
+        """The ledger file's bytes now, read without the lock (a write replaces the file whole,
+        so a read sees one ledger or the next), unchecked beyond the file's own checks: a hint
+        of whether anything changed, never a ledger to act on. b"" without one."""
+        directory = self._open_directory()
+        try:
+            return self._read(directory)
+        finally:
+            os.close(directory)
 
     def snapshot(self) -> Ledger:
         """The ledger now (recovered first, as every transaction)."""
@@ -309,7 +326,8 @@ class Pool:
             raise LedgerCorruptError(f"{self.path} is empty")
         return data
 
-    def _write(self, directory: int, ledger: Ledger) -> None:
+    def _write(self, directory: int, ledger: Ledger) -> bytes:
+        """Writes `ledger` (its generation the next) in place of the file; returns its bytes."""
         ledger.generation += 1
         data = encode(ledger)
         why = refusal(data)
@@ -343,6 +361,7 @@ class Pool:
             with contextlib.suppress(OSError):
                 os.unlink(temporary, dir_fd=directory)
             raise
+        return data
 
     # -------------------------------------------------------------------------------------
     # opening safely

@@ -58,7 +58,9 @@ __all__ = [
 ]
 
 SERVE_EVERY_S = 0.001  # between steps, at most this often
-IDLE_SERVE_S = 0.02  # while the loop waits for requests, at least this often
+# While the loop waits for requests, at least this often: an idle donor answers within it.
+# A round with nothing to do reads the ledger's file, no transaction (`PoolMember.serve`).
+IDLE_SERVE_S = 0.005
 IDLE_GROW_S = 2.0  # the most a loop with nothing else to run waits for the pool
 LEAVE_S = 10.0  # for borrowers to give back what it lent, as it leaves
 
@@ -178,6 +180,7 @@ class Joined:
         self.scheduler = scheduler
         self.last_serve = 0.0
         self.last_request = 0.0
+        self.asked_to = 0  # the sectors its last ask while busy wanted to reach
         self.failures = 0
         self._body: Any = None
         self._event: threading.Event | None = None
@@ -211,13 +214,10 @@ class Joined:
         if missing <= 0 or state.capturing():
             return False
         busy = self.busy()
-        if busy:
-            # Asked once a millisecond at most: every waiting request checks in turn, and an
-            # ask still open takes the later ones in.
-            now = time.monotonic()
-            if now - self.last_request < SERVE_EVERY_S:
-                return False
-            self.last_request = now
+        now = time.monotonic()
+        if busy and now - self.last_request < SERVE_EVERY_S:
+            # Once a millisecond at most: every waiting request checks in turn.
+            return False
         if need is None:
             need = sectors.queue_need(self.cache, self.scheduler, request)
         before = state.committed_sectors
@@ -225,8 +225,13 @@ class Joined:
         want = state.aligned_up(before + max(missing, need.sectors)) - before
         since = self._since(need.since)
         if busy:
-            # Others run meanwhile: what is offered is taken at a later step, and this
-            # request is scheduled then.
+            # Others run meanwhile: what is offered is taken at a later step (`tick`
+            # serves), and this request is scheduled then. An ask still open takes this
+            # one in unless the queue needs more than it asked for.
+            if self.member.asking and before + want <= self.asked_to:
+                return False
+            self.last_request = now
+            self.asked_to = before + want
             self._safely(lambda: self.member.request(want, since=since))
             self._safely(lambda: self.member.serve(busy=True))
         else:
