@@ -79,7 +79,7 @@ GENERATED_PREFIXES = (".venv", ".vendor")
 FOREIGN = {
     # vLLM 0.34 (its modules, classes, functions, parameters and settings)
     "vllm": """ExtensibleKVCache.__init__ KVCacheTensor UnspecifiedPlatform extensible_kv_cache
-        extensible_tensor.py gpu_worker gpu_worker.py vmm_driver.py granule_size
+        step_fn extensible_tensor.py gpu_worker gpu_worker.py vmm_driver.py granule_size
         gpu_memory_utilization kv_cache_lent_for_weight_update min_committed_blocks
         pad_kv_cache_segments registers_kv_cache_memory recommit get_kv_cache_shape
         get_kv_cache_stride_order segments_backed_by_one_chunk resize_segments_ tvm_ffi

@@ -127,3 +127,47 @@ def test_a_shrink_cancelled_mid_drain_leaves_the_scheduler_whole() -> None:
     _run(scheduler, requests, between)
     assert pool.num_gpu_blocks == 40 and pool.get_num_free_blocks() == 39
     assert all(len(r.output_token_ids) == 10 for r in requests)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_automatic_policy_grows_for_a_burst_and_shrinks_after_it(prefix_caching: bool) -> None:
+    """vLLM's real Scheduler from 8 blocks, with two host workers of vLLM's ExtensibleKVCache
+    behind a `collective_rpc`, and the automatic policy before each step
+    (`extensible_kv.vllm.engine`): a burst of 8 requests of 64 tokens grows the cache (the
+    pool and every worker) until they all run at once, each finishes with its tokens, and
+    once idle the cache shrinks to its least, the workers with it."""
+    from extensible_kv.vllm.engine import AutoPolicy, AutoSettings
+    from extensible_kv.vllm.resize import KvResizer
+
+    from support import vllm_cases
+    from support.vllm_workers import Workers
+
+    scheduler = create_scheduler(
+        num_blocks=8, enable_prefix_caching=prefix_caching, max_num_seqs=16
+    )
+    workers = Workers(vllm_cases, 2, capacity=128, committed=8)
+    resizer = KvResizer(scheduler, workers.rpc)
+    now = [0.0]
+    settings = AutoSettings(min_blocks=4, max_blocks=128, idle_s=1.0)
+    policy = AutoPolicy(resizer, scheduler, settings, clock=lambda: now[0])
+    requests = create_requests(num_requests=8, num_tokens=64, max_tokens=8)
+    running: list[int] = []
+    sizes: list[int] = []
+
+    def between(scheduler: Any, step: int) -> None:
+        running.append(len(scheduler.running))
+        now[0] += 0.01
+        policy.before_step(in_flight=False)
+        sizes.append(resizer.num_blocks)
+        assert workers.committed() == [resizer.num_blocks] * 2
+
+    for request in requests:  # the policy sees the burst before the first step
+        scheduler.add_request(request)
+    policy.before_step(in_flight=False)
+    _run(scheduler, [], between)
+    assert sizes[0] > 8 and max(running) == 8
+    assert all(len(r.output_token_ids) == 8 for r in requests)
+    now[0] += 2.0
+    policy.idle()
+    assert resizer.num_blocks == 4 and workers.committed() == [4, 4]
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 3

@@ -18,7 +18,10 @@ It also puts `extensible_kv.vllm.block_pool.ResizableBlockPool` where vLLM's mod
 `BlockPool` (the engine core's scheduler builds its pool from it), so that
 `extensible_kv.vllm.resize.KvResizer` can resize a live engine's KV cache between steps.
 `ResizableBlockPool` adds methods only, and leaves every path a step takes vLLM's own;
-`EXTENSIBLE_KV_VLLM_RESIZE=0` leaves vLLM's `BlockPool` in place.
+`EXTENSIBLE_KV_VLLM_RESIZE=0` leaves vLLM's `BlockPool` in place. With
+`EXTENSIBLE_KV_VLLM_AUTO` set (`1`, or `min_blocks=...,idle_s=...`), the engine core's steps
+go through `extensible_kv.vllm.engine`: the cache grows when the scheduler cannot admit its
+waiting requests and shrinks after idle.
 
 It stays out of the way: `EXTENSIBLE_KV_VLLM=0` switches it off; it imports no vLLM module
 unless vLLM is loaded (vLLM is the caller); and on ROCm, or on a vLLM whose `ExtensibleTensor`
@@ -31,19 +34,29 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import sys
 from typing import Any
 
-from extensible_kv import _args
 from extensible_kv._plugins import Integration, Patches, Provides, Stack, env_flag
+from extensible_kv.vllm.commit import commit_keeping_data
 from extensible_kv.vllm.tensor import ExtensibleTensor, granule_size
 
-__all__ = ["ENV_VAR", "KEEP_DATA_ENV_VAR", "RESIZE_ENV_VAR", "register", "unregister"]
+__all__ = [
+    "AUTO_ENV_VAR",
+    "ENV_VAR",
+    "KEEP_DATA_ENV_VAR",
+    "RESIZE_ENV_VAR",
+    "register",
+    "unregister",
+]
 
 ENV_VAR = "EXTENSIBLE_KV_VLLM"
 KEEP_DATA_ENV_VAR = "EXTENSIBLE_KV_VLLM_KEEP_DATA"
 RESIZE_ENV_VAR = "EXTENSIBLE_KV_VLLM_RESIZE"
 _BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
+_ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+AUTO_ENV_VAR = "EXTENSIBLE_KV_VLLM_AUTO"  # extensible_kv.vllm.engine's, read here
 _KV_CACHE_MODULE = "vllm.v1.worker.extensible_kv_cache"
 _TARGET = "vllm.utils.extensible_tensor"
 # vLLM 0.34.0's constructor: (name, default) after `self`.
@@ -80,50 +93,6 @@ logger = logging.getLogger("vllm.extensible_kv")
 _VLLM = Integration("vLLM", "ExtensibleTensor", ENV_VAR, logger)
 
 
-def commit_keeping_data(
-    self: Any, num_blocks: int, defragment: bool = False, shrink: bool = False
-) -> None:
-    """vLLM 0.34's `ExtensibleKVCache.commit`, keeping the live blocks: a shrink gives back
-    the memory past the count in place, and a defragment consolidates (one allocation per
-    segment, contents and addresses kept), where vLLM's releases everything and re-grows
-    zeroed. New blocks are zeroed, as in vLLM.
-
-    It ends at the count vLLM's would, for every `defragment` and `shrink`: vLLM's remaps
-    (release, then grow from 0) when `shrink` and the count is below the committed one, or
-    when `defragment` and its own test says the count's bytes are not one chunk per segment
-    (asked before anything changes, as vLLM does); a remap ends at the count, anything else
-    never goes below the committed count. Blocks below both counts keep their contents.
-
-    A negative `num_blocks` is a ValueError (vLLM's would release everything on a shrink), a
-    non-integer a TypeError, before anything changes."""
-    num_blocks = min(_args.size(num_blocks, "num_blocks"), self.capacity_blocks)
-    defragment = _args.flag(defragment, "defragment")
-    shrink = _args.flag(shrink, "shrink")
-    sizes = [num_blocks * stride for stride in self.segment_strides]
-    remap = (defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes))) or (
-        shrink and num_blocks < self.num_committed_blocks
-    )
-    target = num_blocks if remap else max(num_blocks, self.num_committed_blocks)
-    sizes = [target * stride for stride in self.segment_strides]
-    if target < self.num_committed_blocks:
-        # Released (asleep), a segment holds less than the count says: nothing to give back.
-        held = self.buffer.segment_bytes
-        self.buffer.shrink_segments_([min(h, s) for h, s in zip(held, sizes, strict=True)])
-    if remap or target > self.num_committed_blocks:
-        # A no-op where every segment holds its size already; else new blocks, zeroed (all
-        # of them when asleep, as vLLM's remap).
-        self.buffer.resize_segments_(sizes, zero_new=True)
-    self.num_committed_blocks = target
-    if defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes)):
-        self.buffer.consolidate()
-    logger.debug(
-        "Committed %d of %d KV cache blocks (%.2f GiB physical, contents kept).",
-        self.num_committed_blocks,
-        self.capacity_blocks,
-        self.physical_bytes / (1 << 30),
-    )
-
-
 def _install_keep_data() -> None:
     cls = importlib.import_module(_KV_CACHE_MODULE).ExtensibleKVCache
     if cls.commit is commit_keeping_data:
@@ -154,7 +123,45 @@ def register() -> bool:
         _install_keep_data()
     if env_flag(RESIZE_ENV_VAR, True):
         _install_resizable_pool()
+    if os.environ.get(AUTO_ENV_VAR, "").strip():
+        # Imported only now: the policy's modules import vLLM's scheduler pieces.
+        from extensible_kv.vllm.engine import AutoSettings
+
+        auto = AutoSettings.parse(os.environ[AUTO_ENV_VAR])
+    else:
+        auto = None
+    if auto is not None:
+        if env_flag(RESIZE_ENV_VAR, True):
+            _install_step_hook(auto)
+        else:
+            logger.warning(
+                "extensible-kv: %s is set but %s=0 keeps vLLM's block pool: the KV cache does "
+                "not resize itself.",
+                AUTO_ENV_VAR,
+                RESIZE_ENV_VAR,
+            )
     return True
+
+
+def _install_step_hook(settings: Any) -> None:
+    """The engine core's steps through `extensible_kv.vllm.engine` (the automatic policy):
+    `EngineCore.step` and `step_with_batch_queue`, which `step_fn` binds as a core is built
+    (this runs from `load_general_plugins`, before that in the core's `__init__`)."""
+    try:
+        core_module = importlib.import_module(_ENGINE_CORE_MODULE)
+    except ImportError as error:  # pragma: no cover - a vLLM without v1's engine core
+        logger.warning(
+            "extensible-kv: %s is set, but %s: %s", AUTO_ENV_VAR, _ENGINE_CORE_MODULE, error
+        )
+        return
+    from extensible_kv.vllm.engine import wrap_step
+
+    cls = core_module.EngineCore
+    for name in ("step", "step_with_batch_queue"):
+        current = vars(cls)[name]
+        if getattr(current, "__wrapped__", None) is not None:
+            continue  # ours already
+        _patches.set(cls, name, wrap_step(current, settings))
 
 
 def _install_resizable_pool() -> None:

@@ -32,6 +32,7 @@ from typing import Any
 from extensible_kv import _args
 from extensible_kv._native import UnsupportedError
 from extensible_kv.vllm.block_pool import ResizableBlockPool
+from extensible_kv.vllm.commit import commit_keeping_data
 
 __all__ = ["KvResizer", "WorkerCache", "commit_on_worker", "describe_worker"]
 
@@ -77,8 +78,6 @@ def commit_on_worker(worker: Any, num_blocks: int) -> int:
     """Run on each worker through `collective_rpc`: commits `num_blocks` keeping every block
     below both counts, then lets vLLM's `extend_kv_cache` rebind the views over the
     committed blocks (same addresses: CUDA graphs stay valid). Returns the committed count."""
-    from extensible_kv.vllm.plugin import commit_keeping_data
-
     kv_cache = _kv_cache(worker)
     commit_keeping_data(kv_cache, num_blocks, shrink=True)
     extend = getattr(worker, "extend_kv_cache", None)
@@ -125,6 +124,16 @@ class KvResizer:
     @property
     def shrinking_to(self) -> int | None:
         return self._pool.shrinking_to
+
+    @property
+    def drained(self) -> bool:
+        """A shrink in progress has every block past its cut free (`poll` ends it)."""
+        return self._pool.shrinking_to is not None and self._pool.drained
+
+    @property
+    def free_blocks(self) -> int:
+        """The blocks the scheduler may hand out now (free, below a shrink's cut)."""
+        return int(self._pool.get_num_free_blocks())
 
     def workers(self) -> list[WorkerCache]:
         return list(self._rpc(describe_worker))
