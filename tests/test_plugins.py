@@ -334,3 +334,29 @@ def test_bindings_are_the_copies_of_the_object_itself(monkeypatch: pytest.Monkey
         _Theirs,
         _Theirs,
     )
+
+
+def test_adopting_bindings_leaves_those_another_record_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second record (the plugin's tests swap in a fresh one) adopts only copies of ours no
+    record holds (modules imported after the replacement): restoring it must not put the
+    original back where the first record's replacement still stands. Before, the fresh
+    record adopted vLLM's coordinator's `BlockPool` from the real one, and its restore left
+    vLLM's class there under our pool module's."""
+    copy = types.ModuleType("fake_stack.held")
+    copy.Theirs = _Theirs  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_stack.held", copy)
+    first = Patches()
+    first.set_bindings(_Theirs, _Ours, packages=("fake_stack",), name="Theirs")
+    assert copy.Theirs is _Ours  # type: ignore[attr-defined]
+    later = types.ModuleType("fake_stack.later2")
+    later.Theirs = _Ours  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_stack.later2", later)
+    second = Patches()
+    second.adopt_bindings(_Theirs, _Ours, packages=("fake_stack",), name="Theirs")
+    assert len(second) == 1  # the later copy only
+    second.restore()
+    assert copy.Theirs is _Ours and later.Theirs is _Theirs  # type: ignore[attr-defined]
+    first.restore()
+    assert copy.Theirs is _Theirs  # type: ignore[attr-defined]

@@ -248,7 +248,7 @@ def test_the_plugin_puts_the_step_hook_in_place_only_when_asked(
     from extensible_kv.vllm import plugin
     from vllm.v1.engine.core import EngineCore
 
-    vllms = {name: vars(EngineCore)[name] for name in ("step", "step_with_batch_queue")}
+    vllms = {name: vars(EngineCore)[name] for name in ("step", "step_with_batch_queue", "shutdown")}
     plugin.unregister()
     try:
         monkeypatch.delenv(plugin.AUTO_ENV_VAR, raising=False)
@@ -261,10 +261,24 @@ def test_the_plugin_puts_the_step_hook_in_place_only_when_asked(
             assert vars(EngineCore)[name].__wrapped__ is original
         plugin.unregister()
         assert {n: vars(EngineCore)[n] for n in vllms} == vllms
+        # In a pool: the pool's policy, and the cache exports its handles as fds.
+        from vllm.v1.worker import extensible_kv_cache as vkv
+
+        vllms_export = vkv.kv_cache_export_handle_types
+        config = SimpleNamespace(kv_transfer_config=None)
+        assert vllms_export(config) == 0
+        monkeypatch.setenv(plugin.POOL_ENV_VAR, "node")
+        assert plugin.register()
+        assert vkv.kv_cache_export_handle_types(config) == 1
+        assert vars(EngineCore)["step"].__wrapped__ is vllms["step"]
+        plugin.unregister()
+        assert vkv.kv_cache_export_handle_types is vllms_export
+        monkeypatch.delenv(plugin.POOL_ENV_VAR)
         monkeypatch.setenv(plugin.AUTO_ENV_VAR, "min_blocks=one")
         with pytest.raises(ValueError, match="EXTENSIBLE_KV_VLLM_AUTO='min_blocks=one'"):
             plugin.register()
         plugin.unregister()
     finally:
         monkeypatch.delenv(plugin.AUTO_ENV_VAR, raising=False)
+        monkeypatch.delenv(plugin.POOL_ENV_VAR, raising=False)
         assert plugin.register()

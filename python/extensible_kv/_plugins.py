@@ -371,8 +371,12 @@ class Patches:
     ) -> None:
         """`adopt(module, attr, original, value)` wherever a module (of `packages`, where
         given) binds `value` itself: copies someone else (SGLang's hook registry) rebound to
-        `value` for us, or that modules imported after it was put in place."""
+        `value` for us, or that modules imported after it was put in place. A binding some
+        record holds already (a layer of this or another `Patches`) is that record's: not
+        adopted (restoring it here would undo another record's replacement)."""
         for module, attr in bindings(value, packages=packages, name=name, skip=skip):
+            if _stacks.get((module, attr)):
+                continue
             self.adopt(module, attr, original, value)
 
     def forget(self) -> None:

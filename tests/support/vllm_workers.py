@@ -73,7 +73,15 @@ class Workers:
     """Workers of one engine, each with vLLM's `ExtensibleKVCache` on our drop-in, and the
     executor's `collective_rpc` over them; `fail_rank`/`fail_at` make one rank's commit fail."""
 
-    def __init__(self, vllm_cases: Any, count: int, capacity: int, committed: int) -> None:
+    def __init__(
+        self,
+        vllm_cases: Any,
+        count: int,
+        capacity: int,
+        committed: int,
+        *,
+        export_handle_types: int = 0,
+    ) -> None:
         from vllm.utils import extensible_tensor
         from vllm.v1.worker import extensible_kv_cache
         from vllm.v1.worker.utils import allocate_kv_cache
@@ -84,7 +92,9 @@ class Workers:
         self.workers = []
         for _ in range(count):
             config = vllm_cases.kv_cache_config(case, capacity, granule)
-            kv = extensible_kv_cache.ExtensibleKVCache(config, device, vllm_cases.layout(case))
+            kv = extensible_kv_cache.ExtensibleKVCache(
+                config, device, vllm_cases.layout(case), export_handle_types
+            )
             allocate_kv_cache(config, device, vllm_cases.layout(case), allocate=kv.allocate)
             kv.commit(committed)
             runner = SimpleNamespace(extensible_kv_cache=kv)

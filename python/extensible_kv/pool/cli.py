@@ -62,10 +62,10 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     limit.add_argument("engine", type=_checked(check_name, "an engine name"))
     limit.add_argument(
-        "--min", type=_limit_value, dest="low", help="its blocks (N) or bytes (2GiB) never lent"
+        "--min", type=parse_limit, dest="low", help="its blocks (N) or bytes (2GiB) never lent"
     )
     limit.add_argument(
-        "--max", type=_limit_value, dest="high", help="its blocks (N) or bytes (10GiB) at most"
+        "--max", type=parse_limit, dest="high", help="its blocks (N) or bytes (10GiB) at most"
     )
     limit.set_defaults(pool_run=_limit)
     cap = actions.add_parser("cap", help="cap the bytes the pool may hold on a device")
@@ -106,8 +106,11 @@ def _blocks(text: str) -> int:
     return value
 
 
-def _limit_value(text: str) -> tuple[str, int]:
-    """A limit: the engine's blocks (a bare integer) or bytes (a size with a unit: 2GiB)."""
+def parse_limit(text: str) -> tuple[str, int]:
+    """A limit: the engine's blocks (a bare integer) or bytes (a size with a unit: 2GiB), as
+    `("blocks", n)` or `("bytes", n)`; else an `argparse.ArgumentTypeError` saying what it
+    must be. The command line's `--min`/`--max`, and the vLLM engine's
+    `EXTENSIBLE_KV_POOL_MIN`/`_MAX`."""
     if re.fullmatch(r"\s*\d{1,40}\s*", text) and int(text) <= rules.MAX_BLOCKS:
         return ("blocks", int(text))
     if re.fullmatch(r"\s*\d{1,40}(\.\d{1,40})?\s*[a-zA-Z]+\s*", text):

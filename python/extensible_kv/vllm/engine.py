@@ -40,7 +40,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from extensible_kv import _args
 from extensible_kv._native import UnsupportedError
@@ -50,9 +50,11 @@ __all__ = [
     "AUTO_ENV_VAR",
     "AutoPolicy",
     "AutoSettings",
+    "Policy",
     "StepHook",
     "hook_of",
-    "settings_from",
+    "policy_maker",
+    "wrap_shutdown",
     "wrap_step",
 ]
 
@@ -199,6 +201,9 @@ class AutoPolicy:
         """An idle call: the engine has no request and no batch in flight."""
         self.before_step(in_flight=False)
 
+    def leave(self) -> None:
+        return None  # nothing to settle: the size stays as it is
+
     def _grow_target(self) -> int | None:
         """The size to grow to, or None: the waiting requests fit, and every running one has
         a free block for its next token."""
@@ -248,7 +253,7 @@ class StepHook:
     """One engine core's boundaries: its steps go through `step`, and a pacer thread makes the
     policy's idle calls (see the module's docstring)."""
 
-    def __init__(self, core: Any, policy: AutoPolicy) -> None:
+    def __init__(self, core: Any, policy: Policy) -> None:
         self.policy = policy
         self._core = weakref.ref(core)
         self._lock = threading.Lock()
@@ -340,13 +345,27 @@ def _no_new_batch(scheduler: Any) -> Iterator[None]:
         del scheduler.has_requests
 
 
+class Policy(Protocol):
+    """What a `StepHook` runs: the automatic policy (`AutoPolicy`) or the pool membership
+    (`extensible_kv.vllm.pooled.PooledPolicy`)."""
+
+    def wants_drain(self) -> bool: ...
+    def next_idle_call(self) -> float | None: ...
+    def before_step(self, *, in_flight: bool) -> None: ...
+    def idle(self) -> None: ...
+    def leave(self) -> None: ...
+
+
+MakePolicy = Callable[[Any, KvResizer], Policy]
+
 # The hooks of the engine cores of this process (a core is built once, in its own process).
 _HOOKS: weakref.WeakKeyDictionary[Any, StepHook | None] = weakref.WeakKeyDictionary()
 
 
-def hook_of(core: Any, settings: AutoSettings) -> StepHook | None:
+def hook_of(core: Any, make_policy: MakePolicy) -> StepHook | None:
     """`core`'s hook, made at its first step: None (once warned) where the cache cannot be
-    resized (a block pool not ours, a worker cache that is not extensible)."""
+    resized (a block pool not ours, a worker cache that is not extensible, several ranks in
+    a pool)."""
     if core in _HOOKS:
         return _HOOKS[core]
     hook: StepHook | None = None
@@ -357,31 +376,55 @@ def hook_of(core: Any, settings: AutoSettings) -> StepHook | None:
             core.model_executor.collective_rpc,
             is_sleeping=sleeping if callable(sleeping) else None,
         )
-        hook = StepHook(core, AutoPolicy(resizer, core.scheduler, settings))
+        hook = StepHook(core, make_policy(core, resizer))
     except UnsupportedError as error:
-        logger.warning(
-            "extensible-kv: %s is set, but the KV cache cannot resize: %s", AUTO_ENV_VAR, error
-        )
+        logger.warning("extensible-kv: the KV cache cannot resize itself: %s", error)
     _HOOKS[core] = hook
     return hook
 
 
-def wrap_step(original: Callable[[Any], Any], settings: AutoSettings) -> Callable[[Any], Any]:
+def policy_maker(auto: AutoSettings | None, pool: Any = None) -> MakePolicy:
+    """What makes each core's policy: the pool membership where `pool` (a
+    `extensible_kv.vllm.pooled.PoolSettings`) is given, else the automatic policy."""
+
+    def make(core: Any, resizer: KvResizer) -> Policy:
+        if pool is not None:
+            from extensible_kv.vllm.pooled import PooledPolicy
+
+            return PooledPolicy(core, resizer, pool)
+        return AutoPolicy(resizer, core.scheduler, auto or AutoSettings())
+
+    return make
+
+
+def wrap_step(original: Callable[[Any], Any], make_policy: MakePolicy) -> Callable[[Any], Any]:
     """vLLM's `EngineCore.step` (or `step_with_batch_queue`) through the core's hook."""
 
     def step(self: Any) -> Any:
-        hook = hook_of(self, settings)
+        hook = hook_of(self, make_policy)
         if hook is None:
             return original(self)
         return hook.step(original, self)
 
-    step.__wrapped__ = original  # type: ignore[attr-defined]
-    step.__name__ = original.__name__
-    step.__qualname__ = original.__qualname__
-    step.__doc__ = original.__doc__
-    return step
+    return _like(step, original)
 
 
-def settings_from(environ: dict[str, str] | Any) -> AutoSettings | None:
-    """The policy's settings from `environ` (`os.environ`); None when off."""
-    return AutoSettings.parse(environ.get(AUTO_ENV_VAR, ""))
+def wrap_shutdown(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """vLLM's `EngineCore.shutdown`, after the core's policy leaves (its pool: loans given
+    back and taken back, on the core's thread)."""
+
+    def shutdown(self: Any) -> Any:
+        hook = _HOOKS.get(self)
+        if hook is not None:
+            hook._safely(hook.policy.leave)
+        return original(self)
+
+    return _like(shutdown, original)
+
+
+def _like(wrapper: Callable[[Any], Any], original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = original.__name__
+    wrapper.__qualname__ = original.__qualname__
+    wrapper.__doc__ = original.__doc__
+    return wrapper

@@ -57,6 +57,8 @@ RESIZE_ENV_VAR = "EXTENSIBLE_KV_VLLM_RESIZE"
 _BLOCK_POOL_MODULE = "vllm.v1.core.block_pool"
 _ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 AUTO_ENV_VAR = "EXTENSIBLE_KV_VLLM_AUTO"  # extensible_kv.vllm.engine's, read here
+POOL_ENV_VAR = "EXTENSIBLE_KV_POOL"  # extensible_kv.vllm.pooled's
+_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _KV_CACHE_MODULE = "vllm.v1.worker.extensible_kv_cache"
 _TARGET = "vllm.utils.extensible_tensor"
 # vLLM 0.34.0's constructor: (name, default) after `self`.
@@ -123,45 +125,82 @@ def register() -> bool:
         _install_keep_data()
     if env_flag(RESIZE_ENV_VAR, True):
         _install_resizable_pool()
-    if os.environ.get(AUTO_ENV_VAR, "").strip():
-        # Imported only now: the policy's modules import vLLM's scheduler pieces.
-        from extensible_kv.vllm.engine import AutoSettings
-
-        auto = AutoSettings.parse(os.environ[AUTO_ENV_VAR])
-    else:
-        auto = None
-    if auto is not None:
-        if env_flag(RESIZE_ENV_VAR, True):
-            _install_step_hook(auto)
-        else:
-            logger.warning(
-                "extensible-kv: %s is set but %s=0 keeps vLLM's block pool: the KV cache does "
-                "not resize itself.",
-                AUTO_ENV_VAR,
-                RESIZE_ENV_VAR,
-            )
+    if os.environ.get(AUTO_ENV_VAR, "").strip() or os.environ.get(POOL_ENV_VAR, "").strip():
+        _install_policy()
     return True
 
 
-def _install_step_hook(settings: Any) -> None:
-    """The engine core's steps through `extensible_kv.vllm.engine` (the automatic policy):
-    `EngineCore.step` and `step_with_batch_queue`, which `step_fn` binds as a core is built
-    (this runs from `load_general_plugins`, before that in the core's `__init__`)."""
+def _install_policy() -> None:
+    """The engine core's steps through `extensible_kv.vllm.engine`, with the pool membership
+    (`EXTENSIBLE_KV_POOL`) or the automatic policy (`EXTENSIBLE_KV_VLLM_AUTO`); a setting it
+    cannot read is a `ValueError` naming it. Imported only now: the policies' modules import
+    vLLM's scheduler pieces."""
+    from extensible_kv.vllm.engine import AutoSettings, policy_maker
+    from extensible_kv.vllm.pooled import PoolSettings
+
+    auto = AutoSettings.parse(os.environ.get(AUTO_ENV_VAR, ""))
+    pool = PoolSettings.from_environ()
+    if not env_flag(RESIZE_ENV_VAR, True):
+        logger.warning(
+            "extensible-kv: %s is set but %s=0 keeps vLLM's block pool: the KV cache does not "
+            "resize at run time.",
+            POOL_ENV_VAR if pool is not None else AUTO_ENV_VAR,
+            RESIZE_ENV_VAR,
+        )
+        return
+    if pool is not None and auto is not None:
+        logger.warning(
+            "extensible-kv: %s and %s are both set: the pool sizes the KV cache.",
+            POOL_ENV_VAR,
+            AUTO_ENV_VAR,
+        )
+    if pool is not None:
+        _install_export_fds()
+    _install_step_hook(policy_maker(auto, pool))
+
+
+def _install_export_fds() -> None:
+    """vLLM's `kv_cache_export_handle_types` with POSIX fds added (a pool member lends its
+    handles as fds), wherever vLLM's modules bind it (its own module's first, so that the
+    model runner, imported later, binds ours)."""
+    module = importlib.import_module(_KV_CACHE_MODULE)
+    original = module.kv_cache_export_handle_types
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def kv_cache_export_handle_types(vllm_config: Any) -> int:
+        return int(original(vllm_config)) | _POSIX_FD
+
+    kv_cache_export_handle_types.__wrapped__ = original  # type: ignore[attr-defined]
+    kv_cache_export_handle_types.__doc__ = original.__doc__
+    _patches.set(module, "kv_cache_export_handle_types", kv_cache_export_handle_types)
+    _patches.set_bindings(
+        original,
+        kv_cache_export_handle_types,
+        packages=("vllm",),
+        name="kv_cache_export_handle_types",
+        skip=(module,),
+    )
+
+
+def _install_step_hook(make_policy: Any) -> None:
+    """`EngineCore.step` and `step_with_batch_queue` through the hook (`step_fn` binds one
+    of them as a core is built: this runs from `load_general_plugins`, before that in the
+    core's `__init__`), and `EngineCore.shutdown` after its policy leaves."""
     try:
         core_module = importlib.import_module(_ENGINE_CORE_MODULE)
     except ImportError as error:  # pragma: no cover - a vLLM without v1's engine core
-        logger.warning(
-            "extensible-kv: %s is set, but %s: %s", AUTO_ENV_VAR, _ENGINE_CORE_MODULE, error
-        )
+        logger.warning("extensible-kv: the KV cache cannot resize itself: %s", error)
         return
-    from extensible_kv.vllm.engine import wrap_step
+    from extensible_kv.vllm.engine import wrap_shutdown, wrap_step
 
     cls = core_module.EngineCore
-    for name in ("step", "step_with_batch_queue"):
+    for name in ("step", "step_with_batch_queue", "shutdown"):
         current = vars(cls)[name]
-        if getattr(current, "__wrapped__", None) is not None:
-            continue  # ours already
-        _patches.set(cls, name, wrap_step(current, settings))
+        while getattr(current, "__wrapped__", None) is not None:
+            current = current.__wrapped__  # ours already: wrap vLLM's again, with these settings
+        wrap = wrap_shutdown if name == "shutdown" else (lambda f: wrap_step(f, make_policy))
+        _patches.set(cls, name, wrap(current))
 
 
 def _install_resizable_pool() -> None:

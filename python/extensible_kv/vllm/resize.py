@@ -116,6 +116,11 @@ class KvResizer:
 
     # ---- reading --------------------------------------------------------------------
     @property
+    def pool(self) -> ResizableBlockPool:
+        """The scheduler's block pool."""
+        return self._pool
+
+    @property
     def num_blocks(self) -> int:
         """The blocks the scheduler may hand out now (the pool's size, or a shrink's cut)."""
         cut = self._pool.shrinking_to
@@ -172,7 +177,7 @@ class KvResizer:
         if num_blocks > pool.num_gpu_blocks:
             self._commit_all(num_blocks, back_to=pool.num_gpu_blocks)
             pool.grow(num_blocks)
-            self._sync_counts()
+            self.sync_counts()
             logger.info("Extended KV cache to %d blocks (run-time resize).", num_blocks)
         elif num_blocks < pool.num_gpu_blocks:
             pool.begin_shrink(num_blocks)
@@ -194,7 +199,7 @@ class KvResizer:
             pool.cancel_shrink()
             raise
         pool.finish_shrink()
-        self._sync_counts()
+        self.sync_counts()
         logger.info("Shrank KV cache to %d blocks (run-time resize).", cut)
         return cut
 
@@ -220,8 +225,9 @@ class KvResizer:
             self._rpc(commit_on_worker, args=(back_to,))
             raise RuntimeError(f"workers committed {counts} blocks for {num_blocks}")
 
-    def _sync_counts(self) -> None:
-        """The scheduler's own records of the size, which vLLM reads in a few places."""
+    def sync_counts(self) -> None:
+        """The scheduler's own records of the size, which vLLM reads in a few places, from the
+        pool's (after any change of its size)."""
         scheduler = self._scheduler
         num_blocks = self._pool.num_gpu_blocks
         manager = scheduler.kv_cache_manager
