@@ -27,7 +27,7 @@ from common import GIB, log
 
 SAMPLE_S = 0.01  # the memory sampler's period
 MAX_LOG_RECORDS = 4000  # per engine and setup
-MEMFD = "/memfd:extensible-kv:"
+MEMFD = "/memfd:extensible-kv:"  # extensible_kv.pool._proc.HOST_MEMFD
 
 
 def memfds() -> int:
@@ -44,14 +44,9 @@ def memfds() -> int:
 
 def mapped_bytes(pid: int) -> int:
     """The bytes of the host backend's memory process `pid` maps (`/proc/<pid>/maps`)."""
-    total = 0
-    with open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(MEMFD):
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                total += end - start
-    return total
+    from extensible_kv.pool._proc import mapped_host_bytes
+
+    return mapped_host_bytes(pid)
 
 
 def digest(tokens: list[int]) -> str:

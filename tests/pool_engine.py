@@ -43,7 +43,7 @@ from extensible_kv import (
     PtraceRefusedError,
     StandardLayerSpec,
 )
-from extensible_kv.pool import LedgerCorruptError, Pool, PoolLockTimeout, PoolMember
+from extensible_kv.pool import LedgerCorruptError, Pool, PoolLockTimeout, PoolMember, _proc
 from extensible_kv.pool import store as store_module
 
 GRANULE = 4096
@@ -83,7 +83,7 @@ LAYOUTS: dict[str, tuple[tuple[KVCacheTensorSpec, ...], int]] = {
 CAPACITY = 96
 STEP = 4  # blocks a commit step: the unit a donor lends in (whole granules in every layout)
 TIMEOUT_S = 60
-MEMFD = "/memfd:extensible-kv:"
+MEMFD = _proc.HOST_MEMFD
 BOARD = "/memfd:extensible-kv-loan:"
 
 
@@ -458,12 +458,5 @@ def memfds(pid: int) -> dict[str, set[int]]:
 
 
 def mapped_bytes(pid: int) -> int:
-    """The bytes of the host backend's memory process `pid` maps."""
-    total = 0
-    with open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(MEMFD):
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                total += end - start
-    return total
+    """The bytes of the host backend's memory process `pid` maps (`_proc.mapped_host_bytes`)."""
+    return _proc.mapped_host_bytes(pid)

@@ -24,14 +24,13 @@ from support.transformers_models import (
     Call,
     add_on_top_sectors,
     build_model,
-    cb_config,
     collect,
-    gen_config,
     generate,
     prompts,
     requests_holding_blocks,
     resizable,
     run,
+    serving,
     state_blocks,
 )
 from support.transformers_models import (
@@ -55,12 +54,7 @@ def test_resize_a_live_manager_keeps_the_tokens(tf: Any, kind: str) -> None:
     from extensible_kv import transformers as ekt
 
     model, own, options = resizable(tf, kind)
-    with (
-        ekt.enabled(**options),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options) as manager:
         cache = manager.batch_processor.cache
         state = state_of(cache)
         first = cache.num_blocks
@@ -85,12 +79,7 @@ def test_a_shrink_past_live_blocks_waits_then_names_them(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 
     model, own, options = resizable(tf, "llama")
-    with (
-        ekt.enabled(**options),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options) as manager:
         cache = manager.batch_processor.cache
         state = state_of(cache)
         ekt.resize(manager, NUM_BLOCKS)
@@ -125,12 +114,7 @@ def test_a_shrink_with_move_copies_live_blocks_down(
     model, _, options = resizable(tf, kind)
     caplog.set_level(logging.INFO, logger="extensible_kv")
     long = prompts()[:3]
-    with (
-        ekt.enabled(**options),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options) as manager:
         cache = manager.batch_processor.cache
         ekt.resize(manager, NUM_BLOCKS)
         reference = collect(manager, manager.add_requests(long, max_new_tokens=200))
@@ -152,12 +136,7 @@ def test_a_resize_that_waited_for_another_reads_the_size_it_left(tf: Any) -> Non
     from extensible_kv.transformers.resizing import grow_live
 
     model, own, options = resizable(tf, "llama")
-    with (
-        ekt.enabled(**options),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options) as manager:
         cache = manager.batch_processor.cache
         state = state_of(cache)
         ekt.resize(manager, 8)
@@ -179,12 +158,7 @@ def test_resize_refuses_bad_sizes_before_anything_changes(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 
     model, _, options = resizable(tf, "llama")
-    with (
-        ekt.enabled(**options),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options) as manager:
         cache = manager.batch_processor.cache
         before = (cache.num_blocks, state_of(cache).tensor.physical_bytes)
         with pytest.raises(TypeError, match="num_blocks"):
@@ -227,12 +201,7 @@ def test_auto_resize_follows_a_bursty_load(
         own, options = generate(tf, model, device), {}
         policy = ekt.AutoResize(min_blocks=1, step_blocks=16, idle_s=0.2)
     caplog.set_level(logging.INFO, logger="extensible_kv")
-    with (
-        ekt.enabled(**options, auto_resize=policy),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, device)
-        ) as manager,
-    ):
+    with serving(tf, model, device, **options, auto_resize=policy) as manager:
         cache = manager.batch_processor.cache
         state = state_of(cache)
         least = state.blocks(state.sizer.min_sectors)  # where the extension starts, or above
@@ -271,12 +240,7 @@ def test_a_driver_rate_reaches_the_cache_and_the_tokens_stay_the_same(tf: Any) -
     model, own, options = resizable(tf, "llama")
     rate = 64 << 20
     policy = ekt.AutoResize(min_blocks=2, idle_s=0.2)
-    with (
-        ekt.enabled(**options, auto_resize=policy, driver_rate=rate),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options, auto_resize=policy, driver_rate=rate) as manager:
         state = state_of(manager)
         assert state.tensor.driver_rate == rate
         assert run(manager) == own
@@ -301,12 +265,7 @@ def test_the_schedulers_margin_check_grows_the_cache_under_the_policy(
 
     model, _, options = resizable(tf, "llama")
     auto = {"auto_resize": ekt.AutoResize(min_blocks=2, idle_s=600)} if policy else {}
-    with (
-        ekt.enabled(**options, **auto),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options, **auto) as manager:
         cache = manager.batch_processor.cache
         free, before = cache.pool.free_sectors, cache.num_sectors
         held = [free.pop() for _ in range(len(free))]  # all held, as by decoding requests

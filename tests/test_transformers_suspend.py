@@ -30,6 +30,7 @@ from support.transformers_models import (
     resizable,
     restarts_wrong,
     run,
+    serving,
     state_blocks,
     stop_within,
     warmed_up,
@@ -57,12 +58,7 @@ def test_suspend_resume_same_tokens(tf: Any, kind: str, attention: str, device: 
 
     model = build_model(tf, kind, attention, device)
     own = generate(tf, model, device)
-    with (
-        ekt.enabled(**enable_options(device)),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, device)
-        ) as manager,
-    ):
+    with serving(tf, model, device, **enable_options(device)) as manager:
         assert run(manager) == own
         cache = manager.batch_processor.cache
         state = state_of(cache)
@@ -291,12 +287,7 @@ def test_suspend_refuses_what_it_cannot_do(tf: Any) -> None:
     ) as own:
         with pytest.raises(ValueError, match="not extensible"):
             ekt.suspend(own)
-    with (
-        ekt.enabled(**enable_options("cpu")),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **enable_options("cpu")) as manager:
         with pytest.raises(RuntimeError, match="not suspended"):
             ekt.resume(manager)
         with pytest.raises(ValueError, match="keep_blocks"):
@@ -318,12 +309,7 @@ def test_release_is_the_deprecated_name_of_suspend(tf: Any) -> None:
 
     model = build_model(tf, "llama", "sdpa", "cpu")
     own = generate(tf, model, "cpu")
-    with (
-        ekt.enabled(**enable_options("cpu")),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **enable_options("cpu")) as manager:
         assert run(manager) == own
         state = state_of(manager)
         full = state.tensor.physical_bytes
@@ -354,12 +340,7 @@ def test_suspend_and_resume_read_the_size_under_the_lock(tf: Any) -> None:
     from extensible_kv import transformers as ekt
 
     model, own, options = resizable(tf, "llama")
-    with (
-        ekt.enabled(**options),
-        model.continuous_batching_context_manager(
-            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, "cpu")
-        ) as manager,
-    ):
+    with serving(tf, model, "cpu", **options) as manager:
         cache = manager.batch_processor.cache
         state = state_of(cache)
         ekt.resize(manager, state_blocks(cache, 16))

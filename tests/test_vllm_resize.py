@@ -320,10 +320,10 @@ def test_asleep_or_with_a_connector_a_resize_is_refused(
 
 def test_a_pool_that_is_not_ours_is_refused(vllm_modules: SimpleNamespace) -> None:
     from extensible_kv import UnsupportedError
+    from extensible_kv.vllm.block_pool import VLLM_BLOCK_POOL as base
     from extensible_kv.vllm.resize import KvResizer
     from vllm.v1.core.block_pool import BlockPool
 
-    base = vllm_modules.ResizableBlockPool.__mro__[1]
     scheduler = SimpleNamespace(
         kv_cache_manager=SimpleNamespace(block_pool=base(4, True, BLOCK)),
         scheduler_config=None,

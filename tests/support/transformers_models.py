@@ -9,9 +9,11 @@ lazily: importing this module never imports transformers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -168,6 +170,21 @@ def gen_config(tf: Any, new_tokens: int = MAX_NEW_TOKENS) -> Any:
     return tf.GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
+
+
+@contextlib.contextmanager
+def serving(tf: Any, model: Any, device: str, **options: Any) -> Iterator[Any]:
+    """`model`'s continuous-batching manager on `extensible_kv.transformers`, enabled with
+    `options` for its life: greedy `gen_config`, this module's `cb_config(device)`."""
+    from extensible_kv import transformers as ekt
+
+    with (
+        ekt.enabled(**options),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config(tf), continuous_batching_config=cb_config(tf, device)
+        ) as manager,
+    ):
+        yield manager
 
 
 def enable_options(device: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ def pytest_configure(config: Any) -> None:
     for marker in ("cpu_test", "skip_global_cleanup", "core_model", "slow_test"):
         config.addinivalue_line("markers", f"{marker}: vLLM's own marker")
 
-    from extensible_kv.vllm.block_pool import ResizableBlockPool
+    from extensible_kv.vllm.block_pool import VLLM_BLOCK_POOL, ResizableBlockPool
     from vllm.v1.core import block_pool, kv_cache_coordinator
 
     if os.environ.get(POOL_ENV) == "1":
@@ -44,7 +44,7 @@ def pytest_configure(config: Any) -> None:
         assert plugin.register(), "the extensible-kv vLLM plugin did not register"
         want: type = ResizableBlockPool
     else:
-        want = ResizableBlockPool.__mro__[1]
+        want = VLLM_BLOCK_POOL
     for module in (block_pool, kv_cache_coordinator):
         assert module.BlockPool is want, (module.__name__, module.BlockPool, want)
 

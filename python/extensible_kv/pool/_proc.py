@@ -17,7 +17,11 @@ import os
 
 from extensible_kv import _native
 
-__all__ = ["alive", "own_start_time", "parse_start_time", "start_time"]
+__all__ = ["alive", "mapped_host_bytes", "own_start_time", "parse_start_time", "start_time"]
+
+# How the host backend names its memfds (`src/driver/host/mod.rs`: `extensible-kv:<pid>:<n>`), as
+# `/proc/<pid>/maps` shows a mapping of one.
+HOST_MEMFD = "/memfd:extensible-kv:"
 
 
 def parse_start_time(stat: bytes) -> int | None:
@@ -40,3 +44,17 @@ def own_start_time() -> int:
     started = start_time(os.getpid())
     assert started is not None, "this process reads its own /proc/self/stat"
     return started
+
+
+def mapped_host_bytes(pid: int) -> int:
+    """The bytes of host-backend memory process `pid` maps now (`/proc/<pid>/maps`: its
+    mappings of this library's memfds, its own and those it borrowed): what the pool's
+    ledger says it holds, seen from outside the process."""
+    total = 0
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(HOST_MEMFD):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                total += end - start
+    return total

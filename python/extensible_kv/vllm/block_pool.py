@@ -41,7 +41,11 @@ except ImportError as error:  # pragma: no cover - only without vLLM
         "extensible_kv.vllm.block_pool needs vLLM 0.34 (pip install vllm==0.34.0)"
     ) from error
 
-__all__ = ["ResizableBlockPool", "ShrinkInProgressError"]
+__all__ = ["VLLM_BLOCK_POOL", "ResizableBlockPool", "ShrinkInProgressError"]
+
+# vLLM's class, as this module found it: what `ResizableBlockPool` extends, and what the plugin
+# puts back (another plugin may have replaced `BlockPool` in vLLM's module since).
+VLLM_BLOCK_POOL: type = BlockPool
 
 
 class ShrinkInProgressError(RuntimeError):

@@ -207,14 +207,14 @@ def _install_resizable_pool() -> None:
     """`ResizableBlockPool` wherever vLLM's modules bind `BlockPool` (its own module's first,
     so that modules imported later bind ours too)."""
     try:
-        from extensible_kv.vllm.block_pool import ResizableBlockPool
+        from extensible_kv.vllm.block_pool import VLLM_BLOCK_POOL, ResizableBlockPool
     except ImportError:  # a vLLM without v1's block pool (vLLM's check names the version)
         return
     module = sys.modules[_BLOCK_POOL_MODULE]
     original = module.BlockPool
     if original is ResizableBlockPool:
         return
-    if ResizableBlockPool.__mro__[1] is not original:
+    if VLLM_BLOCK_POOL is not original:
         logger.warning(
             "extensible-kv: vLLM's BlockPool is not the class ResizableBlockPool extends "
             "(another plugin replaced it?): the KV cache cannot be resized at run time."
@@ -248,12 +248,12 @@ def unregister() -> None:
     place)."""
     pool_module = sys.modules.get(_BLOCK_POOL_MODULE)
     if pool_module is not None and "extensible_kv.vllm.block_pool" in sys.modules:
-        from extensible_kv.vllm.block_pool import ResizableBlockPool
+        from extensible_kv.vllm.block_pool import VLLM_BLOCK_POOL, ResizableBlockPool
 
         if pool_module.BlockPool is ResizableBlockPool:
             # Modules imported after the pool was put in place bound ours themselves.
             _patches.adopt_bindings(
-                ResizableBlockPool.__mro__[1],
+                VLLM_BLOCK_POOL,
                 ResizableBlockPool,
                 packages=("vllm",),
                 name="BlockPool",
