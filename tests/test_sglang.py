@@ -197,6 +197,54 @@ def test_switched_off_leaves_sglang_untouched(
     assert plugged.KvVmmBufferOwner is KvVmmBufferOwner
 
 
+def test_the_automatic_policy_is_hooked_around_the_scheduler_only_when_asked(
+    plugged: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `EXTENSIBLE_KV_SGLANG_AUTO` the plugin asks SGLang's registry for AROUND hooks on
+    the scheduler's `get_next_batch_to_run` and `on_idle` (SGLang's loader applies them where
+    its scheduler module imports: not with this machine's light dependencies, which the
+    registry logs), and unregister withdraws them; a value it cannot read names the
+    variable. The hooks run the policy before the batch is planned and after the idle
+    housekeeping, one policy per scheduler, and a scheduler whose pool it cannot resize runs
+    as it was."""
+    from extensible_kv.sglang.auto import Hooks
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    targets = [f"{plugin._SCHEDULER_CLASS}.{n}" for n in ("get_next_batch_to_run", "on_idle")]
+    assert not any(t in HookRegistry._hooks for t in targets)
+    monkeypatch.setenv(plugin.AUTO_ENV_VAR, "min_tokens=1024")
+    try:
+        _load_plugins(monkeypatch)
+        for target in targets:
+            hooks = [entry[1] for entry in HookRegistry._hooks[target]]
+            assert hooks == [plugin._registered[target]]
+        monkeypatch.setenv(plugin.AUTO_ENV_VAR, "min_tokens=lots")
+        plugin.unregister()
+        with pytest.raises(ValueError, match="EXTENSIBLE_KV_SGLANG_AUTO='min_tokens=lots'"):
+            plugin.register()  # SGLang's loader logs what its plugins raise
+    finally:
+        monkeypatch.delenv(plugin.AUTO_ENV_VAR)
+        _load_plugins(monkeypatch)
+    assert not any(t in plugin._registered or t in HookRegistry._hooks for t in targets)
+    assert plugged.KvVmmBufferOwner is KvVmmBufferOwner
+    # The hooks themselves, around a scheduler whose allocator is not one `resize` handles.
+    from extensible_kv.sglang.auto import AutoSettings
+
+    hooks = Hooks(AutoSettings())
+    calls: list[str] = []
+
+    class Scheduler:  # weakly referenced, as SGLang's is
+        token_to_kv_pool_allocator = SimpleNamespace()
+
+    scheduler = Scheduler()
+    assert (
+        hooks.get_next_batch_to_run(lambda s, **kw: calls.append("plan") or "batch", scheduler)
+        == "batch"
+    )
+    assert hooks.on_idle(lambda s: calls.append("idle"), scheduler) is None
+    assert calls == ["plan", "idle"] and hooks.policy_of(scheduler) is None
+
+
 @pytest.mark.parametrize("case", ["old-version", "other-constructor"])
 def test_unrecognised_sglang_is_left_alone(
     plugged: Any, case: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -557,6 +605,67 @@ def test_resize_a_live_pool_through_its_allocator(
     if paged:
         with pytest.raises(ValueError, match="multiple of the page size"):
             resize(allocator, 2048 + 1)
+    pool._clear_buffers()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["token", "paged"])
+def test_the_automatic_policy_grows_for_waiting_requests_and_shrinks_after_idle(
+    plugged: Any, pool_device: str, paged: bool
+) -> None:
+    """`extensible_kv.sglang.auto` on SGLang's own allocator and pool: before a batch is
+    planned, waiting requests that do not fit grow the pool by their need (at least a step,
+    doubling, up to the most); fully idle for `idle_s`, it shrinks to its least keeping the
+    tokens below; pages still held leave the size as it is."""
+    from extensible_kv.sglang.auto import AutoPolicy, AutoSettings
+
+    pool = _mha(plugged, pool_device, 8192)
+    pool.finalize_backing(SimpleNamespace(max_total_num_tokens=2048))
+    allocator = _allocator(pool, 2048, paged)
+    low = allocator.alloc(512)
+    _fill(pool, low, 2.0)
+    now = [0.0]
+    scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=allocator,
+        waiting_queue=[],
+        running_batch=SimpleNamespace(is_empty=lambda: True),
+        tree_cache=None,
+        max_total_num_tokens=2048,
+    )
+    scheduler.is_fully_idle = lambda: not scheduler.waiting_queue
+    settings = AutoSettings(min_tokens=1024, max_tokens=8192, step_tokens=1024, idle_s=5.0)
+    policy = AutoPolicy(scheduler, settings, clock=lambda: now[0])
+
+    def request(tokens: int) -> Any:
+        return SimpleNamespace(
+            origin_input_ids=[1] * tokens, sampling_params=SimpleNamespace(max_new_tokens=128)
+        )
+
+    policy.before_batch()
+    assert allocator.size == 2048
+    scheduler.waiting_queue = [request(1000) for _ in range(3)]  # 3384 needed, 1536 free
+    policy.before_batch()
+    assert allocator.size == pool.size == scheduler.max_total_num_tokens == 4096  # doubled
+    scheduler.waiting_queue = [request(4000) for _ in range(3)]
+    policy.before_batch()
+    assert allocator.size == 8192  # the most
+    scheduler.waiting_queue = []
+    now[0] += 4.9
+    policy.idle()
+    assert allocator.size == 8192
+    high = allocator.alloc(4096)  # held past the least
+    now[0] += 0.2
+    policy.idle()
+    assert allocator.size == 8192  # kept, nothing changed
+    allocator.free(high)
+    now[0] += 5.1
+    policy.idle()
+    assert allocator.size == pool.size == scheduler.max_total_num_tokens == 1024
+    assert allocator.available_size() == 1024 - 512
+    assert _values(pool, low) == _expected(pool, 2.0)
+    for bad, match in (("min_tokens=x", "not a number"), ("size=1", "key=value pairs")):
+        with pytest.raises(ValueError, match=match):
+            AutoSettings.parse(bad)
+    assert AutoSettings.parse("0") is None and AutoSettings.parse("1") == AutoSettings()
     pool._clear_buffers()
 
 

@@ -19,6 +19,10 @@ the gate `arg_groups.overrides.post_capture_kv_sizing_planned` and the adapter
   LD_PRELOAD. torch_memory_saver still handles the tag's other allocations and the `weights`
   and `cuda_graph` tags. `EXTENSIBLE_KV_SGLANG_MEMORY_SAVER=0` leaves both seams alone.
 
+With `EXTENSIBLE_KV_SGLANG_AUTO` set (`1`, or `min_tokens=...,idle_s=...`) it also asks the
+registry for AROUND hooks on the scheduler's `get_next_batch_to_run` and `on_idle`: the KV pool
+grows for waiting requests and shrinks after idle (`extensible_kv.sglang.auto`).
+
 It stays out of the way: `EXTENSIBLE_KV_SGLANG=0` switches it off; it imports nothing unless
 SGLang is loaded (SGLang is the caller); and on an SGLang older than 0.5.16, or whose owner API
 it does not recognise (constructor, methods), it changes nothing and logs a warning naming the
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 import types
@@ -37,10 +42,11 @@ from typing import Any
 
 from extensible_kv._plugins import ABSENT, Integration, Patches, Provides, Stack, bindings, env_flag
 
-__all__ = ["ENV_VAR", "MEMORY_SAVER_ENV_VAR", "register", "unregister"]
+__all__ = ["AUTO_ENV_VAR", "ENV_VAR", "MEMORY_SAVER_ENV_VAR", "register", "unregister"]
 
 ENV_VAR = "EXTENSIBLE_KV_SGLANG"
 MEMORY_SAVER_ENV_VAR = "EXTENSIBLE_KV_SGLANG_MEMORY_SAVER"
+AUTO_ENV_VAR = "EXTENSIBLE_KV_SGLANG_AUTO"  # extensible_kv.sglang.auto's, read here
 MIN_VERSION = (0, 5, 16)
 TESTED_VERSION = "0.5.23"
 KV_CACHE_TAG = "kv_cache"  # sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE
@@ -52,6 +58,7 @@ _GATE_MODULE = "sglang.srt.arg_groups.overrides"
 _GATE_TARGET = f"{_GATE_MODULE}.post_capture_kv_sizing_planned"
 _ADAPTER_MODULE = "sglang.srt.utils.torch_memory_saver_adapter"
 _ADAPTER_CLASS = f"{_ADAPTER_MODULE}._TorchMemorySaverAdapterReal"
+_SCHEDULER_CLASS = "sglang.srt.managers.scheduler.Scheduler"
 # SGLang 0.5.16-0.5.23's constructor, keyword-only after `self`.
 _OWNER_PARAMS = (
     "device",
@@ -166,7 +173,26 @@ def register() -> bool:
         "post-capture KV arena",
         f"KvVmmBufferOwner replaced; with --enable-memory-saver: {saver}",
     )
+    if os.environ.get(AUTO_ENV_VAR, "").strip():
+        _register_auto(HookRegistry, HookType)
     return True
+
+
+def _register_auto(HookRegistry: Any, HookType: Any) -> None:
+    """`EXTENSIBLE_KV_SGLANG_AUTO`: the automatic policy's hooks around the scheduler's
+    `get_next_batch_to_run` and `on_idle` (`extensible_kv.sglang.auto`); a value it cannot
+    read is a `ValueError` naming it. Imported only now: the policy reads SGLang's pools."""
+    from extensible_kv.sglang.auto import AutoSettings, Hooks
+
+    settings = AutoSettings.parse(os.environ[AUTO_ENV_VAR])
+    if settings is None:
+        return
+    hooks = Hooks(settings)
+    for name in ("get_next_batch_to_run", "on_idle"):
+        target = f"{_SCHEDULER_CLASS}.{name}"
+        hook = getattr(hooks, name)
+        HookRegistry.register(target, hook, HookType.AROUND)
+        _registered[target] = hook
 
 
 def _planned_with_memory_saver(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
