@@ -171,3 +171,133 @@ def test_the_automatic_policy_grows_for_a_burst_and_shrinks_after_it(prefix_cach
     policy.idle()
     assert resizer.num_blocks == 4 and workers.committed() == [4, 4]
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 3
+
+
+def test_a_pooled_engine_keeps_every_slot_through_a_bursty_trace(tmp_path: Any) -> None:
+    """The model-free harness (issue 53 item 3), in one process: vLLM's real Scheduler (prefix
+    caching on) in the node pool (`extensible_kv.vllm.pooled`) with a host worker of vLLM's
+    ExtensibleKVCache, beside an engine of another model (our ExtensibleKVCache, 16 KiB a
+    block). In place of the model, every step writes a checksum of (position, token) into
+    every slot of every segment its scheduled tokens fill, and checks every slot of the
+    context each scheduled request reads. Bursts come to the vLLM engine; between them the
+    other engine asks for memory, which the idle vLLM engine lends, and which comes back at
+    its next burst. Every request finishes, no slot is ever wrong, and memory moved both
+    ways."""
+    import torch
+    from extensible_kv import AttentionLayerSpec, ExtensibleKVCache, KVCacheTensorSpec
+    from extensible_kv.pool import Pool, PoolMember, rules
+    from extensible_kv.vllm.pooled import PooledPolicy, PoolSettings
+    from extensible_kv.vllm.resize import KvResizer
+
+    from support import vllm_cases
+    from support.vllm_workers import Workers
+
+    step_blocks = 256  # a 2 MiB granule of 8 KiB blocks: a handle per commit step
+    scheduler = create_scheduler(num_blocks=8, enable_prefix_caching=True, max_num_seqs=32)
+    workers = Workers(vllm_cases, 1, capacity=1024, committed=8, export_handle_types=1)
+    resizer = KvResizer(scheduler, workers.rpc)
+    for size in range(step_blocks, 3 * step_blocks + 1, step_blocks):
+        resizer.resize(size)
+    kv = workers.kv(0)
+    core = type("Core", (), {})()
+    core.scheduler = scheduler
+    core.model_executor = type("Executor", (), {})()
+    core.model_executor.driver_worker = workers.workers[0]
+    core.model_executor.collective_rpc = workers.rpc
+    pool = Pool("harness", directory=str(tmp_path))
+    policy = PooledPolicy(core, resizer, PoolSettings(pool, min_blocks=8), engine="v")
+    policy.member.give_back_idle_s = 0.0
+    pool.set_cap("cpu", kv.physical_bytes)  # v holds the whole cap: e must borrow from it
+    spec = KVCacheTensorSpec(
+        4 * 4096, {"attn": AttentionLayerSpec("FLASH_ATTN", 32, 4, 32, torch.bfloat16)}
+    )
+    other = ExtensibleKVCache(
+        (spec,), 512, "cpu", granularity=2 << 20, export_handle_types="posix_fd"
+    )
+    e = PoolMember(
+        pool, "e", other, max_blocks=512, free_tail_blocks=lambda: other.committed_blocks
+    )
+    e.join()
+    block_size = scheduler.block_size
+    per_block = kv.segment_strides[0] // 4  # int32 slots a block, per segment
+
+    def checksum(position: int, token: int) -> int:
+        return (position * 1_000_003 + token * 7_919 + 1) & 0x7FFFFFFF
+
+    def slots(request: Any, start: int, end: int) -> tuple[list[int], list[int]]:
+        (blocks,) = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        index = [blocks[p // block_size] * per_block + p % block_size for p in range(start, end)]
+        tokens = request.all_token_ids
+        return index, [checksum(p, tokens[p]) for p in range(start, end)]
+
+    wrong: list[tuple[str, int]] = []
+    checked = [0]
+
+    def model_step() -> None:
+        output = scheduler.schedule()
+        views = [
+            kv.buffer.segment_view(s).view(torch.int32) for s in range(len(kv.segment_strides))
+        ]
+        ids = list(output.num_scheduled_tokens)
+        for rid in ids:
+            request = scheduler.requests[rid]
+            new = output.num_scheduled_tokens[rid]
+            done = request.num_computed_tokens - new  # `schedule` counted this step's already
+            read, want = slots(request, 0, done)  # the context this step reads
+            for view in views:
+                got = view[torch.tensor(read, dtype=torch.long)].tolist() if read else []
+                bad = [p for p, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+                wrong.extend((rid, p) for p in bad)
+                checked[0] += len(got)
+            write, values = slots(request, done, done + new)
+            for view in views:
+                view[torch.tensor(write, dtype=torch.long)] = torch.tensor(
+                    values, dtype=torch.int32
+                )
+        sampled = []
+        for rid in ids:
+            request = scheduler.requests[rid]
+            caught_up = request.num_computed_tokens >= request.num_tokens
+            sampled.append([SAMPLED] if caught_up else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=ids,
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+        scheduler.update_from_output(output, runner_output)
+
+    requests: list[Any] = []
+    lent = borrowed_back = 0
+    for burst in range(3):
+        # Idle: the other engine asks, v lends its free top blocks.
+        assert [d.action for d in e.request(300)] == ["ask"]
+        policy.before_step(in_flight=False)
+        lent = max(lent, 3 * step_blocks - resizer.num_blocks)
+        e.serve()
+        # v's burst, past what it kept (46 blocks a request, 552 in all): it asks, recalling
+        # its loan, which the idle other engine gives back.
+        batch = create_requests(num_requests=12, num_tokens=720 - 16 * burst, max_tokens=16)
+        for request in batch:
+            scheduler.add_request(request)
+        requests.extend(batch)
+        for _ in range(600):
+            before = resizer.num_blocks
+            policy.before_step(in_flight=False)  # serves, asks, takes back
+            e.serve()  # gives back what v recalled (e is idle)
+            borrowed_back += resizer.num_blocks > before
+            if not scheduler.requests:
+                break
+            model_step()
+        assert not scheduler.requests
+        assert rules.check(pool.snapshot()) == []
+        assert resizer.pool.num_gpu_blocks == kv.num_committed_blocks
+    assert wrong == [], wrong[:10]
+    assert checked[0] > 36 * 700 * 3  # every decode step re-reads its context, in every segment
+    assert all(len(r.output_token_ids) == 16 for r in requests)
+    assert lent > 0 and borrowed_back > 0
+    assert {d.action for d in e.request(1)} <= {"ask", "wait", "recall", "commit"}
+    e.leave(timeout_s=0)  # v need not serve: e holds nothing of v's once it gave back
+    policy.leave()
+    other.close()

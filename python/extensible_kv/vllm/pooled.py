@@ -38,6 +38,7 @@ from typing import Any
 
 from extensible_kv._native import UnsupportedError
 from extensible_kv.ipc import Loan
+from extensible_kv.pool.store import Pool
 from extensible_kv.shape import BufferShape, CacheShape
 from extensible_kv.tensor import ExtensibleTensor, borrow_dealt, give_back_dealt
 from extensible_kv.vllm.commit import commit_keeping_data
@@ -67,7 +68,7 @@ class PoolSettings:
     """`EXTENSIBLE_KV_POOL=name`, with its limits (`EXTENSIBLE_KV_POOL_MIN`, `_MAX`: the
     engine's blocks, or bytes with a unit: `2GiB`); None where not given."""
 
-    pool: str
+    pool: Pool | str  # a pool's name (the environment's), or a `Pool`
     min_blocks: int | None = None
     max_blocks: int | None = None
     min_bytes: int | None = None
