@@ -417,6 +417,40 @@ def test_an_idle_borrower_gives_its_loans_back_after_give_back_idle_s(tmp_path: 
             PoolMember(pool, "x", c, free_tail_blocks=lambda: 0, give_back_idle_s=-1.0)
 
 
+def test_an_idle_engine_waiting_for_memory_keeps_what_it_borrows(tmp_path: Path) -> None:
+    """Idle means no request holds a block, not that none waits: an engine idle for long that
+    asks (its first request cannot be placed) keeps what it borrows for `give_back_idle_s`
+    from its ask and its borrow. Before, it gave the loan back at its next serve and asked
+    again: the host trace's engine looped 72 times, ask waits up to 1.2 s."""
+    pool = Pool("test", directory=tmp_path)
+    pool.set_cap("cpu", 32 * 2 * 4096)
+    used = {"a": 0, "b": 0}
+    with cache() as ca, cache() as cb:
+        a, b = members_of(
+            pool, {"a": ca, "b": cb}, used, max_blocks=64, give_back_idle_s=0.05
+        ).values()
+        a.join()
+        b.join()
+        assert a.grow(32) == 32
+        used["a"] = 10
+        b.serve(busy=False)
+        time.sleep(0.1)  # idle for long
+        assert ("ask", "a") in [(d.action, d.peer) for d in b.request(16)]
+        a.serve()
+        b.serve(busy=False)  # borrows
+        borrowed = cb.committed_blocks
+        assert borrowed >= 16
+        b.serve(busy=False)
+        assert cb.committed_blocks == borrowed  # kept: it asked just now
+        time.sleep(0.06)
+        b.serve(busy=False)
+        assert cb.committed_blocks == 0  # idle past the bound since its borrow: back
+        a.serve()
+        assert ca.committed_blocks == 32
+        b.leave()
+        a.leave()
+
+
 def test_a_member_with_nothing_to_do_serves_without_a_transaction(tmp_path: Path) -> None:
     """An engine serves between every two of its steps; most rounds find nothing to do. Such a
     round reads the ledger's file and takes no lock (a transaction costs ~1 ms against a

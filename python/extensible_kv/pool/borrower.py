@@ -10,6 +10,7 @@ member notes and posts (`rules.took`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from extensible_kv._native import PtraceRefusedError
@@ -73,6 +74,8 @@ class BorrowerSide(MemberBase):
                 raise
             mapped = borrowed_bytes(self.cache) - before
             self._notes.borrowed[entry.loan_id] = Borrowed(entry, start, gained, mapped)
+        if self._idle_since is not None:  # its idle time starts again with the loan
+            self._idle_since = time.monotonic()
         self._asks.mapped(self.pool.clock(), borrowed=gained, lender=entry.lender)
 
     def _could_not_take(self, entry: PoolLoan, error: Exception) -> None:

@@ -329,6 +329,10 @@ class PoolMember(DonorSide, BorrowerSide):
         its reason)."""
         blocks = _args.size(blocks, "blocks", maximum=rules.MAX_BLOCKS)
         since = self._since(since)
+        if self._idle_since is not None:
+            # Asking is activity: what it borrows is for requests waiting now, not to go
+            # back at once (an idle engine waiting for memory is no idle borrower).
+            self._idle_since = time.monotonic()
         steps: dict[Action, Callable[[Ledger, Decision, float], None]] = {
             Action.COMMIT: self._count_commit,
             Action.ASK: self._post_ask,
