@@ -157,6 +157,19 @@ def test_an_idle_engine_shrinks_to_its_least_keeping_the_blocks_below(vllm_cases
     assert policy.next_idle_call() is None  # at its least: nothing to do while idle
 
 
+def test_asleep_the_policy_changes_nothing(vllm_cases: Any) -> None:
+    """vLLM's sleep released the memory: no grow, no idle shrink until it wakes."""
+    engine = _engine(vllm_cases, 8, min_blocks=4, max_blocks=48, step_blocks=4, idle_s=1.0)
+    asleep = {"now": True}
+    engine.resizer._is_sleeping = lambda: asleep["now"]
+    engine.scheduler.waiting = [vllm_request([1] * 64) for _ in range(3)]
+    engine.policy.before_step(in_flight=False)
+    assert engine.resizer.num_blocks == 8
+    asleep["now"] = False
+    engine.policy.before_step(in_flight=False)
+    assert engine.resizer.num_blocks == 16
+
+
 def test_a_grow_the_device_refuses_leaves_the_size_and_is_logged_once(
     vllm_cases: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -248,7 +261,8 @@ def test_the_plugin_puts_the_step_hook_in_place_only_when_asked(
     from extensible_kv.vllm import plugin
     from vllm.v1.engine.core import EngineCore
 
-    vllms = {name: vars(EngineCore)[name] for name in ("step", "step_with_batch_queue", "shutdown")}
+    names = ("step", "step_with_batch_queue", "shutdown", "sleep")
+    vllms = {name: vars(EngineCore)[name] for name in names}
     plugin.unregister()
     try:
         monkeypatch.delenv(plugin.AUTO_ENV_VAR, raising=False)

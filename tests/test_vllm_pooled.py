@@ -207,6 +207,24 @@ def test_blocks_requests_hold_are_never_lent(vllm_cases: Any, tmp_path: Path) ->
         engine.policy.leave()
 
 
+def test_an_engine_in_the_pool_refuses_to_sleep(vllm_cases: Any, tmp_path: Path) -> None:
+    """vLLM's sleep releases the KV memory; in the pool its loans and the ledger's count
+    would outlive it: `EngineCore.sleep` (wrapped by the plugin) refuses with a message the
+    client gets. Without a hook, vLLM's sleep runs."""
+    from extensible_kv._native import UnsupportedError
+    from extensible_kv.pool import Pool
+    from extensible_kv.vllm import engine as engine_module
+
+    pool = Pool("test", directory=tmp_path)
+    engine = _engine(vllm_cases, pool, STEP, min_blocks=8)
+    sleep = engine_module.wrap_sleep(lambda core, level=1: f"slept {level}")
+    assert sleep(Core(), 2) == "slept 2"
+    engine_module._HOOKS[engine.core] = engine_module.StepHook(engine.core, engine.policy)
+    with pytest.raises(UnsupportedError, match="node pool test"):
+        sleep(engine.core, 1)
+    engine.policy.leave()
+
+
 def test_an_engine_of_several_ranks_or_mixed_strides_is_refused(
     vllm_cases: Any, tmp_path: Path
 ) -> None:
@@ -220,6 +238,17 @@ def test_an_engine_of_several_ranks_or_mixed_strides_is_refused(
     )
     with pytest.raises(UnsupportedError, match="one GPU only"):
         PooledPolicy(engine, None, PoolSettings("test"))  # type: ignore[arg-type]
+    # A KV connector registered the memory at its size: refused, as a resize is.
+    from extensible_kv.vllm import resize as resize_module
+
+    one = SimpleNamespace(
+        model_executor=SimpleNamespace(driver_worker=object()),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(world_size=1)),
+        scheduler=None,
+    )
+    resizer = SimpleNamespace(workers=lambda: [resize_module.WorkerCache(64, 8, True)])
+    with pytest.raises(UnsupportedError, match="KV connector"):
+        PooledPolicy(one, resizer, PoolSettings("test"))  # type: ignore[arg-type]
 
 
 def test_the_pool_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "hook_of",
     "policy_maker",
     "wrap_shutdown",
+    "wrap_sleep",
     "wrap_step",
 ]
 
@@ -180,6 +181,8 @@ class AutoPolicy:
     # ---- at a boundary -----------------------------------------------------------------
     def before_step(self, *, in_flight: bool) -> None:
         """Runs before a step (`in_flight`: batches are in flight, so a shrink cannot end)."""
+        if self.resizer.asleep:
+            return  # its memory is released: resized again once it wakes
         scheduler = self.scheduler
         now = self.clock()
         # Unfinished ones: finished requests the next step reports keep `has_requests` true.
@@ -203,6 +206,9 @@ class AutoPolicy:
 
     def leave(self) -> None:
         return None  # nothing to settle: the size stays as it is
+
+    def sleep_refusal(self) -> str | None:
+        return None  # asleep, it resizes nothing (`before_step`)
 
     def _grow_target(self) -> int | None:
         """The size to grow to, or None: the waiting requests fit, and every running one has
@@ -354,6 +360,7 @@ class Policy(Protocol):
     def before_step(self, *, in_flight: bool) -> None: ...
     def idle(self) -> None: ...
     def leave(self) -> None: ...
+    def sleep_refusal(self) -> str | None: ...
 
 
 MakePolicy = Callable[[Any, KvResizer], Policy]
@@ -422,7 +429,22 @@ def wrap_shutdown(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return _like(shutdown, original)
 
 
-def _like(wrapper: Callable[[Any], Any], original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's `EngineCore.sleep`, refused (an `UnsupportedError` the client gets) where the
+    core's policy cannot let its memory go (an engine in the node pool: its loans and the
+    ledger's count would outlive the memory)."""
+
+    def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = _HOOKS.get(self)
+        why = hook.policy.sleep_refusal() if hook is not None else None
+        if why is not None:
+            raise UnsupportedError(why)
+        return original(self, *args, **kwargs)
+
+    return _like(sleep, original)
+
+
+def _like(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = original.__name__
     wrapper.__qualname__ = original.__qualname__

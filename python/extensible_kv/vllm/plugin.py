@@ -186,20 +186,26 @@ def _install_export_fds() -> None:
 def _install_step_hook(make_policy: Any) -> None:
     """`EngineCore.step` and `step_with_batch_queue` through the hook (`step_fn` binds one
     of them as a core is built: this runs from `load_general_plugins`, before that in the
-    core's `__init__`), and `EngineCore.shutdown` after its policy leaves."""
+    core's `__init__`), `EngineCore.shutdown` after its policy leaves, and `EngineCore.sleep`
+    refused where the policy cannot let the memory go (the pool)."""
     try:
         core_module = importlib.import_module(_ENGINE_CORE_MODULE)
     except ImportError as error:  # pragma: no cover - a vLLM without v1's engine core
         logger.warning("extensible-kv: the KV cache cannot resize itself: %s", error)
         return
-    from extensible_kv.vllm.engine import wrap_shutdown, wrap_step
+    from extensible_kv.vllm.engine import wrap_shutdown, wrap_sleep, wrap_step
 
     cls = core_module.EngineCore
-    for name in ("step", "step_with_batch_queue", "shutdown"):
+    wraps = {
+        "step": lambda f: wrap_step(f, make_policy),
+        "step_with_batch_queue": lambda f: wrap_step(f, make_policy),
+        "shutdown": wrap_shutdown,
+        "sleep": wrap_sleep,
+    }
+    for name, wrap in wraps.items():
         current = vars(cls)[name]
         while getattr(current, "__wrapped__", None) is not None:
             current = current.__wrapped__  # ours already: wrap vLLM's again, with these settings
-        wrap = wrap_shutdown if name == "shutdown" else (lambda f: wrap_step(f, make_policy))
         _patches.set(cls, name, wrap(current))
 
 

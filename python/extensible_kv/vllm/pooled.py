@@ -339,6 +339,11 @@ class PooledPolicy:
                 "a vLLM engine joins the node pool with one GPU only (the uni executor: its "
                 "worker beside the scheduler); this one has several ranks"
             )
+        if any(w.connector for w in resizer.workers()):
+            raise UnsupportedError(
+                "a KV connector registered the worker's KV cache memory at its size: an engine "
+                "with one does not join the node pool"
+            )
         self.resizer = resizer
         self.scheduler = core.scheduler
         self.cache = EngineCache(worker, resizer)
@@ -394,6 +399,13 @@ class PooledPolicy:
 
     def leave(self) -> None:
         self.member.leave(timeout_s=LEAVE_S)
+
+    def sleep_refusal(self) -> str | None:
+        return (
+            f"this engine is in node pool {self.member.pool.name} (EXTENSIBLE_KV_POOL): its "
+            "KV memory is lent and borrowed, and does not go to sleep; start it without the "
+            "pool to use sleep mode"
+        )
 
     def _ask(self) -> None:
         """Asks the pool for the waiting requests' need when the scheduler cannot admit them

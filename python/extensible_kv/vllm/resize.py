@@ -131,6 +131,11 @@ class KvResizer:
         return self._pool.shrinking_to
 
     @property
+    def asleep(self) -> bool:
+        """The engine is asleep (its memory released): nothing is resized until it wakes."""
+        return self._is_sleeping is not None and bool(self._is_sleeping())
+
+    @property
     def drained(self) -> bool:
         """A shrink in progress has every block past its cut free (`poll` ends it)."""
         return self._pool.shrinking_to is not None and self._pool.drained
