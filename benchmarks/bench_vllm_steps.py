@@ -71,7 +71,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def run_steps(args: argparse.Namespace, prefix_caching: bool) -> float:
     """The decode trace on a fresh manager (whatever `BlockPool` vLLM's modules bind now):
     µs a step."""
-    from support.vllm_workers import BLOCK, kv_manager, vllm_request
+    from support.vllm_workers import kv_manager, vllm_request
 
     manager = kv_manager(args.blocks)
     manager.enable_caching = prefix_caching
@@ -105,7 +105,6 @@ def run_steps(args: argparse.Namespace, prefix_caching: bool) -> float:
     took = time.perf_counter() - started
     for request, _ in running:
         manager.free(request)
-    del BLOCK
     return took / args.steps * 1e6
 
 
@@ -117,17 +116,10 @@ def hook_costs(args: argparse.Namespace) -> dict[str, float]:
     from extensible_kv.vllm.pooled import PooledPolicy, PoolSettings
     from extensible_kv.vllm.resize import KvResizer
     from support import vllm_cases
-    from support.vllm_workers import BLOCK, Workers, kv_manager
+    from support.vllm_workers import Workers
+    from support.vllm_workers import scheduler as make_scheduler
 
-    scheduler = SimpleNamespace(
-        kv_cache_manager=kv_manager(8),
-        scheduler_config=SimpleNamespace(watermark=0.0),
-        cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=BLOCK),
-        block_size=BLOCK,
-        waiting=[],
-        running=[],
-        has_requests=lambda: False,
-    )
+    scheduler = make_scheduler(8)
     workers = Workers(vllm_cases, 1, capacity=512, committed=8, export_handle_types=1)
     resizer = KvResizer(scheduler, workers.rpc)
     resizer.resize(256)
@@ -160,7 +152,8 @@ def grow_costs(args: argparse.Namespace) -> dict[str, float]:
     """A grow: the pool's (call to free queue, µs) and the resizer's with a host worker (ms)."""
     from extensible_kv.vllm.resize import KvResizer
     from support import vllm_cases
-    from support.vllm_workers import BLOCK, Workers, kv_manager
+    from support.vllm_workers import Workers, kv_manager
+    from support.vllm_workers import scheduler as make_scheduler
 
     manager = kv_manager(args.blocks)
     pool = manager.block_pool
@@ -169,11 +162,7 @@ def grow_costs(args: argparse.Namespace) -> dict[str, float]:
     pool.grow(args.blocks + args.grow_blocks)
     pool_us = (time.perf_counter() - started) * 1e6
     assert pool.get_num_free_blocks() == before + args.grow_blocks
-    scheduler = SimpleNamespace(
-        kv_cache_manager=kv_manager(8),
-        scheduler_config=SimpleNamespace(watermark=0.0),
-        cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=BLOCK),
-    )
+    scheduler = make_scheduler(8)
     workers = Workers(vllm_cases, 1, capacity=512, committed=8)
     resizer = KvResizer(scheduler, workers.rpc)
     started = time.perf_counter()

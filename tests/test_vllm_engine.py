@@ -19,7 +19,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from support.vllm_workers import BLOCK, Workers, kv_manager, vllm_request
+from support.vllm_workers import BLOCK, Core, Workers, vllm_request
+from support.vllm_workers import scheduler as make_scheduler
 
 pytestmark = pytest.mark.vllm
 
@@ -30,20 +31,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Core:
-    """The engine core's attributes the hook uses (weakly referenced, as vLLM's core is)."""
-
-    def __init__(self, **attributes: Any) -> None:
-        vars(self).update(attributes)
-
-
-class Scheduler(SimpleNamespace):
-    """The parts of vLLM's `Scheduler` the policy and `KvResizer` read."""
-
-    def has_requests(self) -> bool:
-        return bool(self.waiting or self.running)
 
 
 @pytest.fixture
@@ -59,15 +46,7 @@ def _engine(vllm_cases: Any, blocks: int = 8, **settings: Any) -> SimpleNamespac
     from extensible_kv.vllm.engine import AutoPolicy, AutoSettings
     from extensible_kv.vllm.resize import KvResizer
 
-    manager = kv_manager(blocks)
-    scheduler = Scheduler(
-        kv_cache_manager=manager,
-        scheduler_config=SimpleNamespace(watermark=0.0),
-        cache_config=SimpleNamespace(num_gpu_blocks=blocks, block_size=BLOCK),
-        block_size=BLOCK,
-        waiting=[],
-        running=[],
-    )
+    scheduler = make_scheduler(blocks)
     workers = Workers(vllm_cases, 2, capacity=64, committed=blocks)
     resizer = KvResizer(scheduler, workers.rpc)
     clock = Clock()

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from support.vllm_workers import BLOCK, Workers, kv_manager, vllm_request
+from support.vllm_workers import BLOCK, Core, Workers, vllm_request
+from support.vllm_workers import scheduler as make_scheduler
 
 pytestmark = pytest.mark.vllm
 
@@ -42,18 +43,6 @@ def our_cache(capacity: int) -> Any:
     )
 
 
-class Core:
-    """The engine core's attributes the policy uses (vLLM's needs a model to build)."""
-
-    def __init__(self, **attributes: Any) -> None:
-        vars(self).update(attributes)
-
-
-class Scheduler(SimpleNamespace):
-    def has_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
-
 @pytest.fixture
 def vllm_cases(vllm_plugin: Any) -> Any:
     from extensible_kv.vllm import plugin
@@ -69,15 +58,7 @@ def _engine(vllm_cases: Any, pool: Any, blocks: int, **settings: Any) -> SimpleN
     from extensible_kv.vllm.pooled import PooledPolicy, PoolSettings
     from extensible_kv.vllm.resize import KvResizer
 
-    manager = kv_manager(8)
-    scheduler = Scheduler(
-        kv_cache_manager=manager,
-        scheduler_config=SimpleNamespace(watermark=0.0),
-        cache_config=SimpleNamespace(num_gpu_blocks=8, block_size=BLOCK),
-        block_size=BLOCK,
-        waiting=[],
-        running=[],
-    )
+    scheduler = make_scheduler(8)
     workers = Workers(vllm_cases, 1, capacity=1024, committed=8, export_handle_types=POSIX_FD)
     resizer = KvResizer(scheduler, workers.rpc)
     for size in range(STEP, blocks + 1, STEP):

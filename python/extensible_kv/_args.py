@@ -6,16 +6,22 @@ bool or a float. A flag is a bool (numpy's too). A dtype is a `torch.dtype`: num
 strings are refused by name, with the torch dtype to pass instead, since torch itself takes no
 aliases either (`tensor.view("float32")` fails). A duration is a finite number of seconds
 within a bound (`duration`); `seconds` also takes None (no limit) where a wait may be endless.
+A policy's settings may come from an environment variable (`env_settings`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+_Settings = TypeVar("_Settings")
+_OFF = ("", "0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
 
 
 def _type_name(value: object) -> str:
@@ -138,3 +144,34 @@ def _alias_name(value: object) -> str | None:
         return str(np.dtype(value))  # type: ignore[call-overload]
     except (ImportError, TypeError):
         return None
+
+
+def env_settings(cls: type[_Settings], text: str, variable: str) -> _Settings | None:
+    """The settings dataclass `cls` from environment variable `variable`'s value `text`:
+    empty, `0`, `false`, `off` or `no`: None (off); `1`, `true`, `on` or `yes`: the
+    defaults; else `key=value` pairs of `cls`'s fields separated by commas (integers, or
+    seconds for a `float` field). A `ValueError` naming the variable otherwise, the field's
+    own checks (`cls`'s) included."""
+    value = text.strip()
+    if value.lower() in _OFF:
+        return None
+    if value.lower() in _ON:
+        return cls()
+    kinds = {field.name: field.type for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields: dict[str, Any] = {}
+    for item in value.split(","):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in kinds:
+            raise ValueError(
+                f"{variable}={text!r}: expected 1, or key=value pairs of {', '.join(kinds)} "
+                f"separated by commas, not {item!r}"
+            )
+        try:
+            fields[key] = float(raw) if kinds[key] == "float" else int(raw)
+        except ValueError:
+            raise ValueError(f"{variable}={text!r}: {key} is not a number") from None
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{variable}={text!r}: {error}") from None

@@ -241,6 +241,12 @@ class Loan(_Carrier):
         """The physical bytes the loan moves."""
         return sum(h.num_granules for h in self.handles) * self.granularity
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """What names this loan wherever it travels: its lender's tensor, its id and epoch
+        (a borrower's books key what it holds by it)."""
+        return (self.tensor_id, self.loan_id, self.epoch)
+
     @classmethod
     def _from_native(cls, raw: tuple[Any, ...]) -> Loan:
         device, granularity, owner_pid, tensor_id, loan_id, epoch, board_fd, handles = raw

@@ -24,7 +24,6 @@ def _step(scheduler: Any) -> Any:
     """One engine step with a model that samples `SAMPLED` for every caught-up request;
     checks the step's block tables name live, distinct blocks of the pool."""
     output = scheduler.schedule()
-    ids = list(output.num_scheduled_tokens)
     pool = scheduler.kv_cache_manager.block_pool
     owners: dict[int, str] = {}
     for rid in scheduler.requests:
@@ -39,6 +38,13 @@ def _step(scheduler: Any) -> Any:
                     assert pool.blocks[block_id].ref_cnt > 0
                 shared = pool.blocks[block_id].ref_cnt > 1
                 assert shared or owners.setdefault(block_id, rid) == rid, block_id
+    return _sample(scheduler, output)
+
+
+def _sample(scheduler: Any, output: Any) -> Any:
+    """The model's part of a step: `SAMPLED` for every scheduled request caught up with its
+    tokens (`schedule` counted the step's tokens computed already), then the update."""
+    ids = list(output.num_scheduled_tokens)
     sampled = []
     for rid in ids:
         request = scheduler.requests[rid]
@@ -190,7 +196,7 @@ def test_a_pooled_engine_keeps_every_slot_through_a_bursty_trace(tmp_path: Any) 
     from extensible_kv.vllm.resize import KvResizer
 
     from support import vllm_cases
-    from support.vllm_workers import Workers
+    from support.vllm_workers import Core, Workers
 
     step_blocks = 256  # a 2 MiB granule of 8 KiB blocks: a handle per commit step
     scheduler = create_scheduler(num_blocks=8, enable_prefix_caching=True, max_num_seqs=32)
@@ -199,11 +205,10 @@ def test_a_pooled_engine_keeps_every_slot_through_a_bursty_trace(tmp_path: Any) 
     for size in range(step_blocks, 3 * step_blocks + 1, step_blocks):
         resizer.resize(size)
     kv = workers.kv(0)
-    core = type("Core", (), {})()
-    core.scheduler = scheduler
-    core.model_executor = type("Executor", (), {})()
-    core.model_executor.driver_worker = workers.workers[0]
-    core.model_executor.collective_rpc = workers.rpc
+    core = Core(
+        scheduler=scheduler,
+        model_executor=Core(driver_worker=workers.workers[0], collective_rpc=workers.rpc),
+    )
     pool = Pool("harness", directory=str(tmp_path))
     policy = PooledPolicy(core, resizer, PoolSettings(pool, min_blocks=8), engine="v")
     policy.member.give_back_idle_s = 0.0
@@ -254,19 +259,7 @@ def test_a_pooled_engine_keeps_every_slot_through_a_bursty_trace(tmp_path: Any) 
                 view[torch.tensor(write, dtype=torch.long)] = torch.tensor(
                     values, dtype=torch.int32
                 )
-        sampled = []
-        for rid in ids:
-            request = scheduler.requests[rid]
-            caught_up = request.num_computed_tokens >= request.num_tokens
-            sampled.append([SAMPLED] if caught_up else [])
-        runner_output = ModelRunnerOutput(
-            req_ids=ids,
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
-        scheduler.update_from_output(output, runner_output)
+        _sample(scheduler, output)
 
     requests: list[Any] = []
     lent = borrowed_back = 0

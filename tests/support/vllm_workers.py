@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK", "Workers", "kv_manager", "vllm_request"]
+__all__ = ["BLOCK", "Core", "Scheduler", "Workers", "kv_manager", "scheduler", "vllm_request"]
 
 BLOCK = 16  # tokens a block
 
@@ -43,6 +43,33 @@ def kv_manager(num_blocks: int, groups: str = "full") -> Any:
         hash_block_size=BLOCK,
         enable_caching=True,
     )
+
+
+class Scheduler(SimpleNamespace):
+    """The parts of vLLM's `Scheduler` that `KvResizer` and the policies read."""
+
+    def has_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+def scheduler(num_blocks: int) -> Scheduler:
+    """A `Scheduler` stand-in over `kv_manager(num_blocks)`, nothing waiting or running."""
+    return Scheduler(
+        kv_cache_manager=kv_manager(num_blocks),
+        scheduler_config=SimpleNamespace(watermark=0.0),
+        cache_config=SimpleNamespace(num_gpu_blocks=num_blocks, block_size=BLOCK),
+        block_size=BLOCK,
+        waiting=[],
+        running=[],
+    )
+
+
+class Core:
+    """The engine core's attributes the hook and the policies use (vLLM's needs a model to
+    build; weakly referenced, as vLLM's core is)."""
+
+    def __init__(self, **attributes: Any) -> None:
+        vars(self).update(attributes)
 
 
 _ids = iter(range(1 << 30))

@@ -36,7 +36,6 @@ from extensible_kv.sglang.resize import resize
 __all__ = ["AUTO_ENV_VAR", "AutoPolicy", "AutoSettings", "Hooks"]
 
 AUTO_ENV_VAR = "EXTENSIBLE_KV_SGLANG_AUTO"
-_KEYS = ("min_tokens", "max_tokens", "step_tokens", "idle_s")
 
 logger = logging.getLogger("sglang.extensible_kv")
 
@@ -65,28 +64,7 @@ class AutoSettings:
         `1`, `true`, `on` or `yes`: the defaults; else `key=value` pairs of min_tokens,
         max_tokens, step_tokens, idle_s separated by commas. A `ValueError` naming the
         variable otherwise."""
-        value = text.strip()
-        if value.lower() in ("", "0", "false", "off", "no"):
-            return None
-        if value.lower() in ("1", "true", "on", "yes"):
-            return cls()
-        fields: dict[str, Any] = {}
-        for item in value.split(","):
-            key, sep, raw = item.partition("=")
-            key = key.strip()
-            if not sep or key not in _KEYS:
-                raise ValueError(
-                    f"{AUTO_ENV_VAR}={text!r}: expected 1, or key=value pairs of "
-                    f"{', '.join(_KEYS)} separated by commas, not {item!r}"
-                )
-            try:
-                fields[key] = float(raw) if key == "idle_s" else int(raw)
-            except ValueError:
-                raise ValueError(f"{AUTO_ENV_VAR}={text!r}: {key} is not a number") from None
-        try:
-            return cls(**fields)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{AUTO_ENV_VAR}={text!r}: {error}") from None
+        return _args.env_settings(cls, text, AUTO_ENV_VAR)
 
 
 class AutoPolicy:

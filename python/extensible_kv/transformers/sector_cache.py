@@ -173,7 +173,7 @@ class SectorCache(SectorView):
         )
         state.synchronize()  # zeroed before transformers' own stream uses it
         for loan in loans:
-            self._borrowed_at[_key(loan)] = start
+            self._borrowed_at[loan.key] = start
         self._resized()
         return blocks
 
@@ -182,9 +182,9 @@ class SectorCache(SectorView):
         free. The tensor shrinks to where their memory begins; the sectors below it stay
         transformers'."""
         loans = tuple(loans)
-        if len({_key(loan) for loan in loans}) != len(loans):
+        if len({loan.key for loan in loans}) != len(loans):
             raise ValueError(f"{len(loans)} loans, one of them listed twice")
-        starts = [self._borrowed_at.get(_key(loan)) for loan in loans]
+        starts = [self._borrowed_at.get(loan.key) for loan in loans]
         if not loans or None in starts:
             raise ValueError("this cache did not borrow that loan")
         start = min(s for s in starts if s is not None)
@@ -203,7 +203,7 @@ class SectorCache(SectorView):
             sectors.put_back_in_pool(self._cache, state, start)
             raise
         for loan in loans:
-            del self._borrowed_at[_key(loan)]
+            del self._borrowed_at[loan.key]
         # The pool holds the sectors below `start` (the rest left it above); those the
         # tensor still holds past `start` (slack the loans' memory began after) go back in.
         state.final_sectors = start
@@ -248,7 +248,3 @@ class SectorCache(SectorView):
         if len(loans) != 1:
             raise ValueError(f"{len(loans)} loans for a cache of one buffer")
         return (loans[0],)
-
-
-def _key(loan: Loan) -> tuple[int, int, int]:
-    return (loan.tensor_id, loan.loan_id, loan.epoch)

@@ -98,32 +98,7 @@ class AutoSettings:
         """`EXTENSIBLE_KV_VLLM_AUTO`'s value: empty, `0`, `false`, `off` or `no`: None (off);
         `1`, `true`, `on` or `yes`: the defaults; else `key=value` pairs separated by commas
         (`min_blocks=64,idle_s=30`). A `ValueError` naming the variable otherwise."""
-        value = text.strip()
-        if value.lower() in ("", "0", "false", "off", "no"):
-            return None
-        if value.lower() in ("1", "true", "on", "yes"):
-            return cls()
-        fields: dict[str, Any] = {}
-        for item in value.split(","):
-            key, sep, raw = item.partition("=")
-            key = key.strip()
-            if not sep or key not in ("min_blocks", "max_blocks", "step_blocks", "idle_s"):
-                raise ValueError(
-                    f"{AUTO_ENV_VAR}={text!r}: expected 1, or key=value pairs of min_blocks, "
-                    f"max_blocks, step_blocks, idle_s separated by commas, not {item!r}"
-                )
-            try:
-                fields[key] = float(raw) if key == "idle_s" else int(raw)
-            except ValueError:
-                raise ValueError(f"{AUTO_ENV_VAR}={text!r}: {key} is not a number") from None
-        try:
-            return cls(**fields)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{AUTO_ENV_VAR}={text!r}: {error}") from None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+        return _args.env_settings(cls, text, AUTO_ENV_VAR)
 
 
 class AutoPolicy:
@@ -150,9 +125,6 @@ class AutoPolicy:
         self.idle_s = settings.idle_s
         self.last_active = clock()
         self.out_of_memory_logged = False
-        self.block_size = int(
-            getattr(scheduler, "block_size", 0) or scheduler.cache_config.block_size
-        )
         logger.info(
             "extensible-kv: the KV cache resizes itself between %d and %d blocks (%d now; "
             "idle after %.1f s).",
@@ -219,22 +191,9 @@ class AutoPolicy:
         if size >= self.max_blocks:
             return None
         free = resizer.free_blocks
-        waiting = list(scheduler.waiting)
-        need = 0
-        if waiting:
-            first = waiting[0]
-            head = _cdiv(int(first.num_tokens) + 1, self.block_size)
-            need = sum(
-                _cdiv(int(r.num_prompt_tokens) + int(r.max_tokens), self.block_size)
-                for r in waiting
-            )
-            if free >= head and free >= need:
-                return None
-            need = max(need, head)
-        elif free >= len(scheduler.running):
+        need = resizer.waiting_need() or len(scheduler.running)
+        if free >= need:
             return None
-        else:
-            need = len(scheduler.running)
         grow_by = max(need - free, self.step_blocks, size)
         return min(self.max_blocks, size + grow_by)
 
@@ -263,7 +222,8 @@ class StepHook:
         self.policy = policy
         self._core = weakref.ref(core)
         self._lock = threading.Lock()
-        self._wanted = threading.Event()  # the pacer looks again now
+        # The pacer looks again now (else within `PACER_SLEEP_S`, or when a call is due).
+        self._wanted = threading.Event()
         self._idle_call_queued = False
         self._pacer: threading.Thread | None = None
         self.failures = 0
@@ -282,7 +242,6 @@ class StepHook:
             with _no_new_batch(core.scheduler):
                 return original(core)
         self._safely(lambda: self.policy.before_step(in_flight=bool(queue)))
-        self._wanted.set()
         return original(core)
 
     # ---- idle calls --------------------------------------------------------------------

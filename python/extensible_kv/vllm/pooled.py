@@ -42,7 +42,7 @@ from extensible_kv.pool.store import Pool
 from extensible_kv.shape import BufferShape, CacheShape
 from extensible_kv.tensor import ExtensibleTensor, borrow_dealt, give_back_dealt
 from extensible_kv.vllm.commit import commit_keeping_data
-from extensible_kv.vllm.resize import KvResizer
+from extensible_kv.vllm.resize import KvResizer, worker_kv_cache
 
 __all__ = [
     "IDLE_SERVE_S",
@@ -105,13 +105,7 @@ class EngineCache:
     legacy = False
 
     def __init__(self, worker: Any, resizer: KvResizer) -> None:
-        runner = getattr(worker, "model_runner", worker)
-        kv = getattr(runner, "extensible_kv_cache", None)
-        if kv is None:
-            raise UnsupportedError(
-                "this worker's KV cache is not extensible: start vLLM with "
-                "--enable-extensible-kv-cache (and the extensible-kv plugin on)"
-            )
+        kv = worker_kv_cache(worker)
         strides = set(kv.segment_strides)
         if len(strides) != 1:
             raise UnsupportedError(
@@ -223,7 +217,7 @@ class EngineCache:
         )
         _synchronize(self._tensor)  # zeroed before the model's stream uses it
         for loan in loans:
-            self._borrowed_at[_key(loan)] = start
+            self._borrowed_at[loan.key] = start
         self._set_worker(self._held())
         self._hand_in(self.committed_blocks)
         return blocks
@@ -232,8 +226,8 @@ class EngineCache:
         """Returns borrowed loans: the blocks from where the first of them began must be free
         (a `ValueError` otherwise, nothing given back)."""
         loans = tuple(loans)
-        starts = [self._borrowed_at.get(_key(loan)) for loan in loans]
-        if not loans or None in starts or len(set(map(_key, loans))) != len(loans):
+        starts = [self._borrowed_at.get(loan.key) for loan in loans]
+        if not loans or None in starts or len({loan.key for loan in loans}) != len(loans):
             raise ValueError("this cache did not borrow those loans (or lists one twice)")
         start = min(s for s in starts if s is not None)
         self._take_out(start, "give back")
@@ -244,7 +238,7 @@ class EngineCache:
             self._hand_in(self.committed_blocks)
             raise
         for loan in loans:
-            del self._borrowed_at[_key(loan)]
+            del self._borrowed_at[loan.key]
         self._set_worker(self._held())
         self._hand_in(self.committed_blocks)
 
@@ -318,10 +312,6 @@ def _synchronize(tensor: ExtensibleTensor) -> None:
         torch.cuda.synchronize(torch.device(tensor.device))
 
 
-def _key(loan: Loan) -> tuple[int, int, int]:
-    return (loan.tensor_id, loan.loan_id, loan.epoch)
-
-
 class PooledPolicy:
     """The pool membership of one engine core, on its step boundaries (the hook's policy:
     see the module's docstring). Joins as it is made; `leave()` as the core ends."""
@@ -360,9 +350,6 @@ class PooledPolicy:
             max_bytes=settings.max_bytes,
         )
         self.member.join()
-        self.block_size = int(
-            getattr(self.scheduler, "block_size", 0) or self.scheduler.cache_config.block_size
-        )
         self.asked_to = 0
         self.failures = 0
         logger.info(
@@ -410,18 +397,14 @@ class PooledPolicy:
     def _ask(self) -> None:
         """Asks the pool for the waiting requests' need when the scheduler cannot admit them
         (once for the queue: a later ask only when it needs more)."""
-        waiting = list(self.scheduler.waiting)
-        if not waiting:
+        need = self.resizer.waiting_need()
+        if not need:
             self.asked_to = 0
             return
         free = self.resizer.free_blocks
-        need = sum(
-            -(-(int(r.num_prompt_tokens) + int(r.max_tokens)) // self.block_size) for r in waiting
-        )
-        head = -(-(int(waiting[0].num_tokens) + 1) // self.block_size)
-        if free >= max(head, need):
+        if free >= need:
             return
-        target = self.cache.committed_blocks + max(head, need) - free
+        target = self.cache.committed_blocks + need - free
         if self.member.asking and target <= self.asked_to:
             return
         self.asked_to = target

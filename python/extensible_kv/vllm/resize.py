@@ -34,7 +34,7 @@ from extensible_kv._native import UnsupportedError
 from extensible_kv.vllm.block_pool import ResizableBlockPool
 from extensible_kv.vllm.commit import commit_keeping_data
 
-__all__ = ["KvResizer", "WorkerCache", "commit_on_worker", "describe_worker"]
+__all__ = ["KvResizer", "WorkerCache", "commit_on_worker", "describe_worker", "worker_kv_cache"]
 
 logger = logging.getLogger("vllm.extensible_kv")
 
@@ -50,7 +50,9 @@ class WorkerCache:
     connector: bool  # a KV connector holds registrations of the memory
 
 
-def _kv_cache(worker: Any) -> Any:
+def worker_kv_cache(worker: Any) -> Any:
+    """A vLLM worker's `ExtensibleKVCache` (its model runner's); `UnsupportedError` without
+    one."""
     runner = getattr(worker, "model_runner", worker)
     kv_cache = getattr(runner, "extensible_kv_cache", None)
     if kv_cache is None:
@@ -63,7 +65,7 @@ def _kv_cache(worker: Any) -> Any:
 
 def describe_worker(worker: Any) -> WorkerCache:
     """Run on each worker through `collective_rpc`: its cache's capacity and count."""
-    kv_cache = _kv_cache(worker)
+    kv_cache = worker_kv_cache(worker)
     connector = False
     try:
         from vllm.distributed.kv_transfer import has_kv_transfer_group
@@ -78,7 +80,7 @@ def commit_on_worker(worker: Any, num_blocks: int) -> int:
     """Run on each worker through `collective_rpc`: commits `num_blocks` keeping every block
     below both counts, then lets vLLM's `extend_kv_cache` rebind the views over the
     committed blocks (same addresses: CUDA graphs stay valid). Returns the committed count."""
-    kv_cache = _kv_cache(worker)
+    kv_cache = worker_kv_cache(worker)
     commit_keeping_data(kv_cache, num_blocks, shrink=True)
     extend = getattr(worker, "extend_kv_cache", None)
     if extend is not None:  # a real worker: views, runner config, num_gpu_blocks
@@ -139,6 +141,19 @@ class KvResizer:
     def drained(self) -> bool:
         """A shrink in progress has every block past its cut free (`poll` ends it)."""
         return self._pool.shrinking_to is not None and self._pool.drained
+
+    def waiting_need(self) -> int:
+        """The blocks the scheduler's waiting requests need to finish (each one's prompt plus
+        its `max_tokens`, in the scheduler's blocks), and at least what the first of them
+        needs now; 0 with none waiting. Both policies grow for it (`extensible_kv.vllm.engine`,
+        `extensible_kv.vllm.pooled`)."""
+        scheduler = self._scheduler
+        waiting = list(scheduler.waiting)
+        if not waiting:
+            return 0
+        size = int(getattr(scheduler, "block_size", 0) or scheduler.cache_config.block_size)
+        need = sum(-(-(int(r.num_prompt_tokens) + int(r.max_tokens)) // size) for r in waiting)
+        return max(need, -(-(int(waiting[0].num_tokens) + 1) // size))
 
     @property
     def free_blocks(self) -> int:
